@@ -1,0 +1,48 @@
+# Sourced by scripts/serve and scripts/test: makes sure the project's
+# virtualenv exists with torch 2.13.0 (the version tch 0.26 links against)
+# and the Python packages, then exports what the build needs.
+#
+#   POLYAK_VENV      where the virtualenv lives (default: .venv in the repo)
+#   POLYAK_PYTHON    the interpreter that creates it (default: python3)
+#
+# Nothing is reinstalled when the stamp matches: a second run is instant.
+
+set -euo pipefail
+POLYAK_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+POLYAK_VENV="${POLYAK_VENV:-$POLYAK_ROOT/.venv}"
+POLYAK_TORCH_VERSION="2.13.0"
+
+polyak_log() { printf '\033[1m[polyak]\033[0m %s\n' "$*" >&2; }
+
+polyak_venv() {
+  local extras="$1"   # "" or "test"
+  local stamp_file="$POLYAK_VENV/.polyak-stamp"
+  local stamp
+  stamp="$(cat "$POLYAK_ROOT/scripts/env.sh" "$POLYAK_ROOT/clients/python/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+  if [ -f "$stamp_file" ] && grep -qx -- "$stamp" "$stamp_file" 2>/dev/null; then
+    return 0
+  fi
+  if [ ! -x "$POLYAK_VENV/bin/python" ]; then
+    polyak_log "creating the virtualenv in $POLYAK_VENV"
+    "${POLYAK_PYTHON:-python3}" -m venv "$POLYAK_VENV"
+  fi
+  local pip=("$POLYAK_VENV/bin/python" -m pip install --disable-pip-version-check -q)
+  if ! "$POLYAK_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$POLYAK_TORCH_VERSION')" 2>/dev/null; then
+    polyak_log "installing torch==$POLYAK_TORCH_VERSION (a large download the first time)"
+    "${pip[@]}" "torch==$POLYAK_TORCH_VERSION"
+  fi
+  local target="$POLYAK_ROOT/clients/python"
+  if [ -n "$extras" ]; then target="$target[$extras]"; fi
+  polyak_log "installing the polyak Python client${extras:+ with [$extras] extras}"
+  "${pip[@]}" -e "$target" "torch==$POLYAK_TORCH_VERSION"
+  echo "$stamp" > "$stamp_file"
+}
+
+polyak_build_env() {
+  export VIRTUAL_ENV="$POLYAK_VENV"
+  export PATH="$POLYAK_VENV/bin:$PATH"
+  # torch-sys finds libtorch in the venv's torch package; build.rs embeds
+  # its lib dir as the binary's rpath.
+  export LIBTORCH_USE_PYTORCH=1
+  unset LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE
+}

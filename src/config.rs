@@ -1,0 +1,166 @@
+//! Command line and environment configuration of `polyak serve`.
+//!
+//! Every flag can also be given as a `POLYAK_*` environment variable, which is
+//! what container deployments use.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "polyak",
+    version,
+    about = "A network-served EMA service for PyTorch training"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the HTTP server.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Port 0 picks a free port; the chosen address is
+    /// printed on stdout as `polyak listening on http://ADDR`.
+    #[arg(long, env = "POLYAK_BIND", default_value = "127.0.0.1:8080")]
+    pub bind: SocketAddr,
+
+    /// Directory for the SQLite catalog and snapshot files.
+    #[arg(long, env = "POLYAK_DATA_DIR", default_value = "./data")]
+    pub data_dir: PathBuf,
+
+    /// Default device for new runs' EMA: `auto` (CUDA when available, else
+    /// CPU), `cpu`, `cuda` or `cuda:N`. Asking for CUDA on a machine without
+    /// it fails at start.
+    #[arg(long, env = "POLYAK_DEVICE", default_value = "auto")]
+    pub device: String,
+
+    /// Admin token. When set, every request needs a bearer token: the admin
+    /// token, or a run's write token (pushes) or read token (reads).
+    #[arg(long, env = "POLYAK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Allow binding a non-loopback address without a token.
+    #[arg(long, env = "POLYAK_INSECURE", default_value_t = false)]
+    pub insecure: bool,
+
+    /// Largest push body accepted (after decompression), e.g. `16GiB`.
+    #[arg(long, env = "POLYAK_PUSH_BODY_LIMIT", default_value = "16GiB")]
+    pub push_body_limit: ByteSize,
+
+    /// Largest safetensors header accepted in a push.
+    #[arg(long, env = "POLYAK_HEADER_LIMIT", default_value = "16MiB")]
+    pub header_limit: ByteSize,
+
+    /// Largest body of any other request.
+    #[arg(long, env = "POLYAK_BODY_LIMIT", default_value = "1MiB")]
+    pub body_limit: ByteSize,
+
+    /// Push body bytes held in memory at once (received, not yet applied);
+    /// past it pushes are answered with 429.
+    #[arg(long, env = "POLYAK_INFLIGHT_BYTES", default_value = "4GiB")]
+    pub inflight_bytes: ByteSize,
+
+    /// Commands the engine queue holds before pushes are answered with 429.
+    #[arg(long, env = "POLYAK_QUEUE_DEPTH", default_value_t = 16)]
+    pub queue_depth: usize,
+
+    /// Seconds a client is told to wait (`Retry-After`) when the queue is full.
+    #[arg(long, env = "POLYAK_RETRY_AFTER", default_value_t = 1)]
+    pub retry_after_secs: u64,
+
+    /// Log format on stderr.
+    #[arg(long, env = "POLYAK_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Events kept per run in the catalog (older ones are pruned).
+    #[arg(long, env = "POLYAK_EVENTS_RETAINED", default_value_t = 10_000)]
+    pub events_retained: u64,
+
+    /// Seconds to wait for in-flight requests on shutdown.
+    #[arg(long, env = "POLYAK_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout_secs: u64,
+}
+
+impl ServeArgs {
+    /// Defaults as `polyak serve` would have them, with a given data dir and
+    /// bind address (tests and embedding).
+    pub fn with(bind: SocketAddr, data_dir: PathBuf) -> Self {
+        let cli = Cli::parse_from(["polyak", "serve"]);
+        let Command::Serve(mut args) = cli.command;
+        args.bind = bind;
+        args.data_dir = data_dir;
+        args
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A byte count written with an optional unit: `1024`, `64KiB`, `16MiB`,
+/// `16GiB`, `100MB`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (digits, unit) = s.split_at(split);
+        let value: u64 = digits
+            .parse()
+            .map_err(|_| format!("`{s}` is not a byte size (e.g. 16MiB)"))?;
+        let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1_000,
+            "kib" => 1 << 10,
+            "m" | "mb" => 1_000_000,
+            "mib" => 1 << 20,
+            "g" | "gb" => 1_000_000_000,
+            "gib" => 1 << 30,
+            "t" | "tb" => 1_000_000_000_000,
+            "tib" => 1 << 40,
+            other => return Err(format!("unknown byte unit `{other}`")),
+        };
+        value
+            .checked_mul(scale)
+            .map(ByteSize)
+            .ok_or_else(|| format!("`{s}` overflows"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse_with_units() {
+        assert_eq!("1024".parse::<ByteSize>().unwrap(), ByteSize(1024));
+        assert_eq!("16MiB".parse::<ByteSize>().unwrap(), ByteSize(16 << 20));
+        assert_eq!("16GiB".parse::<ByteSize>().unwrap(), ByteSize(16 << 30));
+        assert_eq!("100MB".parse::<ByteSize>().unwrap(), ByteSize(100_000_000));
+        assert!("12XB".parse::<ByteSize>().is_err());
+        assert!("GiB".parse::<ByteSize>().is_err());
+    }
+
+    #[test]
+    fn defaults_bind_loopback() {
+        let args = ServeArgs::with("127.0.0.1:0".parse().unwrap(), "d".into());
+        assert_eq!(args.push_body_limit, ByteSize(16 << 30));
+        assert_eq!(args.body_limit, ByteSize(1 << 20));
+        assert!(!args.insecure);
+    }
+}

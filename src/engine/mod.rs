@@ -1,0 +1,372 @@
+//! The engine: one OS thread per device that owns every tensor.
+//!
+//! tch tensors are `Send` but not `Sync`, and grad mode is per thread, so no
+//! tensor lives in shared async state. Handlers send the engine a job (a
+//! closure over `&mut Engine`) through a bounded queue and await its reply
+//! on a oneshot channel. A full queue is refused at once
+//! ([`EngineError::QueueFull`], which the HTTP layer answers with 429 and
+//! `Retry-After`).
+//!
+//! - [`schedule`]: decay schedules, pure functions.
+//! - [`rank`]: one rank's layout, flat buffers and the update path.
+//! - [`device`]: device names and availability.
+
+pub mod device;
+pub mod rank;
+pub mod schedule;
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::run::{EmaDtype, RunConfig};
+use crate::wire::ParsedPush;
+use rank::{PushOutcome, RankLayout, RankState};
+
+/// Failures of engine work. The HTTP layer maps each to a status.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the engine queue is full; retry later")]
+    QueueFull,
+    #[error("the engine thread stopped")]
+    Stopped,
+    #[error("run `{0}` is not on this engine")]
+    RunNotFound(String),
+    #[error("rank {rank} of run `{run}` has not pushed yet")]
+    NoData { run: String, rank: u32 },
+    #[error("{0}")]
+    StepConflict(String),
+    #[error("layout mismatch: {0}")]
+    LayoutMismatch(String),
+    #[error("{0}")]
+    NeedsKeyframe(String),
+    #[error("no profile `{0}` in this run")]
+    UnknownProfile(String),
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+
+/// A cheap, cloneable handle on an engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Job>,
+    device: Device,
+    depth: usize,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread for `device`, with a queue of `depth` jobs.
+    pub fn start(device: Device, depth: usize) -> std::io::Result<Self> {
+        let (tx, mut rx) = mpsc::channel::<Job>(depth.max(1));
+        std::thread::Builder::new()
+            .name(format!("polyak-engine-{}", device::name(device)))
+            .spawn(move || {
+                let _guard = tch::no_grad_guard();
+                let mut engine = Engine::new(device);
+                while let Some(job) = rx.blocking_recv() {
+                    // A panicking job loses its reply (the caller sees
+                    // `Stopped`), not the engine.
+                    if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut engine))).is_err() {
+                        tracing::error!("an engine job panicked; the engine goes on");
+                    }
+                }
+            })?;
+        Ok(EngineHandle {
+            tx,
+            device,
+            depth: depth.max(1),
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Jobs waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.depth - self.tx.capacity()
+    }
+
+    /// Runs `f` on the engine thread; refused at once when the queue is full.
+    pub async fn try_call<R, F>(&self, f: F) -> Result<R, EngineError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut Engine) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .try_send(Box::new(move |e: &mut Engine| {
+                let _ = tx.send(f(e));
+            }))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => EngineError::QueueFull,
+                mpsc::error::TrySendError::Closed(_) => EngineError::Stopped,
+            })?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Runs `f` on the engine thread, waiting for room in the queue (control
+    /// work that must not be refused: creating and dropping runs).
+    pub async fn call<R, F>(&self, f: F) -> Result<R, EngineError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut Engine) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Box::new(move |e: &mut Engine| {
+                let _ = tx.send(f(e));
+            }))
+            .await
+            .map_err(|_| EngineError::Stopped)?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+}
+
+/// One run's tensors on the engine.
+pub struct EngineRun {
+    pub config: Arc<RunConfig>,
+    copy: globset::GlobSet,
+    /// `None` until the rank's first applied push.
+    pub ranks: Vec<Option<RankState>>,
+}
+
+/// A copy of one rank's EMA for one profile, taken on the engine thread
+/// (a device-side copy) and serialised elsewhere.
+pub struct EmaExport {
+    pub layout: Arc<RankLayout>,
+    pub ema: Tensor,
+    pub copied: Vec<Tensor>,
+    pub last_step: Option<u64>,
+    pub ema_dtype: EmaDtype,
+}
+
+/// The state the engine thread owns.
+pub struct Engine {
+    device: Device,
+    runs: HashMap<String, EngineRun>,
+}
+
+impl Engine {
+    fn new(device: Device) -> Self {
+        Engine {
+            device,
+            runs: HashMap::new(),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Adds a run (at creation, or when the catalog is loaded at start).
+    pub fn add_run(&mut self, config: Arc<RunConfig>) {
+        let copy = config.copy_matcher();
+        let ranks = (0..config.world_size).map(|_| None).collect();
+        self.runs.insert(
+            config.name.clone(),
+            EngineRun {
+                config,
+                copy,
+                ranks,
+            },
+        );
+    }
+
+    /// Frees every tensor of a run.
+    pub fn drop_run(&mut self, name: &str) -> bool {
+        self.runs.remove(name).is_some()
+    }
+
+    pub fn run(&self, name: &str) -> Option<&EngineRun> {
+        self.runs.get(name)
+    }
+
+    pub fn run_mut(&mut self, name: &str) -> Option<&mut EngineRun> {
+        self.runs.get_mut(name)
+    }
+
+    /// Applies a validated push: step rules, layout registration or check,
+    /// then the update of every profile. Nothing changes on any error.
+    pub fn push(
+        &mut self,
+        run: &str,
+        rank: u32,
+        step: u64,
+        push: ParsedPush,
+    ) -> Result<PushOutcome, EngineError> {
+        let started = Instant::now();
+        let device = self.device;
+        let entry = self
+            .runs
+            .get_mut(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        let config = entry.config.clone();
+        let slot = entry
+            .ranks
+            .get_mut(rank as usize)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+
+        // Step rules (DESIGN "Step semantics").
+        if let Some(state) = slot.as_ref() {
+            if let Some(last) = state.last_step {
+                if step < last {
+                    return Err(EngineError::StepConflict(format!(
+                        "step {step} is older than rank {rank}'s last applied step {last}"
+                    )));
+                }
+                if step == last {
+                    if state.last_digest == Some(push.digest) {
+                        return Ok(PushOutcome {
+                            applied: false,
+                            duplicate: true,
+                            step,
+                            last_step: Some(last),
+                            skipped: Vec::new(),
+                            registered: None,
+                            resident_bytes: state.resident_bytes(&config),
+                            apply_seconds: 0.0,
+                        });
+                    }
+                    return Err(EngineError::StepConflict(format!(
+                        "step {step} was already applied for rank {rank} with other bytes"
+                    )));
+                }
+            }
+        }
+
+        // Layout: registered by the first push, checked on every later one.
+        let mut registered = None;
+        let order = match slot.as_ref() {
+            Some(state) => state
+                .layout
+                .match_push(&push)
+                .map_err(EngineError::LayoutMismatch)?,
+            None => {
+                let layout = Arc::new(RankLayout::register(&push, &config, &entry.copy));
+                registered = Some(layout.clone());
+                (0..push.tensors.len()).collect()
+            }
+        };
+        if push.kind == crate::wire::PushKind::Delta {
+            if !config.mirror {
+                return Err(EngineError::NeedsKeyframe(
+                    "needs keyframe: delta pushes need a run created with `mirror: true`".into(),
+                ));
+            }
+            if !slot.as_ref().is_some_and(|s| s.has_keyframe) {
+                return Err(EngineError::NeedsKeyframe(format!(
+                    "needs keyframe: rank {rank} has no full push to add a delta to"
+                )));
+            }
+        }
+        if let Some(layout) = &registered {
+            *slot = Some(RankState::new(layout.clone(), &config, device)?);
+        }
+        let state = slot.as_mut().expect("rank state present");
+        let skipped = state.apply_push(&config, &push, &order, step, device)?;
+        Ok(PushOutcome {
+            applied: true,
+            duplicate: false,
+            step,
+            last_step: state.last_step,
+            skipped,
+            registered,
+            resident_bytes: state.resident_bytes(&config),
+            apply_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Copies one rank's EMA of one profile (device-side copy; the caller
+    /// moves it to the host and serialises it off this thread).
+    pub fn export_ema(
+        &self,
+        run: &str,
+        rank: u32,
+        profile: &str,
+    ) -> Result<EmaExport, EngineError> {
+        let entry = self
+            .runs
+            .get(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        let p = entry
+            .config
+            .profile_index(profile)
+            .ok_or_else(|| EngineError::UnknownProfile(profile.to_string()))?;
+        let state = entry
+            .ranks
+            .get(rank as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| EngineError::NoData {
+                run: run.to_string(),
+                rank,
+            })?;
+        Ok(EmaExport {
+            layout: state.layout.clone(),
+            ema: deep_copy(&state.ema[p])?,
+            copied: state
+                .copied
+                .iter()
+                .map(deep_copy)
+                .collect::<Result<_, _>>()?,
+            last_step: state.last_step,
+            ema_dtype: entry.config.ema_dtype,
+        })
+    }
+}
+
+impl EmaExport {
+    /// Moves the copy to host memory, optionally casting the averaged
+    /// tensors. Runs on a blocking thread.
+    pub fn to_host(mut self, cast: Option<Kind>) -> Result<Self, EngineError> {
+        if let Some(kind) = cast {
+            self.ema = self.ema.f_to_kind(kind)?;
+        }
+        self.ema = self.ema.f_to_device(Device::Cpu)?.f_contiguous()?;
+        self.copied = self
+            .copied
+            .into_iter()
+            .map(|t| t.f_to_device(Device::Cpu).and_then(|t| t.f_contiguous()))
+            .collect::<Result<_, _>>()?;
+        Ok(self)
+    }
+}
+
+/// A new tensor with the same values, on the same device.
+pub fn deep_copy(t: &Tensor) -> Result<Tensor, tch::TchError> {
+    let mut out = t.f_empty_like()?;
+    out.f_copy_(t)?;
+    Ok(out)
+}
+
+/// A contiguous host tensor viewed as bytes, kept alive by the `Bytes` that
+/// owns it: responses stream tensor memory without copying it.
+struct HostTensorBytes {
+    tensor: Tensor,
+    len: usize,
+}
+
+// SAFETY: the tensor is only read through `as_ref`; tch tensors are `Send`.
+impl AsRef<[u8]> for HostTensorBytes {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `tensor` is a contiguous CPU tensor of `len` bytes, owned
+        // by `self` and never written while shared.
+        unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.len) }
+    }
+}
+
+/// The bytes of a contiguous CPU tensor, without a copy.
+pub fn host_bytes(tensor: Tensor) -> bytes::Bytes {
+    debug_assert!(tensor.device() == Device::Cpu && tensor.is_contiguous());
+    let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
+    bytes::Bytes::from_owner(HostTensorBytes { tensor, len })
+}

@@ -1,0 +1,583 @@
+//! One rank's state on the engine: its registered layout, the flat EMA
+//! buffers (one per profile), copied tensors, the optional mirror, and the
+//! step bookkeeping. `apply_push` is the hot path.
+//!
+//! Layout of the buffers: the rank's averaged (floating point) tensors are
+//! laid end to end, in the order of their data in the first push, in one
+//! flat tensor of the run's `ema_dtype` per profile. Copied tensors (integer,
+//! bool, and names matching `copy_patterns`) live in one flat buffer per
+//! dtype, shared by all profiles (every profile copies them). The mirror
+//! keeps every pushed tensor in its pushed dtype, one flat buffer per dtype.
+//! A push whose tensors come in the same order (every push of the Python
+//! client, and any writer that sorts like the safetensors reference does)
+//! maps onto each buffer as one contiguous range per dtype: one kernel call
+//! updates a whole shard.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use super::schedule::{decide, Action};
+use super::EngineError;
+use crate::run::RunConfig;
+use crate::wire::{Chunk, DType, ParsedPush, PushKind, WireTensor};
+
+/// Whether a tensor is averaged or copied, and where it lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Slot {
+    /// Element offset in each profile's flat EMA buffer.
+    Averaged { offset: i64 },
+    /// Copied-buffer group and element offset in it.
+    Copied { group: usize, offset: i64 },
+}
+
+/// One tensor of a rank's registered layout.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayoutTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<i64>,
+    pub numel: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<Chunk>,
+    #[serde(flatten)]
+    pub slot: Slot,
+    /// Mirror group and element offset.
+    #[serde(skip)]
+    pub mirror: (usize, i64),
+}
+
+/// A flat buffer's dtype and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Group {
+    pub dtype: DType,
+    pub numel: i64,
+}
+
+/// The tensors a rank registered with its first push.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankLayout {
+    pub tensors: Vec<LayoutTensor>,
+    #[serde(skip)]
+    pub index: HashMap<String, usize>,
+    /// Elements in each profile's flat EMA buffer.
+    pub ema_numel: i64,
+    pub copied_groups: Vec<Group>,
+    pub mirror_groups: Vec<Group>,
+}
+
+impl RankLayout {
+    /// Registers the layout of a first push.
+    pub fn register(push: &ParsedPush, config: &RunConfig, copy: &globset::GlobSet) -> Self {
+        let mut tensors = Vec::with_capacity(push.tensors.len());
+        let mut ema_numel = 0i64;
+        let mut copied_groups: Vec<Group> = Vec::new();
+        let mut mirror_groups: Vec<Group> = Vec::new();
+        fn place(groups: &mut Vec<Group>, dtype: DType, numel: i64) -> (usize, i64) {
+            let g = match groups.iter().position(|g| g.dtype == dtype) {
+                Some(g) => g,
+                None => {
+                    groups.push(Group { dtype, numel: 0 });
+                    groups.len() - 1
+                }
+            };
+            let offset = groups[g].numel;
+            groups[g].numel += numel;
+            (g, offset)
+        }
+        for t in &push.tensors {
+            let numel = t.numel();
+            let averaged = t.dtype.is_float() && !copy.is_match(&t.name);
+            let slot = if averaged {
+                let offset = ema_numel;
+                ema_numel += numel;
+                Slot::Averaged { offset }
+            } else {
+                let (group, offset) = place(&mut copied_groups, t.dtype, numel);
+                Slot::Copied { group, offset }
+            };
+            let mirror = if config.mirror {
+                place(&mut mirror_groups, t.dtype, numel)
+            } else {
+                (0, 0)
+            };
+            tensors.push(LayoutTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                numel,
+                chunk: t.chunk.clone(),
+                slot,
+                mirror,
+            });
+        }
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        RankLayout {
+            tensors,
+            index,
+            ema_numel,
+            copied_groups,
+            mirror_groups,
+        }
+    }
+
+    /// For each pushed tensor, the index of its layout tensor; or why the
+    /// push does not match the registered layout.
+    pub fn match_push(&self, push: &ParsedPush) -> Result<Vec<usize>, String> {
+        if push.tensors.len() != self.tensors.len() {
+            let missing = self
+                .tensors
+                .iter()
+                .find(|t| !push.tensors.iter().any(|p| p.name == t.name));
+            return Err(match missing {
+                Some(t) => format!(
+                    "the push has {} tensors, the registered layout {}; `{}` is missing",
+                    push.tensors.len(),
+                    self.tensors.len(),
+                    t.name
+                ),
+                None => format!(
+                    "the push has {} tensors, the registered layout {}",
+                    push.tensors.len(),
+                    self.tensors.len()
+                ),
+            });
+        }
+        push.tensors
+            .iter()
+            .map(|p| {
+                let &i = self
+                    .index
+                    .get(&p.name)
+                    .ok_or_else(|| format!("`{}` is not in the registered layout", p.name))?;
+                let t = &self.tensors[i];
+                if t.dtype != p.dtype {
+                    return Err(format!(
+                        "`{}` was registered as {} and is now {}",
+                        p.name, t.dtype, p.dtype
+                    ));
+                }
+                if t.shape != p.shape {
+                    return Err(format!(
+                        "`{}` was registered with shape {:?} and now has {:?}",
+                        p.name, t.shape, p.shape
+                    ));
+                }
+                if t.chunk != p.chunk {
+                    return Err(format!(
+                        "`{}` was registered with chunk {:?} and now has {:?}",
+                        p.name, t.chunk, p.chunk
+                    ));
+                }
+                Ok(i)
+            })
+            .collect()
+    }
+
+    /// Bytes of one profile's EMA buffer.
+    pub fn ema_bytes(&self, ema_dtype_size: usize) -> u64 {
+        self.ema_numel as u64 * ema_dtype_size as u64
+    }
+
+    pub fn copied_bytes(&self) -> u64 {
+        self.copied_groups
+            .iter()
+            .map(|g| g.numel as u64 * g.dtype.size() as u64)
+            .sum()
+    }
+
+    pub fn mirror_bytes(&self) -> u64 {
+        self.mirror_groups
+            .iter()
+            .map(|g| g.numel as u64 * g.dtype.size() as u64)
+            .sum()
+    }
+}
+
+/// A rank's tensors and step bookkeeping, owned by the engine thread.
+pub struct RankState {
+    pub layout: Arc<RankLayout>,
+    /// One flat buffer of `ema_dtype` per profile.
+    pub ema: Vec<Tensor>,
+    /// One flat buffer per copied dtype group.
+    pub copied: Vec<Tensor>,
+    /// One flat buffer per pushed dtype, when the run keeps a mirror.
+    pub mirror: Option<Vec<Tensor>>,
+    /// Per profile: pushes averaged so far (SWA).
+    pub swa_n: Vec<u64>,
+    /// The last applied step and the digest of its body.
+    pub last_step: Option<u64>,
+    pub last_digest: Option<u128>,
+    /// A full push was applied, so deltas have a base.
+    pub has_keyframe: bool,
+}
+
+/// What happened to a push.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct PushOutcome {
+    pub applied: bool,
+    pub duplicate: bool,
+    pub step: u64,
+    /// The rank's last applied step after this push.
+    pub last_step: Option<u64>,
+    /// Tensors skipped for holding NaN/Inf (policy `skip_tensor`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<String>,
+    /// Set when this push registered the rank's layout.
+    #[serde(skip)]
+    pub registered: Option<Arc<RankLayout>>,
+    /// Bytes the rank's buffers hold on the device.
+    pub resident_bytes: u64,
+    /// Seconds the engine spent applying it.
+    pub apply_seconds: f64,
+}
+
+/// Where the source of one tensor's update lives.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// Byte offset in the push body.
+    Body(usize),
+    /// Mirror group and element offset.
+    Mirror(usize, i64),
+}
+
+/// A maximal run of tensors contiguous in both source and destination.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    src: Source,
+    dst: i64,
+    numel: i64,
+    dtype: DType,
+}
+
+impl Segment {
+    fn extends(&self, next: &Segment) -> bool {
+        if self.dtype != next.dtype || self.dst + self.numel != next.dst {
+            return false;
+        }
+        match (self.src, next.src) {
+            (Source::Body(a), Source::Body(b)) => {
+                a + (self.numel as usize) * self.dtype.size() == b
+            }
+            (Source::Mirror(ga, a), Source::Mirror(gb, b)) => ga == gb && a + self.numel == b,
+            _ => false,
+        }
+    }
+}
+
+/// Merges consecutive segments into maximal contiguous ones.
+fn coalesce(mut items: Vec<Segment>) -> Vec<Segment> {
+    items.sort_by_key(|s| s.dst);
+    let mut out: Vec<Segment> = Vec::with_capacity(items.len().min(8));
+    for s in items {
+        if s.numel == 0 {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.extends(&s) => last.numel += s.numel,
+            _ => out.push(s),
+        }
+    }
+    out
+}
+
+/// The push body as the device sees it.
+struct DeviceBody {
+    /// Host: tensors are views of the body bytes. CUDA: the body's data
+    /// section copied once to the device, as bytes.
+    on_device: Option<(Tensor, usize)>,
+    base: *const u8,
+    len: usize,
+}
+
+impl DeviceBody {
+    fn new(push: &ParsedPush, device: Device) -> Result<Self, EngineError> {
+        let base = push.body.as_ptr();
+        let len = push.body.len();
+        let on_device = if device == Device::Cpu {
+            None
+        } else {
+            // One host-to-device copy of the whole data section.
+            let start = push
+                .tensors
+                .iter()
+                .map(|t| t.range.start)
+                .min()
+                .unwrap_or(0);
+            let data = &push.body[start..];
+            // SAFETY: `data` outlives the temporary host tensor, which is
+            // consumed by the copy below before this function returns.
+            let host = unsafe {
+                Tensor::f_from_blob(
+                    data.as_ptr(),
+                    &[data.len() as i64],
+                    &[],
+                    Kind::Uint8,
+                    Device::Cpu,
+                )?
+            };
+            Some((host.f_to_device(device)?, start))
+        };
+        Ok(DeviceBody {
+            on_device,
+            base,
+            len,
+        })
+    }
+
+    /// A flat view of `numel` elements of `dtype` at byte `offset` of the body.
+    fn view(&self, offset: usize, numel: i64, dtype: DType) -> Result<Tensor, EngineError> {
+        let nbytes = numel as usize * dtype.size();
+        assert!(offset + nbytes <= self.len, "validated range");
+        match &self.on_device {
+            None => {
+                let ptr = self.base.wrapping_add(offset);
+                if (ptr as usize) % dtype.size() == 0 {
+                    // SAFETY: the range lies in the body, which the caller
+                    // keeps alive for as long as this view is used (the
+                    // whole of `apply_push`), and is aligned for `dtype`.
+                    Ok(unsafe {
+                        Tensor::f_from_blob(ptr, &[numel], &[], dtype.kind(), Device::Cpu)?
+                    })
+                } else {
+                    // A writer that did not align its data: copy it.
+                    // SAFETY: as above; the copy is made before returning.
+                    let bytes = unsafe { std::slice::from_raw_parts(ptr, nbytes) };
+                    Ok(Tensor::f_from_data_size(bytes, &[numel], dtype.kind())?)
+                }
+            }
+            Some((data, start)) => {
+                let rel = (offset - start) as i64;
+                let bytes = data.f_narrow(0, rel, nbytes as i64)?;
+                if rel as usize % dtype.size() == 0 {
+                    Ok(bytes.f_view_dtype(dtype.kind())?)
+                } else {
+                    Ok(super::deep_copy(&bytes)?.f_view_dtype(dtype.kind())?)
+                }
+            }
+        }
+    }
+}
+
+impl RankState {
+    /// Allocates the buffers of a freshly registered layout.
+    pub fn new(
+        layout: Arc<RankLayout>,
+        config: &RunConfig,
+        device: Device,
+    ) -> Result<Self, EngineError> {
+        let ema_kind = config.ema_dtype.kind();
+        let ema = (0..config.profiles.len())
+            .map(|_| Tensor::f_zeros([layout.ema_numel], (ema_kind, device)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let copied = layout
+            .copied_groups
+            .iter()
+            .map(|g| Tensor::f_zeros([g.numel], (g.dtype.kind(), device)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mirror = if config.mirror {
+            Some(
+                layout
+                    .mirror_groups
+                    .iter()
+                    .map(|g| Tensor::f_zeros([g.numel], (g.dtype.kind(), device)))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(RankState {
+            layout,
+            ema,
+            copied,
+            mirror,
+            swa_n: vec![0; config.profiles.len()],
+            last_step: None,
+            last_digest: None,
+            has_keyframe: false,
+        })
+    }
+
+    /// Bytes this rank holds on the device.
+    pub fn resident_bytes(&self, config: &RunConfig) -> u64 {
+        let l = &self.layout;
+        l.ema_bytes(config.ema_dtype.size()) * self.ema.len() as u64
+            + l.copied_bytes()
+            + if self.mirror.is_some() {
+                l.mirror_bytes()
+            } else {
+                0
+            }
+    }
+
+    /// Applies a validated push whose step rules and layout were checked.
+    /// `order[i]` is the layout index of `push.tensors[i]`.
+    pub fn apply_push(
+        &mut self,
+        config: &RunConfig,
+        push: &ParsedPush,
+        order: &[usize],
+        step: u64,
+        device: Device,
+    ) -> Result<Vec<String>, EngineError> {
+        let body = DeviceBody::new(push, device)?;
+        let skipped: Vec<&WireTensor> = push.tensors.iter().filter(|t| t.nonfinite).collect();
+        let pairs = || {
+            push.tensors
+                .iter()
+                .zip(order)
+                .filter(|(t, _)| !t.nonfinite)
+                .map(|(t, &i)| (t, &self.layout.tensors[i]))
+        };
+
+        // 1. The mirror takes the new weights (a copy, or the delta added).
+        if let Some(mirror) = &mut self.mirror {
+            let mut by_group: Vec<Vec<Segment>> = vec![Vec::new(); mirror.len()];
+            let mut deltas: Vec<Vec<Segment>> = vec![Vec::new(); mirror.len()];
+            for (t, l) in pairs() {
+                let seg = Segment {
+                    src: Source::Body(t.range.start),
+                    dst: l.mirror.1,
+                    numel: l.numel,
+                    dtype: l.dtype,
+                };
+                if push.kind == PushKind::Delta && l.dtype.is_float() {
+                    deltas[l.mirror.0].push(seg);
+                } else {
+                    by_group[l.mirror.0].push(seg);
+                }
+            }
+            for (g, segs) in by_group.into_iter().enumerate() {
+                for s in coalesce(segs) {
+                    let Source::Body(offset) = s.src else {
+                        unreachable!()
+                    };
+                    let src = body.view(offset, s.numel, s.dtype)?;
+                    mirror[g].f_narrow(0, s.dst, s.numel)?.f_copy_(&src)?;
+                }
+            }
+            for (g, segs) in deltas.into_iter().enumerate() {
+                for s in coalesce(segs) {
+                    let Source::Body(offset) = s.src else {
+                        unreachable!()
+                    };
+                    let src = body.view(offset, s.numel, s.dtype)?;
+                    let _ = mirror[g].f_narrow(0, s.dst, s.numel)?.f_add_(&src)?;
+                }
+            }
+        }
+        let source_of = |t: &WireTensor, l: &LayoutTensor| {
+            if self.mirror.is_some() {
+                Source::Mirror(l.mirror.0, l.mirror.1)
+            } else {
+                Source::Body(t.range.start)
+            }
+        };
+        let view = |s: &Segment| -> Result<Tensor, EngineError> {
+            match s.src {
+                Source::Body(offset) => body.view(offset, s.numel, s.dtype),
+                Source::Mirror(g, offset) => {
+                    let m = self.mirror.as_ref().expect("mirror source without mirror");
+                    Ok(m[g].f_narrow(0, offset, s.numel)?)
+                }
+            }
+        };
+
+        // 2. What each profile does at this step.
+        let decisions: Vec<_> = config
+            .profiles
+            .iter()
+            .zip(&self.swa_n)
+            .map(|(p, &n)| decide(p, step, self.last_step, n))
+            .collect();
+
+        // 3. Averaged tensors: per contiguous segment, read the source once
+        //    and update every profile.
+        let mut averaged = Vec::new();
+        let mut copied: Vec<Vec<Segment>> = vec![Vec::new(); self.copied.len()];
+        for (t, l) in pairs() {
+            let src = source_of(t, l);
+            match l.slot {
+                Slot::Averaged { offset } => averaged.push(Segment {
+                    src,
+                    dst: offset,
+                    numel: l.numel,
+                    dtype: l.dtype,
+                }),
+                Slot::Copied { group, offset } => copied[group].push(Segment {
+                    src,
+                    dst: offset,
+                    numel: l.numel,
+                    dtype: l.dtype,
+                }),
+            }
+        }
+        let ema_kind = config.ema_dtype.kind();
+        for s in coalesce(averaged) {
+            let mut src = view(&s)?;
+            if src.kind() != ema_kind {
+                src = src.f_to_kind(ema_kind)?;
+            }
+            for (ema, d) in self.ema.iter_mut().zip(&decisions) {
+                let mut dst = ema.f_narrow(0, s.dst, s.numel)?;
+                match d.action {
+                    Action::Copy => dst.f_copy_(&src)?,
+                    Action::Lerp { weight } => {
+                        let _ = dst.f_lerp_(&src, weight)?;
+                    }
+                    Action::Hold => {}
+                }
+            }
+        }
+        for (g, segs) in copied.into_iter().enumerate() {
+            for s in coalesce(segs) {
+                let src = view(&s)?;
+                self.copied[g].f_narrow(0, s.dst, s.numel)?.f_copy_(&src)?;
+            }
+        }
+        for (n, d) in self.swa_n.iter_mut().zip(&decisions) {
+            *n = d.swa_n;
+        }
+        if push.kind == PushKind::Full {
+            self.has_keyframe = true;
+        }
+        self.last_step = Some(step);
+        self.last_digest = Some(push.digest);
+        Ok(skipped.into_iter().map(|t| t.name.clone()).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coalesce_merges_only_contiguous_runs() {
+        let seg = |src: usize, dst: i64, numel: i64| Segment {
+            src: Source::Body(src),
+            dst,
+            numel,
+            dtype: DType::F32,
+        };
+        // Three tensors back to back in both body and buffer: one segment.
+        let merged = coalesce(vec![seg(100, 0, 4), seg(116, 4, 2), seg(124, 6, 3)]);
+        assert_eq!(merged.len(), 1);
+        assert_eq!(merged[0].numel, 9);
+        // A gap in the body splits the run.
+        let split = coalesce(vec![seg(100, 0, 4), seg(120, 4, 2)]);
+        assert_eq!(split.len(), 2);
+        // Out of order in the body: no merge, but every element covered.
+        let swapped = coalesce(vec![seg(116, 0, 4), seg(100, 4, 4)]);
+        assert_eq!(swapped.iter().map(|s| s.numel).sum::<i64>(), 8);
+        assert_eq!(swapped.len(), 2);
+        // Empty tensors vanish.
+        assert!(coalesce(vec![seg(0, 0, 0)]).is_empty());
+    }
+}

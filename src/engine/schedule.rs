@@ -1,0 +1,341 @@
+//! Decay schedules: pure functions of (profile, step, previous applied step).
+//!
+//! `step` is the trainer's 0-based count of previous update calls (the value
+//! ema-pytorch's `EMA.step` holds when `update()` is entered). Every function
+//! here returns what one applied push does to one profile; the engine applies
+//! it to the whole shard with one kernel call.
+
+use crate::run::ProfileSpec;
+
+/// What an applied push does to one profile's EMA.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Action {
+    /// `ema.copy_(w)`.
+    Copy,
+    /// `ema.lerp_(w, weight)`, i.e. `ema = ema + weight * (w - ema)`, with
+    /// `weight = 1 - beta`.
+    Lerp { weight: f64 },
+    /// Leave the EMA as it is (a frozen ema-pytorch EMA with `beta == 1`).
+    Hold,
+}
+
+/// The action and the profile's SWA count after it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    pub action: Action,
+    /// Number of pushes averaged so far (only `swa` uses it).
+    pub swa_n: u64,
+}
+
+/// Decides what the push at `step` does to `profile`, given the rank's
+/// previous applied step (`None`: this is the first applied push) and the
+/// profile's SWA count.
+pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -> Decision {
+    let keep = |action| Decision { action, swa_n };
+    let Some(prev) = prev else {
+        // The first applied push initialises every profile by copy.
+        let swa_n = match profile {
+            ProfileSpec::Swa { start_step, .. } if step >= *start_step => 1,
+            _ => 0,
+        };
+        return Decision {
+            action: Action::Copy,
+            swa_n,
+        };
+    };
+    debug_assert!(step > prev);
+    let delta = (step - prev) as f64;
+    let t = (step + 1) as f64;
+    match profile {
+        ProfileSpec::Constant { beta, .. } => keep(Action::Lerp { weight: 1.0 - beta }),
+        ProfileSpec::Warmup {
+            beta,
+            update_after_step,
+            inv_gamma,
+            power,
+            min_value,
+            ..
+        } => {
+            // ema-pytorch `EMA.update`: copy while step <= update_after_step.
+            if step <= *update_after_step {
+                keep(Action::Copy)
+            } else if *beta == 1.0 {
+                // ema-pytorch `is_frozen`.
+                keep(Action::Hold)
+            } else {
+                let decay = warmup_decay(
+                    step,
+                    *update_after_step,
+                    *inv_gamma,
+                    *power,
+                    *min_value,
+                    *beta,
+                );
+                keep(Action::Lerp {
+                    weight: 1.0 - decay,
+                })
+            }
+        }
+        ProfileSpec::Power { gamma, .. } => {
+            let gamma = gamma.expect("validated power profile has gamma");
+            keep(Action::Lerp {
+                weight: 1.0 - power_beta(gamma, t, delta),
+            })
+        }
+        ProfileSpec::HalfLife {
+            steps,
+            rampup_ratio,
+            ..
+        } => keep(Action::Lerp {
+            weight: 1.0 - half_life_beta(*steps, *rampup_ratio, t, delta),
+        }),
+        ProfileSpec::Swa { start_step, .. } => {
+            if step < *start_step {
+                // Before the averaging window the profile follows the weights.
+                Decision {
+                    action: Action::Copy,
+                    swa_n: 0,
+                }
+            } else if swa_n == 0 {
+                Decision {
+                    action: Action::Copy,
+                    swa_n: 1,
+                }
+            } else {
+                // AveragedModel's default: p + (w - p) / (n + 1).
+                Decision {
+                    action: Action::Lerp {
+                        weight: 1.0 / (swa_n as f64 + 1.0),
+                    },
+                    swa_n: swa_n + 1,
+                }
+            }
+        }
+    }
+}
+
+/// ema-pytorch `EMA.get_current_decay`, evaluated in float32 as torch does
+/// there (`self.step` is an int tensor, the clamp promotes it to float32,
+/// and `.item()` returns the float32 value):
+/// `e = step - update_after_step`;
+/// `decay = clamp(1 - (1 + e / inv_gamma)^(-power), min_value, beta)`, 0 when `e <= 0`.
+pub fn warmup_decay(
+    step: u64,
+    update_after_step: u64,
+    inv_gamma: f64,
+    power: f64,
+    min_value: f64,
+    beta: f64,
+) -> f64 {
+    let epoch = step as i128 - update_after_step as i128;
+    if epoch <= 0 {
+        return 0.0;
+    }
+    let epoch = epoch as f32;
+    let value = 1.0f32 - (1.0f32 + epoch / inv_gamma as f32).powf(-(power as f32));
+    // torch.clamp(min, max) = min(max(x, min), max)
+    f64::from(value.max(min_value as f32).min(beta as f32))
+}
+
+/// EDM2 power-function EMA (`phema.power_function_beta`, paper eq. 3 with
+/// the interval-correct exponent): `beta = (1 - delta / t)^(gamma + 1)`.
+pub fn power_beta(gamma: f64, t: f64, delta: f64) -> f64 {
+    (1.0 - delta / t).powf(gamma + 1.0)
+}
+
+/// EDM2 traditional EMA (`phema.TraditionalEMA`): half-life `h` steps,
+/// ramped up as `min(h, t * rampup_ratio)`; `beta = 0.5^(delta / h)`.
+pub fn half_life_beta(steps: f64, rampup_ratio: Option<f64>, t: f64, delta: f64) -> f64 {
+    let mut h = steps;
+    if let Some(ratio) = rampup_ratio {
+        h = h.min(t * ratio);
+    }
+    0.5f64.powf(delta / h.max(1e-8))
+}
+
+/// EDM2 `exp_to_std`: `sigma_rel = sqrt((gamma + 1) / ((gamma + 2)^2 (gamma + 3)))`.
+pub fn gamma_to_sigma_rel(gamma: f64) -> f64 {
+    ((gamma + 1.0) / ((gamma + 2.0).powi(2) * (gamma + 3.0))).sqrt()
+}
+
+/// The largest `sigma_rel` a power EMA can have: `gamma_to_sigma_rel` peaks
+/// at `gamma = (sqrt(5) - 3) / 2`.
+pub const MAX_SIGMA_REL: f64 = 0.300_283_106_000_686;
+
+/// EDM2 `std_to_exp`: the largest real root of
+/// `gamma^3 + 7 gamma^2 + (16 - s^-2) gamma + (12 - s^-2) = 0` (paper eq. 127,
+/// rearranged), or `None` when `sigma_rel` is out of range.
+pub fn sigma_rel_to_gamma(sigma_rel: f64) -> Option<f64> {
+    if !(sigma_rel.is_finite() && sigma_rel > 0.0 && sigma_rel <= MAX_SIGMA_REL) {
+        return None;
+    }
+    let t = sigma_rel.powi(-2);
+    let p = |g: f64| ((g + 7.0) * g + (16.0 - t)) * g + (12.0 - t);
+    let dp = |g: f64| (3.0 * g + 14.0) * g + (16.0 - t);
+    // Newton from the right of the largest root: the cubic is increasing and
+    // convex there, so the iterates fall monotonically onto that root.
+    let mut g = 2.0 / sigma_rel + 10.0;
+    for _ in 0..200 {
+        let step = p(g) / dp(g);
+        if !step.is_finite() {
+            break;
+        }
+        g -= step;
+        if step.abs() <= 1e-15 * g.abs().max(1.0) {
+            break;
+        }
+    }
+    (g.is_finite() && g > -1.0).then_some(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warmup(uas: u64, inv_gamma: f64, power: f64, min_value: f64, beta: f64) -> ProfileSpec {
+        ProfileSpec::Warmup {
+            name: "w".into(),
+            beta,
+            update_after_step: uas,
+            inv_gamma,
+            power,
+            min_value,
+        }
+    }
+
+    /// Values printed by ema-pytorch 0.8.3's `get_current_decay()` with
+    /// `EMA.step` set to `step + 1`.
+    #[test]
+    fn warmup_matches_ema_pytorch() {
+        let cases = [
+            (0, 0.0),
+            (20, 0.0),
+            (21, 0.300_000_011_920_928_96),
+            (22, 0.405_396_461_486_816_4),
+            (50, 0.875),
+            (1000, 0.990_412_890_911_102_3),
+            (1_000_000, 0.999_000_012_874_603_3),
+        ];
+        for (step, expected) in cases {
+            let got = warmup_decay(step, 20, 2.0, 0.75, 0.3, 0.999);
+            assert_eq!(got, expected, "step {step}");
+        }
+        let defaults = [
+            (101, 0.370_039_463_043_212_9),
+            (150, 0.927_285_671_234_130_9),
+            (5000, 0.996_534_168_720_245_4),
+            (31623, 0.998_997_926_712_036_1),
+        ];
+        for (step, expected) in defaults {
+            let got = warmup_decay(step, 100, 1.0, 2.0 / 3.0, 0.0, 0.9999);
+            assert!(
+                (got - expected).abs() <= 1e-7,
+                "step {step}: {got} vs {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn warmup_copies_until_update_after_step() {
+        let p = warmup(20, 1.0, 0.75, 0.0, 0.999);
+        assert_eq!(decide(&p, 0, None, 0).action, Action::Copy);
+        assert_eq!(decide(&p, 20, Some(10), 0).action, Action::Copy);
+        match decide(&p, 30, Some(20), 0).action {
+            Action::Lerp { weight } => {
+                assert!(
+                    (weight - (1.0 - warmup_decay(30, 20, 1.0, 0.75, 0.0, 0.999))).abs() < 1e-15
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let frozen = warmup(0, 1.0, 0.75, 0.0, 1.0);
+        assert_eq!(decide(&frozen, 5, Some(4), 0).action, Action::Hold);
+    }
+
+    /// Largest real roots of EDM2's cubic, computed with `np.roots`.
+    #[test]
+    fn sigma_rel_matches_edm2_std_to_exp() {
+        let cases = [
+            (0.01, 96.994_897_823_709_86),
+            (0.05, 16.972_198_602_303_447),
+            (0.1, 6.937_203_937_601_809),
+            (0.15, 3.557_868_774_899_464_6),
+            (0.2, 1.826_213_779_895_840_4),
+            (0.25, 0.719_823_958_000_71),
+            (0.28, 0.169_343_993_769_498_66),
+        ];
+        for (sigma, gamma) in cases {
+            let got = sigma_rel_to_gamma(sigma).unwrap();
+            assert!(
+                (got - gamma).abs() < 1e-9,
+                "sigma {sigma}: {got} vs {gamma}"
+            );
+            assert!((gamma_to_sigma_rel(got) - sigma).abs() < 1e-12);
+        }
+        assert!(sigma_rel_to_gamma(0.31).is_none());
+        assert!(sigma_rel_to_gamma(0.0).is_none());
+        assert!(sigma_rel_to_gamma(f64::NAN).is_none());
+        let peak = gamma_to_sigma_rel((5f64.sqrt() - 3.0) / 2.0);
+        assert!((peak - MAX_SIGMA_REL).abs() < 1e-12);
+    }
+
+    #[test]
+    fn power_beta_is_interval_correct() {
+        // Ten single steps compose to one ten-step interval exactly.
+        let gamma = 6.94;
+        let mut prod = 1.0;
+        for s in 11..=20 {
+            prod *= power_beta(gamma, (s + 1) as f64, 1.0);
+        }
+        assert!((prod - power_beta(gamma, 21.0, 10.0)).abs() < 1e-12);
+        // The first real update after the copy: t = 1 gives beta = 0.
+        assert_eq!(power_beta(gamma, 1.0, 1.0), 0.0);
+    }
+
+    #[test]
+    fn half_life_beta_halves_and_ramps() {
+        assert!((half_life_beta(100.0, None, 1000.0, 100.0) - 0.5).abs() < 1e-15);
+        // Ramp-up: at t = 100 with ratio 0.1 the half-life is 10 steps.
+        assert!((half_life_beta(500.0, Some(0.1), 100.0, 10.0) - 0.5).abs() < 1e-15);
+        // Ten single steps compose to one ten-step interval.
+        let one = half_life_beta(50.0, None, 200.0, 1.0);
+        assert!((one.powi(10) - half_life_beta(50.0, None, 200.0, 10.0)).abs() < 1e-14);
+    }
+
+    #[test]
+    fn swa_counts_from_start_step() {
+        let p = ProfileSpec::Swa {
+            name: "s".into(),
+            start_step: 10,
+        };
+        let d = decide(&p, 0, None, 0);
+        assert_eq!((d.action, d.swa_n), (Action::Copy, 0));
+        let d = decide(&p, 5, Some(0), 0);
+        assert_eq!((d.action, d.swa_n), (Action::Copy, 0));
+        let d = decide(&p, 10, Some(5), 0);
+        assert_eq!((d.action, d.swa_n), (Action::Copy, 1));
+        let d = decide(&p, 11, Some(10), 1);
+        assert_eq!((d.action, d.swa_n), (Action::Lerp { weight: 0.5 }, 2));
+        let d = decide(&p, 12, Some(11), 2);
+        assert_eq!(d.swa_n, 3);
+        match d.action {
+            Action::Lerp { weight } => assert!((weight - 1.0 / 3.0).abs() < 1e-16),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn constant_weight() {
+        let p = ProfileSpec::Constant {
+            name: "c".into(),
+            beta: 0.999,
+        };
+        assert_eq!(decide(&p, 0, None, 0).action, Action::Copy);
+        assert_eq!(
+            decide(&p, 1, Some(0), 0).action,
+            Action::Lerp {
+                weight: 1.0 - 0.999
+            }
+        );
+    }
+}

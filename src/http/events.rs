@@ -1,0 +1,106 @@
+//! `GET /v1/runs/{run}/events`: pushes, registrations, rejections and
+//! snapshots as Server-Sent Events (each with its id, so `Last-Event-ID`
+//! resumes), or as a JSON list with `Accept: application/json`.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::StreamExt;
+use serde::Deserialize;
+use tokio_stream::wrappers::BroadcastStream;
+use utoipa::IntoParams;
+
+use super::auth::Caller;
+use super::error::ApiError;
+use super::extract::run_named;
+use crate::state::AppState;
+use crate::store::StoredEvent;
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct EventsQuery {
+    /// Only events with a larger id (SSE also reads `Last-Event-ID`).
+    pub since: Option<i64>,
+    /// Most events in a JSON answer (default 1000).
+    pub limit: Option<i64>,
+    /// Only these kinds, comma separated (e.g. `snapshot,rejection`).
+    pub kinds: Option<String>,
+}
+
+/// Stream (SSE) or list (JSON) a run's events.
+#[utoipa::path(get, path = "/v1/runs/{run}/events", tag = "monitoring",
+    params(("run" = String, Path), EventsQuery),
+    responses((status = 200, description = "text/event-stream, or a JSON list with Accept: application/json",
+               body = Vec<StoredEvent>)))]
+pub async fn events(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    Query(q): Query<EventsQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let last_event_id = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i64>().ok());
+    let since = q.since.or(last_event_id).unwrap_or(0);
+    let kinds: Option<Vec<String>> = q
+        .kinds
+        .as_ref()
+        .map(|k| k.split(',').map(|s| s.trim().to_string()).collect());
+    let wanted = move |e: &StoredEvent| kinds.as_ref().is_none_or(|k| k.contains(&e.kind));
+    let json = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/json"));
+    let limit = q.limit.unwrap_or(1000).clamp(1, 100_000);
+
+    // Subscribe before reading the history, so nothing falls in between.
+    let live = state.events.subscribe();
+    let mut history: BTreeMap<i64, Arc<StoredEvent>> = BTreeMap::new();
+    for e in state.store.events(&name, since, limit).await? {
+        history.insert(e.id, Arc::new(e));
+    }
+    for e in state.events.recent(&name, since) {
+        history.insert(e.id, e);
+    }
+    let history: Vec<Arc<StoredEvent>> = history.into_values().filter(|e| wanted(e)).collect();
+    if json {
+        let list: Vec<StoredEvent> = history
+            .iter()
+            .take(limit as usize)
+            .map(|e| (**e).clone())
+            .collect();
+        return Ok(Json(list).into_response());
+    }
+    let replayed_to = history.last().map(|e| e.id).unwrap_or(since);
+    let run_name = name.clone();
+    let live = BroadcastStream::new(live).filter_map(move |item| {
+        let keep = match item {
+            Ok(e) if e.run == run_name && e.id > replayed_to && wanted(&e) => Some(e),
+            _ => None,
+        };
+        futures::future::ready(keep)
+    });
+    let stream = futures::stream::iter(history)
+        .chain(live)
+        .map(|e| Ok::<_, Infallible>(sse_event(&e)));
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+fn sse_event(e: &StoredEvent) -> Event {
+    Event::default()
+        .id(e.id.to_string())
+        .event(e.kind.clone())
+        .data(serde_json::to_string(e).unwrap_or_default())
+}

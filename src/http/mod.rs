@@ -1,0 +1,89 @@
+//! The HTTP surface (v1): routes, handlers, auth, the error type, OpenAPI.
+//!
+//! - [`error`]: `ApiError`, the one place failures become statuses.
+//! - [`auth`]: bearer tokens (admin, per-run write and read).
+//! - [`extract`]: JSON bodies and path segments that fail in the API's shape.
+//! - [`runs`]: runs and ranks, a rank's live EMA.
+//! - [`push`]: the push endpoint.
+//! - [`events`]: Server-Sent Events.
+//! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
+
+pub mod auth;
+pub mod error;
+pub mod events;
+pub mod extract;
+pub mod ops;
+pub mod push;
+pub mod runs;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, put};
+use axum::Router;
+use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+
+use crate::state::AppState;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
+    paths(
+        ops::livez, ops::readyz, ops::metrics,
+        runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
+        runs::list_ranks, runs::get_rank, runs::get_rank_ema,
+        push::push,
+        events::events,
+    ),
+    components(schemas(
+        error::ErrorBody, error::ErrorDetail,
+        crate::run::RunSpec, crate::run::RunConfig, crate::run::ProfileSpec,
+        crate::run::EmaDtype, crate::run::NonfinitePolicy, crate::run::Retention,
+        runs::RunView, runs::CreatedRun, runs::RunList,
+        crate::state::RankView, push::PushResponse, crate::engine::rank::PushOutcome,
+        crate::store::StoredEvent, ops::Health,
+    )),
+    tags(
+        (name = "runs", description = "Create, list and delete runs"),
+        (name = "ranks", description = "Ranks and their live EMA"),
+        (name = "push", description = "Push parameter shards"),
+        (name = "monitoring", description = "Events and metrics"),
+        (name = "ops", description = "Health and metrics"),
+    )
+)]
+pub struct ApiDoc;
+
+/// The application router.
+pub fn router(state: AppState) -> Router {
+    let body_limit = state.args.body_limit.0 as usize;
+    let push_routes = Router::new()
+        .route(
+            "/v1/runs/{run}/ranks/{rank}/steps/{step}",
+            put(push::push).post(push::push),
+        )
+        // The push handler enforces its own (much larger) limit while reading.
+        .layer(DefaultBodyLimit::disable());
+    let api = Router::new()
+        .route("/v1/runs", get(runs::list_runs).post(runs::create_run))
+        .route(
+            "/v1/runs/{run}",
+            get(runs::get_run).delete(runs::delete_run),
+        )
+        .route("/v1/runs/{run}/ranks", get(runs::list_ranks))
+        .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))
+        .route("/v1/runs/{run}/ranks/{rank}/ema", get(runs::get_rank_ema))
+        .route("/v1/runs/{run}/events", get(events::events))
+        .layer(DefaultBodyLimit::max(body_limit));
+    Router::new()
+        .route("/livez", get(ops::livez))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
+        .route("/openapi.json", get(ops::openapi_json))
+        .route("/docs", get(ops::docs))
+        .route("/", get(ops::index))
+        .route("/static/{*path}", get(ops::static_file))
+        .merge(push_routes)
+        .merge(api)
+        .fallback(|| async { error::ApiError::not_found("not_found", "no such endpoint") })
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}

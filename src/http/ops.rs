@@ -1,0 +1,141 @@
+//! Operations endpoints: liveness, readiness, Prometheus metrics, the
+//! OpenAPI document, and the static pages (docs, dashboard) embedded in the
+//! binary.
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use rust_embed::RustEmbed;
+use serde::Serialize;
+use utoipa::{OpenApi, ToSchema};
+
+use super::error::ApiError;
+use crate::state::AppState;
+
+/// Files under `static/`: embedded in release builds, read from disk in
+/// debug builds (so pages can be edited without rebuilding).
+#[derive(RustEmbed)]
+#[folder = "static/"]
+struct Assets;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    pub status: String,
+    pub version: String,
+    pub uptime_seconds: f64,
+    pub runs: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
+    Health {
+        status: status.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        uptime_seconds: state.started.elapsed().as_secs_f64(),
+        runs: state.runs.read().expect("runs lock").len(),
+        detail,
+    }
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/livez", tag = "ops", responses((status = 200, body = Health)))]
+pub async fn livez(State(state): State<AppState>) -> Json<Health> {
+    Json(health(&state, "ok", None))
+}
+
+/// The catalog answers and every engine takes work.
+#[utoipa::path(get, path = "/readyz", tag = "ops",
+    responses((status = 200, body = Health), (status = 503, body = Health)))]
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    if let Err(e) = state.store.ping().await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(health(&state, "unavailable", Some(e.to_string()))),
+        )
+            .into_response();
+    }
+    for engine in state.engines() {
+        if engine.call(|_| ()).await.is_err() {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(health(
+                    &state,
+                    "unavailable",
+                    Some("an engine thread stopped".into()),
+                )),
+            )
+                .into_response();
+        }
+    }
+    Json(health(&state, "ok", None)).into_response()
+}
+
+/// Prometheus text exposition.
+#[utoipa::path(get, path = "/metrics", tag = "ops",
+    responses((status = 200, content_type = "text/plain", body = String)))]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    for engine in state.engines() {
+        state
+            .metrics
+            .engine_queue
+            .with_label_values(&[&crate::engine::device::name(engine.device())])
+            .set(engine.queued() as i64);
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// The OpenAPI 3.1 document, generated from the code.
+pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(super::ApiDoc::openapi())
+}
+
+/// The API reference page (renders `/openapi.json`; no network needed).
+pub async fn docs() -> Response {
+    asset("docs.html")
+}
+
+/// The dashboard's entry page.
+pub async fn index() -> Response {
+    asset("index.html")
+}
+
+/// Any other file under `static/`.
+pub async fn static_file(Path(path): Path<String>) -> Response {
+    asset(&path)
+}
+
+fn asset(path: &str) -> Response {
+    match Assets::get(path) {
+        Some(file) => {
+            let mime = mime_for(path);
+            let mut response = file.data.into_owned().into_response();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(mime));
+            response
+                .headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            response
+        }
+        None => ApiError::not_found("not_found", format!("no file `{path}`")).into_response(),
+    }
+}
+
+fn mime_for(path: &str) -> &'static str {
+    match path.rsplit('.').next() {
+        Some("html") => "text/html; charset=utf-8",
+        Some("js") | Some("mjs") => "text/javascript; charset=utf-8",
+        Some("css") => "text/css; charset=utf-8",
+        Some("json") => "application/json",
+        Some("svg") => "image/svg+xml",
+        Some("png") => "image/png",
+        Some("txt") | Some("md") => "text/plain; charset=utf-8",
+        _ => "application/octet-stream",
+    }
+}

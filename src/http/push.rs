@@ -1,0 +1,439 @@
+//! `PUT|POST /v1/runs/{run}/ranks/{rank}/steps/{step}`: a rank pushes its
+//! shard.
+//!
+//! The handler checks what is cheap first (auth, run, rank, update step,
+//! declared length), then receives the body into one buffer under the
+//! in-flight byte budget, validates it on a blocking thread (safetensors
+//! header, chunks, NaN/Inf, digest), and only then queues it on the engine,
+//! which checks the step rules and the layout and applies it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::Json;
+use http_body_util::BodyExt;
+use serde::Serialize;
+use tokio::sync::OwnedSemaphorePermit;
+use utoipa::ToSchema;
+
+use super::auth::Caller;
+use super::error::{ApiError, ErrorBody};
+use super::extract::{rank_of, run_named, step_of};
+use crate::engine::rank::PushOutcome;
+use crate::state::{counts_of, now_ms, AppState, RunHandle};
+use crate::wire::{parse_push, WireLimits};
+
+/// The answer to a push.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PushResponse {
+    #[serde(flatten)]
+    pub outcome: PushOutcome,
+    pub rank: u32,
+    /// Set when nothing was applied: `not_update_step` or `duplicate`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Bodies larger than this are not drained before an early error answer
+/// (the connection is closed instead).
+const DRAIN_LIMIT: u64 = 64 << 20;
+
+/// Push one rank's tensors for one step (body: a safetensors file,
+/// optionally `Content-Encoding: zstd`).
+#[utoipa::path(put, path = "/v1/runs/{run}/ranks/{rank}/steps/{step}", tag = "push",
+    params(("run" = String, Path), ("rank" = u32, Path), ("step" = u64, Path)),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = PushResponse),
+              (status = 400, body = ErrorBody, description = "malformed safetensors"),
+              (status = 404, body = ErrorBody, description = "no such run or rank"),
+              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe"),
+              (status = 413, body = ErrorBody, description = "body or header over the limit"),
+              (status = 422, body = ErrorBody, description = "nonfinite, unsupported_dtype, invalid_shards"),
+              (status = 429, body = ErrorBody, description = "busy; see Retry-After")))]
+pub async fn push(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((name, rank, step)): Path<(String, String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<PushResponse>, ApiError> {
+    let started = Instant::now();
+    let run = run_named(&state, &name)?;
+    caller.require_write(&run)?;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let early = |err: ApiError, body: Body| async move {
+        drain(body, declared).await;
+        Err(err)
+    };
+    let rank = match rank_of(&run, &rank) {
+        Ok(r) => r,
+        Err(e) => return early(e, body).await,
+    };
+    let step = match step_of(&step) {
+        Ok(s) => s,
+        Err(e) => return early(e, body).await,
+    };
+    let result =
+        receive_and_apply(&state, &run, rank, step, &headers, declared, body, started).await;
+    if let Err(e) = &result {
+        record_rejection(&state, &run, rank, step, e);
+    }
+    result.map(Json)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn receive_and_apply(
+    state: &AppState,
+    run: &Arc<RunHandle>,
+    rank: u32,
+    step: u64,
+    headers: &HeaderMap,
+    declared: Option<u64>,
+    body: Body,
+    started: Instant,
+) -> Result<PushResponse, ApiError> {
+    let config = run.config.clone();
+    let limit = state.args.push_body_limit.0;
+    if !config.is_update_step(step) {
+        drain(body, declared).await;
+        state
+            .metrics
+            .pushes
+            .with_label_values(&[&config.name, "not_update_step"])
+            .inc();
+        let summary = run.rank(rank).unwrap_or_default();
+        return Ok(PushResponse {
+            outcome: PushOutcome {
+                applied: false,
+                duplicate: false,
+                step,
+                last_step: summary.last_step,
+                skipped: Vec::new(),
+                registered: None,
+                resident_bytes: summary.resident_bytes,
+                apply_seconds: 0.0,
+            },
+            rank,
+            reason: Some(format!(
+                "not_update_step: the run applies steps that are multiples of {}",
+                config.update_every
+            )),
+        });
+    }
+    let zstd = match headers
+        .get(header::CONTENT_ENCODING)
+        .map(|v| v.to_str().unwrap_or("?"))
+    {
+        None | Some("identity") => false,
+        Some("zstd") => true,
+        Some(other) => {
+            drain(body, declared).await;
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_encoding",
+                format!("Content-Encoding `{other}`: only zstd (or none) is accepted"),
+            ));
+        }
+    };
+    if let Some(len) = declared {
+        if len > limit {
+            drain(body, declared).await;
+            return Err(too_large(len, limit));
+        }
+    }
+
+    // Receive the body under the in-flight byte budget.
+    let mut budget = Budget::new(state);
+    if let Some(len) = declared {
+        budget.reserve(len)?;
+    }
+    let raw = read_body(body, declared, limit, &mut budget).await?;
+    let received = Instant::now();
+    state
+        .metrics
+        .push_seconds
+        .with_label_values(&["receive"])
+        .observe((received - started).as_secs_f64());
+    let wire_len = raw.len() as u64;
+
+    // Validate off the async threads.
+    let limits = WireLimits {
+        header_limit: state.args.header_limit.0,
+    };
+    let policy = config.nonfinite;
+    let parsed = if zstd {
+        let (bytes, budget_after) = tokio::task::spawn_blocking(move || {
+            let out = decompress(&raw, limit)?;
+            budget.reserve(out.len() as u64)?;
+            Ok::<_, ApiError>((out, budget))
+        })
+        .await??;
+        budget = budget_after;
+        tokio::task::spawn_blocking(move || parse_push(bytes, limits, policy)).await??
+    } else {
+        tokio::task::spawn_blocking(move || parse_push(raw, limits, policy)).await??
+    };
+    state
+        .metrics
+        .push_seconds
+        .with_label_values(&["validate"])
+        .observe(received.elapsed().as_secs_f64());
+
+    // Apply on the engine. The budget is released when the engine is done
+    // with the body.
+    let run_name = config.name.clone();
+    let queued = Instant::now();
+    let outcome = run
+        .engine
+        .try_call(move |engine| {
+            let outcome = engine.push(&run_name, rank, step, parsed);
+            drop(budget);
+            outcome
+        })
+        .await
+        .map_err(|e| match e {
+            crate::engine::EngineError::QueueFull => ApiError::too_many(
+                "the engine queue is full; retry after the delay",
+                state.args.retry_after_secs,
+            ),
+            other => other.into(),
+        })??;
+    let metrics = &state.metrics;
+    metrics
+        .push_seconds
+        .with_label_values(&["queue_and_apply"])
+        .observe(queued.elapsed().as_secs_f64());
+    metrics
+        .push_seconds
+        .with_label_values(&["apply"])
+        .observe(outcome.apply_seconds);
+    metrics
+        .push_bytes
+        .with_label_values(&[&config.name])
+        .inc_by(wire_len);
+
+    let layout = outcome.registered.clone();
+    let summary = run.update_rank(rank, |s| {
+        s.bytes_received += wire_len;
+        s.last_push_at_ms = Some(now_ms());
+        s.resident_bytes = outcome.resident_bytes;
+        s.live = true;
+        if outcome.duplicate {
+            s.duplicates += 1;
+        } else {
+            s.pushes += 1;
+            s.last_step = outcome.last_step;
+            s.last_apply_seconds = Some(outcome.apply_seconds);
+        }
+        if let Some(layout) = &layout {
+            let (tensors, numel) = counts_of(layout);
+            s.tensors = tensors;
+            s.numel = numel;
+            s.layout = serde_json::to_value(&**layout).ok().map(Arc::new);
+        }
+    });
+    state.record_rank(run, rank, &summary, layout.as_deref());
+    metrics
+        .resident_bytes
+        .with_label_values(&[&config.name])
+        .set(run.resident_bytes() as i64);
+    let kind = if outcome.duplicate {
+        "duplicate"
+    } else {
+        "applied"
+    };
+    metrics
+        .pushes
+        .with_label_values(&[&config.name, kind])
+        .inc();
+    if let Some(layout) = &layout {
+        let (tensors, numel) = counts_of(layout);
+        state.events.emit(
+            &config.name,
+            "rank_registered",
+            Some(rank),
+            Some(step),
+            serde_json::json!({"tensors": tensors, "numel": numel, "resident_bytes": outcome.resident_bytes}),
+        );
+    }
+    state.events.emit(
+        &config.name,
+        "push",
+        Some(rank),
+        Some(step),
+        serde_json::json!({
+            "applied": outcome.applied,
+            "duplicate": outcome.duplicate,
+            "bytes": wire_len,
+            "apply_seconds": outcome.apply_seconds,
+            "seconds": started.elapsed().as_secs_f64(),
+            "skipped": outcome.skipped,
+        }),
+    );
+    let reason = outcome.duplicate.then(|| "duplicate".to_string());
+    Ok(PushResponse {
+        outcome,
+        rank,
+        reason,
+    })
+}
+
+fn too_large(len: u64, limit: u64) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        format!("push body of {len} bytes is over the limit of {limit} bytes"),
+    )
+}
+
+fn record_rejection(state: &AppState, run: &RunHandle, rank: u32, step: u64, err: &ApiError) {
+    if err.status == StatusCode::TOO_MANY_REQUESTS {
+        return;
+    }
+    state
+        .metrics
+        .rejections
+        .with_label_values(&[&run.config.name, err.code])
+        .inc();
+    state
+        .metrics
+        .pushes
+        .with_label_values(&[&run.config.name, "rejected"])
+        .inc();
+    let summary = run.update_rank(rank, |s| s.rejections += 1);
+    state.record_rank(run, rank, &summary, None);
+    state.events.emit(
+        &run.config.name,
+        "rejection",
+        Some(rank),
+        Some(step),
+        serde_json::json!({"status": err.status.as_u16(), "code": err.code, "message": err.message}),
+    );
+    tracing::info!(run = %run.config.name, rank, step, code = err.code, "push rejected: {}", err.message);
+}
+
+/// Reads and discards a body that is not too large, so that the client
+/// sees the answer instead of a reset connection.
+async fn drain(body: Body, declared: Option<u64>) {
+    if declared.is_some_and(|len| len > DRAIN_LIMIT) {
+        return;
+    }
+    let mut body = body;
+    let mut seen = 0u64;
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Some(data) = frame.data_ref() {
+            seen += data.len() as u64;
+            if seen > DRAIN_LIMIT {
+                return;
+            }
+        }
+    }
+}
+
+/// Push bytes held in memory, counted against the server's budget.
+struct Budget {
+    state: AppState,
+    permits: Vec<OwnedSemaphorePermit>,
+    held_kib: usize,
+}
+
+impl Budget {
+    fn new(state: &AppState) -> Self {
+        Budget {
+            state: state.clone(),
+            permits: Vec::new(),
+            held_kib: 0,
+        }
+    }
+
+    /// Makes sure `bytes` are covered; a body larger than the whole budget
+    /// may still pass alone.
+    fn reserve(&mut self, bytes: u64) -> Result<(), ApiError> {
+        let want = (bytes.div_ceil(1024) as usize).min(self.state.inflight_kib);
+        if want <= self.held_kib {
+            return Ok(());
+        }
+        let more = (want - self.held_kib) as u32;
+        let permit = self
+            .state
+            .inflight
+            .clone()
+            .try_acquire_many_owned(more)
+            .map_err(|_| {
+                ApiError::too_many(
+                    "too many push bytes in flight; retry after the delay",
+                    self.state.args.retry_after_secs,
+                )
+            })?;
+        self.permits.push(permit);
+        self.held_kib += more as usize;
+        self.state.metrics.inflight_bytes.add(more as i64 * 1024);
+        Ok(())
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        self.state
+            .metrics
+            .inflight_bytes
+            .sub(self.held_kib as i64 * 1024);
+    }
+}
+
+/// Collects the body into one buffer, sized from `Content-Length` when
+/// given, refusing to grow past `limit`.
+async fn read_body(
+    mut body: Body,
+    declared: Option<u64>,
+    limit: u64,
+    budget: &mut Budget,
+) -> Result<bytes::Bytes, ApiError> {
+    let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0).min(limit) as usize);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::bad_request("body_read_failed", format!("reading the body failed: {e}"))
+        })?;
+        if let Some(data) = frame.data_ref() {
+            let len = buf.len() as u64 + data.len() as u64;
+            if len > limit {
+                return Err(too_large(len, limit));
+            }
+            if declared.is_none() {
+                budget.reserve(len)?;
+            }
+            buf.extend_from_slice(data);
+        }
+    }
+    if let Some(len) = declared {
+        if buf.len() as u64 != len {
+            return Err(ApiError::bad_request(
+                "invalid_safetensors",
+                format!("the body ended after {} of {len} declared bytes", buf.len()),
+            ));
+        }
+    }
+    Ok(bytes::Bytes::from(buf))
+}
+
+/// zstd, refusing output past `limit`.
+fn decompress(raw: &[u8], limit: u64) -> Result<bytes::Bytes, ApiError> {
+    use std::io::Read;
+    let decoder = zstd::stream::read::Decoder::new(raw)
+        .map_err(|e| ApiError::bad_request("invalid_encoding", format!("zstd: {e}")))?;
+    let mut out = Vec::new();
+    let read = decoder
+        .take(limit + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| ApiError::bad_request("invalid_encoding", format!("zstd: {e}")))?;
+    if read as u64 > limit {
+        return Err(too_large(read as u64, limit));
+    }
+    Ok(bytes::Bytes::from(out))
+}

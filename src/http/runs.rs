@@ -1,0 +1,365 @@
+//! Runs: create, list, get, delete; ranks and a rank's live EMA.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::auth::Caller;
+use super::error::{ApiError, ErrorBody};
+use super::extract::{rank_of, run_named, ApiJson};
+use crate::engine::rank::Slot;
+use crate::engine::{device, host_bytes, EmaExport};
+use crate::run::{RunConfig, RunSpec};
+use crate::state::{now_ms, token_hash, AppState, RankView, RunHandle, RunTokens};
+use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
+
+/// A run as listed.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunView {
+    pub name: String,
+    pub created_at: String,
+    pub created_at_ms: i64,
+    pub config: RunConfig,
+    /// Highest last step over the ranks.
+    pub last_step: Option<u64>,
+    /// Lowest last step over the ranks that pushed.
+    pub min_step: Option<u64>,
+    /// Ranks that pushed at least once.
+    pub ranks_seen: u32,
+    /// EMA + copied + mirror bytes held on the device.
+    pub resident_bytes: u64,
+    /// `healthy` (every rank live), `degraded` (some rank stale or not
+    /// restored), `waiting` (some ranks never pushed) or `idle` (none did).
+    pub health: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<RankView>>,
+}
+
+/// The answer to run creation; tokens only when auth is on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CreatedRun {
+    #[serde(flatten)]
+    pub run: RunView,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_token: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_token: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunList {
+    pub runs: Vec<RunView>,
+}
+
+pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
+    let ranks: Vec<RankView> = (0..run.config.world_size)
+        .map(|r| RankView::new(r, &run.rank(r).unwrap_or_default(), false))
+        .collect();
+    let seen: Vec<&RankView> = ranks.iter().filter(|r| r.status != "never_seen").collect();
+    let health = if seen.is_empty() {
+        "idle"
+    } else if seen.iter().any(|r| r.status != "live") {
+        "degraded"
+    } else if seen.len() < ranks.len() {
+        "waiting"
+    } else {
+        "healthy"
+    };
+    RunView {
+        name: run.config.name.clone(),
+        created_at: rfc3339(run.created_at_ms),
+        created_at_ms: run.created_at_ms,
+        config: (*run.config).clone(),
+        last_step: ranks.iter().filter_map(|r| r.last_step).max(),
+        min_step: seen.iter().filter_map(|r| r.last_step).min(),
+        ranks_seen: seen.len() as u32,
+        resident_bytes: ranks.iter().map(|r| r.resident_bytes).sum(),
+        health: health.into(),
+        ranks: with_ranks.then_some(ranks),
+    }
+}
+
+pub fn rfc3339(ms: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Create a run.
+#[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = RunSpec,
+    responses((status = 201, body = CreatedRun), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+pub async fn create_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(spec): ApiJson<RunSpec>,
+) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
+    caller.require_admin()?;
+    let config = spec.validate(&state.default_device, |d| {
+        device::resolve(d).map(device::name)
+    })?;
+    if state.run(&config.name).is_some() {
+        return Err(ApiError::conflict(
+            "run_exists",
+            format!("run `{}` already exists", config.name),
+        ));
+    }
+    let tokens = state.args.token.as_ref().map(|_| {
+        (
+            format!("pkw_{}", random_hex()),
+            format!("pkr_{}", random_hex()),
+        )
+    });
+    let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
+    let created = now_ms();
+    state
+        .store
+        .insert_run(&config, created, hashes.clone())
+        .await?;
+    let config = Arc::new(config);
+    let handle = state
+        .install_run(
+            config.clone(),
+            created,
+            hashes.map(|(write_hash, read_hash)| RunTokens {
+                write_hash,
+                read_hash,
+            }),
+            Vec::new(),
+        )
+        .await?;
+    state.events.emit(
+        &config.name,
+        "run_created",
+        None,
+        None,
+        serde_json::json!({"world_size": config.world_size, "profiles": config.profiles.len()}),
+    );
+    tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
+    let (write_token, read_token) = tokens.unzip();
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedRun {
+            run: run_view(&handle, true),
+            write_token,
+            read_token,
+        }),
+    ))
+}
+
+fn random_hex() -> String {
+    let bytes: [u8; 24] = rand::random();
+    hex::encode(bytes)
+}
+
+/// List runs (those the caller may read).
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", responses((status = 200, body = RunList)))]
+pub async fn list_runs(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<RunList>, ApiError> {
+    if matches!(caller, Caller::Anonymous) {
+        caller.require_admin()?;
+    }
+    let runs: Vec<Arc<RunHandle>> = state
+        .runs
+        .read()
+        .expect("runs lock")
+        .values()
+        .cloned()
+        .collect();
+    Ok(Json(RunList {
+        runs: runs
+            .iter()
+            .filter(|r| caller.can_read(r))
+            .map(|r| run_view(r, false))
+            .collect(),
+    }))
+}
+
+/// One run, with its ranks.
+#[utoipa::path(get, path = "/v1/runs/{run}", tag = "runs",
+    params(("run" = String, Path, description = "run name")),
+    responses((status = 200, body = RunView), (status = 404, body = ErrorBody)))]
+pub async fn get_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Json<RunView>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    Ok(Json(run_view(&run, true)))
+}
+
+/// Delete a run: its EMA is freed and its catalog rows removed.
+#[utoipa::path(delete, path = "/v1/runs/{run}", tag = "runs",
+    params(("run" = String, Path, description = "run name")),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn delete_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_admin()?;
+    state.remove_run(&name);
+    state.store.delete_run(&name).await?;
+    let _ = run.engine.call(move |e| e.drop_run(&name)).await;
+    state.metrics.forget_run(&run.config.name);
+    tracing::info!(run = %run.config.name, "run deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct RankQuery {
+    /// Include the registered layout.
+    #[serde(default)]
+    pub layout: bool,
+}
+
+/// The ranks of a run.
+#[utoipa::path(get, path = "/v1/runs/{run}/ranks", tag = "ranks",
+    params(("run" = String, Path, description = "run name")),
+    responses((status = 200, body = Vec<RankView>)))]
+pub async fn list_ranks(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Json<Vec<RankView>>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    Ok(Json(run_view(&run, true).ranks.unwrap_or_default()))
+}
+
+/// One rank: last step, layout, bytes, status.
+#[utoipa::path(get, path = "/v1/runs/{run}/ranks/{rank}", tag = "ranks",
+    params(("run" = String, Path), ("rank" = u32, Path), RankQuery),
+    responses((status = 200, body = RankView), (status = 404, body = ErrorBody)))]
+pub async fn get_rank(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((name, rank)): Path<(String, String)>,
+    Query(q): Query<RankQuery>,
+) -> Result<Json<RankView>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let rank = rank_of(&run, &rank)?;
+    let summary = run.rank(rank).unwrap_or_default();
+    Ok(Json(RankView::new(rank, &summary, q.layout)))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct EmaQuery {
+    /// Profile name; default the run's first profile.
+    pub profile: Option<String>,
+    /// Cast the averaged tensors: `float32`, `bfloat16`, `float16`, `float64`.
+    pub dtype: Option<String>,
+}
+
+/// This rank's live EMA as a safetensors file: the names, shapes and chunk
+/// metadata it pushed; averaged tensors in the run's `ema_dtype`.
+#[utoipa::path(get, path = "/v1/runs/{run}/ranks/{rank}/ema", tag = "ranks",
+    params(("run" = String, Path), ("rank" = u32, Path), EmaQuery),
+    responses((status = 200, content_type = "application/octet-stream", body = Vec<u8>),
+              (status = 404, body = ErrorBody)))]
+pub async fn get_rank_ema(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((name, rank)): Path<(String, String)>,
+    Query(q): Query<EmaQuery>,
+) -> Result<Response, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let rank = rank_of(&run, &rank)?;
+    let profile = q
+        .profile
+        .unwrap_or_else(|| run.config.profiles[0].name().to_string());
+    let cast = match q.dtype.as_deref() {
+        None => None,
+        Some(d) => Some(DType::parse_float(d).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_dtype",
+                format!("dtype `{d}`: expected float32, bfloat16, float16 or float64"),
+            )
+        })?),
+    };
+    let (run_name, p) = (run.config.name.clone(), profile.clone());
+    let export = run
+        .engine
+        .try_call(move |e| e.export_ema(&run_name, rank, &p))
+        .await??;
+    let host = tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??;
+    let mut meta = BTreeMap::new();
+    meta.insert("polyak.run".to_string(), run.config.name.clone());
+    meta.insert("polyak.rank".to_string(), rank.to_string());
+    meta.insert("polyak.profile".to_string(), profile);
+    if let Some(step) = host.last_step {
+        meta.insert("polyak.step".to_string(), step.to_string());
+    }
+    let (header, chunks) = ema_file(host, meta);
+    let len = header.file_len();
+    let mut parts = vec![bytes::Bytes::from(header.into_bytes())];
+    parts.extend(chunks);
+    let stream = futures::stream::iter(parts.into_iter().map(Ok::<_, std::io::Error>));
+    let mut response = Body::from_stream(stream).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    Ok(response)
+}
+
+/// Lays an export out as one safetensors file: blocks in decreasing
+/// element size (so every tensor stays aligned), each block's tensors in
+/// layout order. Returns the header and the blocks' bytes.
+fn ema_file(
+    export: EmaExport,
+    mut meta: BTreeMap<String, String>,
+) -> (SafetensorsHeader, Vec<bytes::Bytes>) {
+    let layout = export.layout.clone();
+    let ema_dtype = DType::from_kind(export.ema.kind()).unwrap_or(DType::F32);
+    // (dtype, tensor indices in layout order, bytes)
+    let mut blocks: Vec<(DType, Vec<usize>, bytes::Bytes)> = Vec::new();
+    let averaged: Vec<usize> = (0..layout.tensors.len())
+        .filter(|&i| matches!(layout.tensors[i].slot, Slot::Averaged { .. }))
+        .collect();
+    blocks.push((ema_dtype, averaged, host_bytes(export.ema)));
+    for (g, tensor) in export.copied.into_iter().enumerate() {
+        let members: Vec<usize> = (0..layout.tensors.len())
+            .filter(|&i| matches!(layout.tensors[i].slot, Slot::Copied { group, .. } if group == g))
+            .collect();
+        blocks.push((layout.copied_groups[g].dtype, members, host_bytes(tensor)));
+    }
+    blocks.sort_by_key(|(d, _, _)| std::cmp::Reverse(d.size()));
+    let mut entries = Vec::new();
+    let mut shards = serde_json::Map::new();
+    for (dtype, members, _) in &blocks {
+        for &i in members {
+            let t = &layout.tensors[i];
+            entries.push(HeaderEntry {
+                name: t.name.clone(),
+                dtype: *dtype,
+                shape: t.shape.clone(),
+                nbytes: t.numel as usize * dtype.size(),
+            });
+            if let Some(chunk) = &t.chunk {
+                shards.insert(t.name.clone(), serde_json::json!(chunk));
+            }
+        }
+    }
+    if !shards.is_empty() {
+        meta.insert(
+            crate::wire::push::SHARDS_KEY.to_string(),
+            serde_json::Value::Object(shards).to_string(),
+        );
+    }
+    let header = SafetensorsHeader::new(entries, meta);
+    (header, blocks.into_iter().map(|(_, _, b)| b).collect())
+}

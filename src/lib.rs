@@ -1,0 +1,37 @@
+//! polyak: a network-served EMA service for PyTorch training.
+//!
+//! Training ranks push their parameter shards over HTTP; polyak keeps the EMA
+//! copies of those shards resident on its own device and serves them back.
+//! The v1 contract (HTTP surface, wire format, step semantics) is written
+//! down in the project's design document; this crate implements it.
+//!
+//! # Layout
+//!
+//! Data flows one way: `http` -> `engine` -> `snapshot` -> `store`.
+//!
+//! - [`config`]: the `polyak serve` flags (every one also an environment variable).
+//! - [`run`]: a run's configuration (profiles, `update_every`, dtypes, policies)
+//!   and its validation, field by field.
+//! - [`wire`]: the push body (safetensors, parsed in place), shard metadata,
+//!   non-finite scans, and the safetensors writer used for responses.
+//! - [`engine`]: the thread (one per device) that owns every tensor; decay
+//!   schedules ([`engine::schedule`]), per-rank flat EMA buffers and the update
+//!   kernels.
+//! - [`store`]: the SQLite catalog (runs, ranks, events), migrations under
+//!   `migrations/`.
+//! - [`telemetry`]: logging set-up and the Prometheus registry.
+//! - [`http`]: routes, handlers, the one error type that maps every failure
+//!   to a status and a JSON body, auth, OpenAPI.
+//! - [`state`]: what handlers share: the run registry, engines, event bus.
+//! - [`server`]: wires everything together; `run(listener, state, shutdown)` is
+//!   what `main` and the integration tests call.
+
+pub mod config;
+pub mod engine;
+pub mod http;
+pub mod run;
+pub mod server;
+pub mod state;
+pub mod store;
+pub mod telemetry;
+pub mod wire;

@@ -1,0 +1,552 @@
+//! A run's configuration, fixed at creation, and its validation.
+//!
+//! A request body is parsed into [`RunSpec`] (serde reports the path of a
+//! field it cannot read), then [`RunSpec::validate`] checks every value and
+//! resolves the defaults into a [`RunConfig`], which is what the catalog
+//! stores and the engine uses. Every failure names the field it is about.
+
+use std::sync::OnceLock;
+
+use regex::Regex;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::engine::schedule;
+
+/// `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`: safe as a path component and a URL
+/// segment (no `/`, no `..` on its own, no leading dot).
+pub fn valid_name(name: &str) -> bool {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| Regex::new(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$").expect("static regex"))
+        .is_match(name)
+}
+
+/// A configuration value that is wrong, with the dotted path of its field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+fn field_err(field: impl Into<String>, message: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// What happens to a pushed tensor holding NaN or Inf.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NonfinitePolicy {
+    /// The whole push is rejected with 422 and nothing changes.
+    #[default]
+    Reject,
+    /// The offending tensors keep their previous EMA; the rest is applied.
+    SkipTensor,
+    /// Averaged as they are.
+    Allow,
+}
+
+/// Storage dtype of the averaged (floating point) tensors.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum EmaDtype {
+    #[default]
+    Float32,
+    Float64,
+    Bfloat16,
+    Float16,
+}
+
+impl EmaDtype {
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            EmaDtype::Float32 => tch::Kind::Float,
+            EmaDtype::Float64 => tch::Kind::Double,
+            EmaDtype::Bfloat16 => tch::Kind::BFloat16,
+            EmaDtype::Float16 => tch::Kind::Half,
+        }
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            EmaDtype::Float64 => 8,
+            EmaDtype::Float32 => 4,
+            EmaDtype::Bfloat16 | EmaDtype::Float16 => 2,
+        }
+    }
+}
+
+/// Snapshot retention of a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Retention {
+    /// Keep the newest N complete snapshots (0 = keep all).
+    #[serde(default)]
+    pub keep_last: u64,
+    /// Also keep every snapshot whose step is a multiple of this (0 = none).
+    #[serde(default)]
+    pub keep_every: u64,
+}
+
+/// One EMA of the run's push stream. `kind` selects the schedule; see the
+/// design document for the exact equations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ProfileSpec {
+    /// `AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(beta))`.
+    Constant { name: String, beta: f64 },
+    /// ema-pytorch `EMA` warm-up schedule.
+    Warmup {
+        name: String,
+        #[serde(default = "defaults::warmup_beta")]
+        beta: f64,
+        #[serde(default = "defaults::update_after_step")]
+        update_after_step: u64,
+        #[serde(default = "defaults::inv_gamma")]
+        inv_gamma: f64,
+        #[serde(default = "defaults::power")]
+        power: f64,
+        #[serde(default)]
+        min_value: f64,
+    },
+    /// EDM2 power-function EMA, given by `sigma_rel` or `gamma`.
+    Power {
+        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sigma_rel: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gamma: Option<f64>,
+    },
+    /// `beta = 0.5^(delta/h)`, `h = min(steps, t * rampup_ratio)`.
+    HalfLife {
+        name: String,
+        steps: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rampup_ratio: Option<f64>,
+    },
+    /// Equal-weight running average from `start_step` on.
+    Swa {
+        name: String,
+        #[serde(default)]
+        start_step: u64,
+    },
+}
+
+mod defaults {
+    pub fn warmup_beta() -> f64 {
+        0.9999
+    }
+    pub fn update_after_step() -> u64 {
+        100
+    }
+    pub fn inv_gamma() -> f64 {
+        1.0
+    }
+    pub fn power() -> f64 {
+        2.0 / 3.0
+    }
+    pub fn update_every() -> u64 {
+        1
+    }
+    pub fn snapshot_timeout() -> u64 {
+        600
+    }
+    pub fn persist_every() -> u64 {
+        300
+    }
+}
+
+impl ProfileSpec {
+    pub fn name(&self) -> &str {
+        match self {
+            ProfileSpec::Constant { name, .. }
+            | ProfileSpec::Warmup { name, .. }
+            | ProfileSpec::Power { name, .. }
+            | ProfileSpec::HalfLife { name, .. }
+            | ProfileSpec::Swa { name, .. } => name,
+        }
+    }
+
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            ProfileSpec::Constant { .. } => "constant",
+            ProfileSpec::Warmup { .. } => "warmup",
+            ProfileSpec::Power { .. } => "power",
+            ProfileSpec::HalfLife { .. } => "half_life",
+            ProfileSpec::Swa { .. } => "swa",
+        }
+    }
+
+    /// Checks the values and fills the derived ones (a power profile gets
+    /// both `sigma_rel` and `gamma`).
+    fn validate(&mut self, at: &str) -> Result<(), FieldError> {
+        if !valid_name(self.name()) {
+            return Err(field_err(
+                format!("{at}.name"),
+                "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+            ));
+        }
+        let unit_open = |field: &str, v: f64| -> Result<(), FieldError> {
+            if v.is_finite() && (0.0..1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(field_err(format!("{at}.{field}"), "must be in [0, 1)"))
+            }
+        };
+        match self {
+            ProfileSpec::Constant { beta, .. } => unit_open("beta", *beta)?,
+            ProfileSpec::Warmup {
+                beta,
+                inv_gamma,
+                power,
+                min_value,
+                ..
+            } => {
+                if !(beta.is_finite() && (0.0..=1.0).contains(beta)) {
+                    return Err(field_err(format!("{at}.beta"), "must be in [0, 1]"));
+                }
+                if !(inv_gamma.is_finite() && *inv_gamma > 0.0) {
+                    return Err(field_err(format!("{at}.inv_gamma"), "must be > 0"));
+                }
+                if !(power.is_finite() && *power > 0.0) {
+                    return Err(field_err(format!("{at}.power"), "must be > 0"));
+                }
+                if !(min_value.is_finite() && *min_value >= 0.0 && *min_value <= *beta) {
+                    return Err(field_err(format!("{at}.min_value"), "must be in [0, beta]"));
+                }
+            }
+            ProfileSpec::Power {
+                sigma_rel, gamma, ..
+            } => match (*sigma_rel, *gamma) {
+                (Some(_), Some(_)) => {
+                    return Err(field_err(
+                        format!("{at}.gamma"),
+                        "give sigma_rel or gamma, not both",
+                    ))
+                }
+                (None, None) => {
+                    return Err(field_err(
+                        format!("{at}.sigma_rel"),
+                        "a power profile needs sigma_rel or gamma",
+                    ))
+                }
+                (Some(s), None) => {
+                    let g = schedule::sigma_rel_to_gamma(s).ok_or_else(|| {
+                        field_err(
+                            format!("{at}.sigma_rel"),
+                            format!(
+                                "must be in (0, {:.4}] (EDM2 power EMA)",
+                                schedule::MAX_SIGMA_REL
+                            ),
+                        )
+                    })?;
+                    *gamma = Some(g);
+                }
+                (None, Some(g)) => {
+                    if !(g.is_finite() && g > -1.0) {
+                        return Err(field_err(format!("{at}.gamma"), "must be > -1"));
+                    }
+                    *sigma_rel = Some(schedule::gamma_to_sigma_rel(g));
+                }
+            },
+            ProfileSpec::HalfLife {
+                steps,
+                rampup_ratio,
+                ..
+            } => {
+                if !(steps.is_finite() && *steps > 0.0) {
+                    return Err(field_err(format!("{at}.steps"), "must be > 0"));
+                }
+                if let Some(r) = rampup_ratio {
+                    if !(r.is_finite() && *r > 0.0) {
+                        return Err(field_err(format!("{at}.rampup_ratio"), "must be > 0"));
+                    }
+                }
+            }
+            ProfileSpec::Swa { .. } => {}
+        }
+        Ok(())
+    }
+}
+
+/// The body of `POST /v1/runs`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunSpec {
+    /// Run name, `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`.
+    pub name: String,
+    /// Number of training ranks pushing shards.
+    pub world_size: u32,
+    /// A push is applied when `step % update_every == 0`.
+    #[serde(default = "defaults::update_every")]
+    pub update_every: u64,
+    /// The EMA profiles; default one `constant` profile `ema` with beta 0.999.
+    #[serde(default)]
+    pub profiles: Option<Vec<ProfileSpec>>,
+    /// `cpu`, `cuda` or `cuda:N`; default: the server's device.
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default)]
+    pub ema_dtype: EmaDtype,
+    /// Keep the latest online weights (needed for delta pushes and drift).
+    #[serde(default)]
+    pub mirror: bool,
+    /// Take a periodic snapshot every N steps (0 = off).
+    #[serde(default)]
+    pub snapshot_every: u64,
+    #[serde(default)]
+    pub retention: Retention,
+    /// Globs of tensor names that are copied, never averaged.
+    #[serde(default)]
+    pub copy_patterns: Vec<String>,
+    #[serde(default)]
+    pub nonfinite: NonfinitePolicy,
+    /// Seconds a pending snapshot waits for every rank to reach its step.
+    #[serde(default = "defaults::snapshot_timeout")]
+    pub snapshot_timeout_secs: u64,
+    /// Seconds between crash-recovery state snapshots (0 = only on shutdown).
+    #[serde(default = "defaults::persist_every")]
+    pub persist_every_secs: u64,
+}
+
+/// A validated run configuration, as stored in the catalog.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RunConfig {
+    pub name: String,
+    pub world_size: u32,
+    pub update_every: u64,
+    pub profiles: Vec<ProfileSpec>,
+    pub device: String,
+    pub ema_dtype: EmaDtype,
+    pub mirror: bool,
+    pub snapshot_every: u64,
+    pub retention: Retention,
+    pub copy_patterns: Vec<String>,
+    pub nonfinite: NonfinitePolicy,
+    pub snapshot_timeout_secs: u64,
+    pub persist_every_secs: u64,
+}
+
+/// Largest world size a run may declare.
+pub const MAX_WORLD_SIZE: u32 = 65_536;
+/// Most profiles one run may keep.
+pub const MAX_PROFILES: usize = 32;
+
+impl RunSpec {
+    /// Checks every field; `default_device` is the server's device and
+    /// `device_ok` says whether a device string can be used on this server.
+    pub fn validate(
+        self,
+        default_device: &str,
+        device_ok: impl Fn(&str) -> Result<String, String>,
+    ) -> Result<RunConfig, FieldError> {
+        if !valid_name(&self.name) {
+            return Err(field_err(
+                "name",
+                "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+            ));
+        }
+        if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
+            return Err(field_err(
+                "world_size",
+                format!("must be in 1..={MAX_WORLD_SIZE}"),
+            ));
+        }
+        if self.update_every == 0 {
+            return Err(field_err("update_every", "must be >= 1"));
+        }
+        let mut profiles = self.profiles.unwrap_or_else(|| {
+            vec![ProfileSpec::Constant {
+                name: "ema".into(),
+                beta: 0.999,
+            }]
+        });
+        if profiles.is_empty() {
+            return Err(field_err("profiles", "at least one profile is needed"));
+        }
+        if profiles.len() > MAX_PROFILES {
+            return Err(field_err(
+                "profiles",
+                format!("at most {MAX_PROFILES} profiles"),
+            ));
+        }
+        for (i, p) in profiles.iter_mut().enumerate() {
+            p.validate(&format!("profiles[{i}]"))?;
+        }
+        for (i, p) in profiles.iter().enumerate() {
+            if profiles[..i].iter().any(|q| q.name() == p.name()) {
+                return Err(field_err(
+                    format!("profiles[{i}].name"),
+                    format!("duplicate profile name `{}`", p.name()),
+                ));
+            }
+        }
+        let device = device_ok(self.device.as_deref().unwrap_or(default_device))
+            .map_err(|m| field_err("device", m))?;
+        for (i, pattern) in self.copy_patterns.iter().enumerate() {
+            globset::Glob::new(pattern)
+                .map_err(|e| field_err(format!("copy_patterns[{i}]"), e.to_string()))?;
+        }
+        Ok(RunConfig {
+            name: self.name,
+            world_size: self.world_size,
+            update_every: self.update_every,
+            profiles,
+            device,
+            ema_dtype: self.ema_dtype,
+            mirror: self.mirror,
+            snapshot_every: self.snapshot_every,
+            retention: self.retention,
+            copy_patterns: self.copy_patterns,
+            nonfinite: self.nonfinite,
+            snapshot_timeout_secs: self.snapshot_timeout_secs,
+            persist_every_secs: self.persist_every_secs,
+        })
+    }
+}
+
+impl RunConfig {
+    /// The run's copy patterns as one matcher.
+    pub fn copy_matcher(&self) -> globset::GlobSet {
+        let mut builder = globset::GlobSetBuilder::new();
+        for pattern in &self.copy_patterns {
+            // Validated at creation.
+            if let Ok(glob) = globset::Glob::new(pattern) {
+                builder.add(glob);
+            }
+        }
+        builder
+            .build()
+            .unwrap_or_else(|_| globset::GlobSet::empty())
+    }
+
+    pub fn profile_index(&self, name: &str) -> Option<usize> {
+        self.profiles.iter().position(|p| p.name() == name)
+    }
+
+    /// Whether a push at `step` is an update step.
+    pub fn is_update_step(&self, step: u64) -> bool {
+        step % self.update_every == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: serde_json::Value) -> RunSpec {
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn ok_device(d: &str) -> Result<String, String> {
+        match d {
+            "cpu" => Ok("cpu".into()),
+            other => Err(format!("device `{other}` is not available")),
+        }
+    }
+
+    #[test]
+    fn names() {
+        assert!(valid_name("exp1"));
+        assert!(valid_name("a.b-c_d"));
+        assert!(!valid_name(""));
+        assert!(!valid_name("a/b"));
+        assert!(!valid_name(".."));
+        assert!(!valid_name(".hidden"));
+        assert!(!valid_name(&"x".repeat(200)));
+        assert!(valid_name(&"x".repeat(128)));
+        assert!(!valid_name(&"x".repeat(129)));
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let cfg = spec(serde_json::json!({"name": "r", "world_size": 2}))
+            .validate("cpu", ok_device)
+            .unwrap();
+        assert_eq!(cfg.update_every, 1);
+        assert_eq!(cfg.device, "cpu");
+        assert_eq!(cfg.profiles.len(), 1);
+        assert_eq!(cfg.profiles[0].name(), "ema");
+        assert_eq!(cfg.nonfinite, NonfinitePolicy::Reject);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (serde_json::json!({"name": "a/b", "world_size": 1}), "name"),
+            (
+                serde_json::json!({"name": "r", "world_size": 0}),
+                "world_size",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1, "update_every": 0}),
+                "update_every",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "e", "kind": "constant", "beta": 1.5}]}),
+                "profiles[0].beta",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "e", "kind": "power"}]}),
+                "profiles[0].sigma_rel",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "e", "kind": "power", "sigma_rel": 0.9}]}),
+                "profiles[0].sigma_rel",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "e", "kind": "swa"}, {"name": "e", "kind": "swa"}]}),
+                "profiles[1].name",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1, "device": "cuda"}),
+                "device",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1, "copy_patterns": ["a[" ]}),
+                "copy_patterns[0]",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "w", "kind": "warmup", "min_value": 0.5, "beta": 0.4}]}),
+                "profiles[0].min_value",
+            ),
+        ];
+        for (json, field) in cases {
+            let err = spec(json.clone()).validate("cpu", ok_device).unwrap_err();
+            assert_eq!(err.field, field, "{json}: {err}");
+        }
+    }
+
+    #[test]
+    fn power_profile_gets_gamma() {
+        let cfg = spec(serde_json::json!({"name": "r", "world_size": 1,
+            "profiles": [{"name": "p", "kind": "power", "sigma_rel": 0.05}]}))
+        .validate("cpu", ok_device)
+        .unwrap();
+        match &cfg.profiles[0] {
+            ProfileSpec::Power { gamma, .. } => {
+                // EDM2 std_to_exp(0.05) = 16.972...
+                assert!((gamma.unwrap() - 16.9722).abs() < 1e-3, "{gamma:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = serde_json::from_value::<RunSpec>(serde_json::json!({
+            "name": "r", "world_size": 1,
+            "profiles": [{"name": "e", "kind": "constant", "beta": 0.9, "bta": 1}]
+        }))
+        .unwrap_err();
+        assert!(err.to_string().contains("bta"), "{err}");
+    }
+}

@@ -1,0 +1,99 @@
+//! Wires the pieces together: checks the configuration, opens the catalog,
+//! loads the runs, starts the engines, and serves until shutdown.
+
+use std::future::{Future, IntoFuture};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tokio::net::TcpListener;
+
+use crate::config::ServeArgs;
+use crate::engine::device;
+use crate::state::{AppInner, AppState};
+use crate::store::writer::CatalogWriter;
+use crate::store::Store;
+
+/// `polyak serve`: binds, prints the address, serves until Ctrl-C/SIGTERM.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if !args.bind.ip().is_loopback() && args.token.is_none() && !args.insecure {
+        bail!(
+            "refusing to bind {} without a token: pass --token (or POLYAK_TOKEN), or --insecure to serve without auth",
+            args.bind
+        );
+    }
+    let default_device = device::resolve(&args.device).map_err(anyhow::Error::msg)?;
+    let listener = TcpListener::bind(args.bind)
+        .await
+        .with_context(|| format!("binding {}", args.bind))?;
+    let addr = listener.local_addr()?;
+    let data_dir = args.data_dir.clone();
+    let store = Store::open(&data_dir)
+        .await
+        .with_context(|| format!("opening the catalog in {}", data_dir.display()))?;
+    let (catalog, writer) = CatalogWriter::spawn(store.clone(), args.events_retained);
+    let state = AppInner::open(args, default_device, catalog, store).await?;
+    tracing::info!(
+        %addr,
+        device = %state.default_device,
+        data_dir = %data_dir.display(),
+        runs = state.runs.read().expect("runs lock").len(),
+        "polyak ready"
+    );
+    // Tests and scripts read this line to learn the port.
+    println!("polyak listening on http://{addr}");
+    run(listener, state, shutdown_signal()).await?;
+    // Every catalog sender is gone once the state is dropped; the writer
+    // flushes what it holds and ends.
+    let _ = tokio::time::timeout(Duration::from_secs(10), writer).await;
+    Ok(())
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves, then waits (up
+/// to the configured timeout) for requests in flight.
+pub async fn run(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let timeout = Duration::from_secs(state.args.shutdown_timeout_secs);
+    let app = crate::http::router(state.clone());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        shutdown.await;
+        tracing::info!("shutting down: waiting for requests in flight");
+        let _ = stop_tx.send(());
+    });
+    let mut server = std::pin::pin!(server.into_future());
+    tokio::select! {
+        result = &mut server => result?,
+        _ = async {
+            let _ = stop_rx.await;
+            tokio::time::sleep(timeout).await;
+        } => {
+            tracing::warn!("requests still in flight after {timeout:?}; stopping anyway");
+        }
+    }
+    drop(state);
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+}

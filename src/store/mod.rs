@@ -1,0 +1,229 @@
+//! The catalog: SQLite through sqlx, schema in `migrations/`, applied at
+//! start. WAL journal, a busy timeout, foreign keys on.
+//!
+//! The HTTP layer writes run creation and deletion directly (they are
+//! acknowledged only once stored); per-push bookkeeping (rank counters,
+//! events) goes through [`writer::CatalogWriter`], which batches it into
+//! one transaction every few hundred milliseconds.
+
+pub mod writer;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Row, SqlitePool};
+
+use crate::run::RunConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("run `{0}` already exists")]
+    RunExists(String),
+    #[error("catalog: {0}")]
+    Sql(#[from] sqlx::Error),
+    #[error("catalog migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("catalog holds invalid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("data dir: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A run as stored.
+#[derive(Debug, Clone)]
+pub struct StoredRun {
+    pub config: RunConfig,
+    pub created_at_ms: i64,
+    pub write_token_hash: Option<String>,
+    pub read_token_hash: Option<String>,
+}
+
+/// A rank's row.
+#[derive(Debug, Clone, Default)]
+pub struct StoredRank {
+    pub rank: u32,
+    pub layout: Option<serde_json::Value>,
+    pub last_step: Option<u64>,
+    pub pushes: u64,
+    pub bytes_received: u64,
+    pub rejections: u64,
+    pub resident_bytes: u64,
+    pub last_push_at_ms: Option<i64>,
+}
+
+/// An event row.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct StoredEvent {
+    pub id: i64,
+    pub run: String,
+    pub at_ms: i64,
+    pub kind: String,
+    pub rank: Option<u32>,
+    pub step: Option<u64>,
+    #[schema(value_type = Object)]
+    pub detail: serde_json::Value,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: SqlitePool,
+}
+
+impl Store {
+    /// Opens (creating) `data_dir/polyak.db` and applies the migrations.
+    pub async fn open(data_dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(data_dir)?;
+        let url = format!("sqlite://{}", data_dir.join("polyak.db").display());
+        let options = SqliteConnectOptions::from_str(&url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await?;
+        sqlx::migrate!("./migrations").run(&pool).await?;
+        Ok(Store { pool })
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// A trivial query: the catalog answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    pub async fn insert_run(
+        &self,
+        config: &RunConfig,
+        created_at_ms: i64,
+        token_hashes: Option<(String, String)>,
+    ) -> Result<(), StoreError> {
+        let (write, read) = token_hashes.unzip();
+        let mut tx = self.pool.begin().await?;
+        let result = sqlx::query(
+            "INSERT INTO runs (name, config, created_at_ms, write_token_hash, read_token_hash) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(&config.name)
+        .bind(serde_json::to_string(config)?)
+        .bind(created_at_ms)
+        .bind(write)
+        .bind(read)
+        .execute(&mut *tx)
+        .await;
+        match result {
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                return Err(StoreError::RunExists(config.name.clone()))
+            }
+            other => {
+                other?;
+            }
+        }
+        for rank in 0..config.world_size {
+            sqlx::query("INSERT INTO ranks (run, rank) VALUES (?, ?)")
+                .bind(&config.name)
+                .bind(rank as i64)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn list_runs(&self) -> Result<Vec<StoredRun>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT config, created_at_ms, write_token_hash, read_token_hash FROM runs ORDER BY created_at_ms, name",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|row| {
+                Ok(StoredRun {
+                    config: serde_json::from_str(row.get::<&str, _>("config"))?,
+                    created_at_ms: row.get("created_at_ms"),
+                    write_token_hash: row.get("write_token_hash"),
+                    read_token_hash: row.get("read_token_hash"),
+                })
+            })
+            .collect()
+    }
+
+    /// Deletes a run and (by cascade) its ranks and events.
+    pub async fn delete_run(&self, name: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM runs WHERE name = ?")
+            .bind(name)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    pub async fn list_ranks(&self, run: &str) -> Result<Vec<StoredRank>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms \
+             FROM ranks WHERE run = ? ORDER BY rank",
+        )
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|row| {
+                let layout: Option<String> = row.get("layout");
+                Ok(StoredRank {
+                    rank: row.get::<i64, _>("rank") as u32,
+                    layout: layout.map(|l| serde_json::from_str(&l)).transpose()?,
+                    last_step: row.get::<Option<i64>, _>("last_step").map(|s| s as u64),
+                    pushes: row.get::<i64, _>("pushes") as u64,
+                    bytes_received: row.get::<i64, _>("bytes_received") as u64,
+                    rejections: row.get::<i64, _>("rejections") as u64,
+                    resident_bytes: row.get::<i64, _>("resident_bytes") as u64,
+                    last_push_at_ms: row.get("last_push_at_ms"),
+                })
+            })
+            .collect()
+    }
+
+    /// Events of a run with `id > after`, oldest first.
+    pub async fn events(
+        &self,
+        run: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<StoredEvent>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, run, at_ms, kind, rank, step, detail FROM events WHERE run = ? AND id > ? ORDER BY id LIMIT ?",
+        )
+        .bind(run)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|row| {
+                Ok(StoredEvent {
+                    id: row.get("id"),
+                    run: row.get("run"),
+                    at_ms: row.get("at_ms"),
+                    kind: row.get("kind"),
+                    rank: row.get::<Option<i64>, _>("rank").map(|r| r as u32),
+                    step: row.get::<Option<i64>, _>("step").map(|s| s as u64),
+                    detail: serde_json::from_str(row.get::<&str, _>("detail"))?,
+                })
+            })
+            .collect()
+    }
+
+    /// The highest event id stored (event ids continue from it).
+    pub async fn max_event_id(&self) -> Result<i64, StoreError> {
+        let id: Option<i64> = sqlx::query_scalar("SELECT MAX(id) FROM events")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(id.unwrap_or(0))
+    }
+}

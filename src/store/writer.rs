@@ -1,0 +1,141 @@
+//! Batched catalog writes for per-push bookkeeping.
+//!
+//! Rank counters change on every push and events arrive at push rate; a
+//! transaction per push would make SQLite the bottleneck. The writer task
+//! collects updates for a short interval, keeps only the newest row per
+//! rank, and writes the batch in one transaction. Closing the channel
+//! flushes what is left and ends the task.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::{Store, StoreError, StoredEvent, StoredRank};
+
+/// One change for the catalog.
+#[derive(Debug, Clone)]
+pub enum CatalogUpdate {
+    /// The newest state of a rank's row (the layout only when it changed).
+    Rank {
+        run: String,
+        row: StoredRank,
+        layout_json: Option<String>,
+    },
+    Event(StoredEvent),
+}
+
+/// Sender side; cheap to clone.
+#[derive(Clone)]
+pub struct CatalogWriter {
+    tx: mpsc::UnboundedSender<CatalogUpdate>,
+}
+
+impl CatalogWriter {
+    /// Starts the writer task. `events_retained` bounds the events kept per run.
+    pub fn spawn(store: Store, events_retained: u64) -> (Self, JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(write_loop(store, rx, events_retained));
+        (CatalogWriter { tx }, task)
+    }
+
+    pub fn send(&self, update: CatalogUpdate) {
+        // The writer only stops at shutdown, after every sender is gone.
+        let _ = self.tx.send(update);
+    }
+}
+
+async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>, retained: u64) {
+    let mut flushes = 0u64;
+    loop {
+        let Some(first) = rx.recv().await else { break };
+        let mut batch = vec![first];
+        // Gather what arrives in the next moment into the same transaction.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        while let Ok(update) = rx.try_recv() {
+            batch.push(update);
+        }
+        if let Err(e) = flush(&store, batch).await {
+            tracing::error!(error = %e, "catalog write failed");
+        }
+        flushes += 1;
+        if flushes % 50 == 0 {
+            if let Err(e) = prune_events(&store, retained).await {
+                tracing::warn!(error = %e, "pruning events failed");
+            }
+        }
+    }
+    let _ = prune_events(&store, retained).await;
+}
+
+async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreError> {
+    let mut ranks: HashMap<(String, u32), (StoredRank, Option<String>)> = HashMap::new();
+    let mut events = Vec::new();
+    for update in batch {
+        match update {
+            CatalogUpdate::Rank {
+                run,
+                row,
+                layout_json,
+            } => {
+                let key = (run, row.rank);
+                let layout = match ranks.remove(&key) {
+                    Some((_, earlier)) => layout_json.or(earlier),
+                    None => layout_json,
+                };
+                ranks.insert(key, (row, layout));
+            }
+            CatalogUpdate::Event(e) => events.push(e),
+        }
+    }
+    let mut tx = store.pool().begin().await?;
+    for ((run, rank), (row, layout)) in ranks {
+        sqlx::query(
+            "UPDATE ranks SET last_step = ?, pushes = ?, bytes_received = ?, rejections = ?, \
+             resident_bytes = ?, last_push_at_ms = ?, layout = COALESCE(?, layout) WHERE run = ? AND rank = ?",
+        )
+        .bind(row.last_step.map(|s| s as i64))
+        .bind(row.pushes as i64)
+        .bind(row.bytes_received as i64)
+        .bind(row.rejections as i64)
+        .bind(row.resident_bytes as i64)
+        .bind(row.last_push_at_ms)
+        .bind(layout)
+        .bind(&run)
+        .bind(rank as i64)
+        .execute(&mut *tx)
+        .await?;
+    }
+    for e in events {
+        // A run deleted meanwhile takes its events with it.
+        sqlx::query(
+            "INSERT INTO events (id, run, at_ms, kind, rank, step, detail) \
+             SELECT ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
+        )
+        .bind(e.id)
+        .bind(&e.run)
+        .bind(e.at_ms)
+        .bind(&e.kind)
+        .bind(e.rank.map(|r| r as i64))
+        .bind(e.step.map(|s| s as i64))
+        .bind(e.detail.to_string())
+        .bind(&e.run)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Keeps the newest `retained` events of each run.
+async fn prune_events(store: &Store, retained: u64) -> Result<(), StoreError> {
+    sqlx::query(
+        "DELETE FROM events WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
+         (PARTITION BY run ORDER BY id DESC) AS n FROM events) WHERE n > ?)",
+    )
+    .bind(retained as i64)
+    .execute(store.pool())
+    .await?;
+    Ok(())
+}

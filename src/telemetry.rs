@@ -1,0 +1,142 @@
+//! Logging set-up and the Prometheus metrics (all prefixed `polyak_`).
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+use tracing_subscriber::EnvFilter;
+
+use crate::config::LogFormat;
+
+/// Logs go to stderr; `RUST_LOG` overrides the default filter.
+pub fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("polyak=info,tower_http=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Pushes by run and outcome (`applied`, `duplicate`, `not_update_step`, `rejected`).
+    pub pushes: IntCounterVec,
+    /// Body bytes received by run.
+    pub push_bytes: IntCounterVec,
+    /// Seconds per push, by stage (`receive`, `validate`, `queue_and_apply`, `apply`).
+    pub push_seconds: HistogramVec,
+    /// Rejected requests by run and error code.
+    pub rejections: IntCounterVec,
+    /// Bytes of EMA, copied tensors and mirror resident on the device, by run.
+    pub resident_bytes: IntGaugeVec,
+    /// Jobs waiting in each engine's queue.
+    pub engine_queue: IntGaugeVec,
+    /// Runs in the catalog.
+    pub runs: IntGauge,
+    /// Push body bytes currently held in memory (received, not yet applied).
+    pub inflight_bytes: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let pushes = IntCounterVec::new(
+            Opts::new("polyak_pushes_total", "Pushes by run and outcome"),
+            &["run", "outcome"],
+        )
+        .expect("metric");
+        let push_bytes = IntCounterVec::new(
+            Opts::new("polyak_push_bytes_total", "Push body bytes received"),
+            &["run"],
+        )
+        .expect("metric");
+        let push_seconds = HistogramVec::new(
+            HistogramOpts::new("polyak_push_seconds", "Seconds per push stage").buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0,
+            ]),
+            &["stage"],
+        )
+        .expect("metric");
+        let rejections = IntCounterVec::new(
+            Opts::new(
+                "polyak_rejections_total",
+                "Rejected requests by run and error code",
+            ),
+            &["run", "code"],
+        )
+        .expect("metric");
+        let resident_bytes = IntGaugeVec::new(
+            Opts::new(
+                "polyak_resident_bytes",
+                "EMA, copied and mirror bytes on the device",
+            ),
+            &["run"],
+        )
+        .expect("metric");
+        let engine_queue = IntGaugeVec::new(
+            Opts::new(
+                "polyak_engine_queue_depth",
+                "Jobs waiting in the engine queue",
+            ),
+            &["device"],
+        )
+        .expect("metric");
+        let runs = IntGauge::new("polyak_runs", "Runs in the catalog").expect("metric");
+        let inflight_bytes = IntGauge::new(
+            "polyak_inflight_push_bytes",
+            "Push bytes received and not yet applied",
+        )
+        .expect("metric");
+        for m in [
+            Box::new(pushes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(push_bytes.clone()),
+            Box::new(push_seconds.clone()),
+            Box::new(rejections.clone()),
+            Box::new(resident_bytes.clone()),
+            Box::new(engine_queue.clone()),
+            Box::new(runs.clone()),
+            Box::new(inflight_bytes.clone()),
+        ] {
+            registry.register(m).expect("unique metric");
+        }
+        Metrics {
+            registry,
+            pushes,
+            push_bytes,
+            push_seconds,
+            rejections,
+            resident_bytes,
+            engine_queue,
+            runs,
+            inflight_bytes,
+        }
+    }
+
+    /// Drops the series of a deleted run.
+    pub fn forget_run(&self, run: &str) {
+        for outcome in ["applied", "duplicate", "not_update_step", "rejected"] {
+            let _ = self.pushes.remove_label_values(&[run, outcome]);
+        }
+        let _ = self.push_bytes.remove_label_values(&[run]);
+        let _ = self.resident_bytes.remove_label_values(&[run]);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
