@@ -17,6 +17,8 @@
 //! - [`engine`]: the thread (one per device) that owns every tensor; decay
 //!   schedules ([`engine::schedule`]), per-rank flat EMA buffers and the update
 //!   kernels.
+//! - [`snapshot`]: consistent cuts, durable files, downloads (full,
+//!   sharded, HF shards), compare, resume and crash recovery.
 //! - [`store`]: the SQLite catalog (runs, ranks, events), migrations under
 //!   `migrations/`.
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
@@ -31,6 +33,7 @@ pub mod engine;
 pub mod http;
 pub mod run;
 pub mod server;
+pub mod snapshot;
 pub mod state;
 pub mod store;
 pub mod telemetry;

@@ -31,7 +31,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("opening the catalog in {}", data_dir.display()))?;
     let (catalog, writer) = CatalogWriter::spawn(store.clone(), args.events_retained);
-    let state = AppInner::open(args, default_device, catalog, store).await?;
+    let (state, captures) = AppInner::open(args, default_device, catalog, store).await?;
+    crate::snapshot::recover(&state)
+        .await
+        .context("recovering from the last run's snapshots")?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let snapshot_tasks = crate::snapshot::spawn_tasks(state.clone(), captures, stop_rx);
     tracing::info!(
         %addr,
         device = %state.default_device,
@@ -41,10 +46,17 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     // Tests and scripts read this line to learn the port.
     println!("polyak listening on http://{addr}");
-    run(listener, state, shutdown_signal()).await?;
+    run(listener, state.clone(), shutdown_signal()).await?;
+    // Requests in flight are done: persist every run that changed, then stop
+    // the snapshot tasks.
+    crate::snapshot::persist_all(&state).await;
+    let _ = stop_tx.send(true);
+    let _ = snapshot_tasks.await;
+    drop(state);
     // Every catalog sender is gone once the state is dropped; the writer
     // flushes what it holds and ends.
     let _ = tokio::time::timeout(Duration::from_secs(10), writer).await;
+    tracing::info!("stopped");
     Ok(())
 }
 

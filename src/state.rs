@@ -11,9 +11,11 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{broadcast, Semaphore};
 
 use crate::config::ServeArgs;
+use crate::engine::capture::CaptureEvent;
 use crate::engine::rank::RankLayout;
 use crate::engine::{device, EngineHandle};
 use crate::run::RunConfig;
+use crate::snapshot::Snapshots;
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
 use crate::store::{Store, StoreError, StoredEvent, StoredRank};
 use crate::telemetry::Metrics;
@@ -211,6 +213,9 @@ pub struct AppInner {
     pub default_device: String,
     pub metrics: Metrics,
     pub events: EventBus,
+    pub snapshots: Snapshots,
+    /// Where engines send their captures.
+    captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
     /// Push bytes that may be held in memory at once, in KiB permits.
     pub inflight: Arc<Semaphore>,
     pub inflight_kib: usize,
@@ -220,18 +225,22 @@ pub struct AppInner {
 pub type AppState = Arc<AppInner>;
 
 impl AppInner {
-    /// Opens the catalog and loads every run from it.
+    /// Opens the catalog and loads every run from it. The receiver gets what
+    /// the engines capture for snapshots.
     pub async fn open(
         args: ServeArgs,
         default_device: tch::Device,
         catalog: CatalogWriter,
         store: Store,
-    ) -> Result<AppState, StoreError> {
+    ) -> Result<(AppState, tokio::sync::mpsc::UnboundedReceiver<CaptureEvent>), StoreError> {
         let last_event = store.max_event_id().await?;
         let inflight_kib = (args.inflight_bytes.0 / 1024).max(1) as usize;
+        let (captures, captures_rx) = tokio::sync::mpsc::unbounded_channel();
         let state = Arc::new(AppInner {
             default_device: device::name(default_device),
             events: EventBus::new(last_event, catalog.clone()),
+            snapshots: Snapshots::new(args.data_dir.clone()),
+            captures,
             catalog,
             store,
             runs: RwLock::new(BTreeMap::new()),
@@ -263,7 +272,7 @@ impl AppInner {
                 tracing::error!(run = %name, "the engine refused the run");
             }
         }
-        Ok(state)
+        Ok((state, captures_rx))
     }
 
     /// The engine of a device, started on first use.
@@ -275,7 +284,7 @@ impl AppInner {
         if let Some(engine) = engines.get(&key) {
             return Ok(engine.clone());
         }
-        let engine = EngineHandle::start(device, self.args.queue_depth)?;
+        let engine = EngineHandle::start(device, self.args.queue_depth, self.captures.clone())?;
         engines.insert(key, engine.clone());
         Ok(engine)
     }

@@ -11,6 +11,7 @@
 //! - [`rank`]: one rank's layout, flat buffers and the update path.
 //! - [`device`]: device names and availability.
 
+pub mod capture;
 pub mod device;
 pub mod rank;
 pub mod schedule;
@@ -25,6 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::run::{EmaDtype, RunConfig};
 use crate::wire::ParsedPush;
+use capture::{capture_rank, CaptureEvent, PendingCut, RankCapture, RestoredRank};
 use rank::{PushOutcome, RankLayout, RankState};
 
 /// Failures of engine work. The HTTP layer maps each to a status.
@@ -61,14 +63,19 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread for `device`, with a queue of `depth` jobs.
-    pub fn start(device: Device, depth: usize) -> std::io::Result<Self> {
+    /// Starts the engine thread for `device`, with a queue of `depth` jobs;
+    /// captures for snapshots go to `captures`.
+    pub fn start(
+        device: Device,
+        depth: usize,
+        captures: mpsc::UnboundedSender<CaptureEvent>,
+    ) -> std::io::Result<Self> {
         let (tx, mut rx) = mpsc::channel::<Job>(depth.max(1));
         std::thread::Builder::new()
             .name(format!("polyak-engine-{}", device::name(device)))
             .spawn(move || {
                 let _guard = tch::no_grad_guard();
-                let mut engine = Engine::new(device);
+                let mut engine = Engine::new(device, captures);
                 while let Some(job) = rx.blocking_recv() {
                     // A panicking job loses its reply (the caller sees
                     // `Stopped`), not the engine.
@@ -135,6 +142,12 @@ pub struct EngineRun {
     copy: globset::GlobSet,
     /// `None` until the rank's first applied push.
     pub ranks: Vec<Option<RankState>>,
+    /// Cuts waiting for ranks to reach their step.
+    pending: Vec<PendingCut>,
+    /// The last step a periodic cut was opened for.
+    last_periodic: Option<u64>,
+    /// Applied pushes since the last state snapshot.
+    pub dirty: u64,
 }
 
 /// A copy of one rank's EMA for one profile, taken on the engine thread
@@ -151,13 +164,24 @@ pub struct EmaExport {
 pub struct Engine {
     device: Device,
     runs: HashMap<String, EngineRun>,
+    captures: mpsc::UnboundedSender<CaptureEvent>,
+}
+
+/// How scheduling a cut went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CutScheduled {
+    /// Waiting for these ranks to reach the step.
+    Waiting(Vec<u32>),
+    /// Every rank was already at the step and has been captured.
+    Captured,
 }
 
 impl Engine {
-    fn new(device: Device) -> Self {
+    fn new(device: Device, captures: mpsc::UnboundedSender<CaptureEvent>) -> Self {
         Engine {
             device,
             runs: HashMap::new(),
+            captures,
         }
     }
 
@@ -175,6 +199,9 @@ impl Engine {
                 config,
                 copy,
                 ranks,
+                pending: Vec::new(),
+                last_periodic: None,
+                dirty: 0,
             },
         );
     }
@@ -271,6 +298,11 @@ impl Engine {
         }
         let state = slot.as_mut().expect("rank state present");
         let skipped = state.apply_push(&config, &push, &order, step, device)?;
+        entry.dirty += 1;
+        self.after_apply(run, rank, step);
+        let state = self.runs[run].ranks[rank as usize]
+            .as_ref()
+            .expect("rank state present");
         Ok(PushOutcome {
             applied: true,
             duplicate: false,
@@ -281,6 +313,239 @@ impl Engine {
             resident_bytes: state.resident_bytes(&config),
             apply_seconds: started.elapsed().as_secs_f64(),
         })
+    }
+
+    /// Captures a rank for the cuts waiting on `step`, fails the cuts it
+    /// jumped over, and opens a periodic cut when `step` is one.
+    fn after_apply(&mut self, run: &str, rank: u32, step: u64) {
+        let captures = self.captures.clone();
+        let Some(entry) = self.runs.get_mut(run) else {
+            return;
+        };
+        let config = entry.config.clone();
+        if config.snapshot_every > 0
+            && step % config.snapshot_every == 0
+            && entry.last_periodic.is_none_or(|s| s < step)
+            && !entry.pending.iter().any(|c| c.step == step)
+        {
+            entry.last_periodic = Some(step);
+            let snapshot = snapshot_id("periodic", step);
+            let profiles: Vec<usize> = (0..config.profiles.len()).collect();
+            let _ = captures.send(CaptureEvent::PeriodicOpened {
+                snapshot: snapshot.clone(),
+                run: run.to_string(),
+                step,
+                profiles: config
+                    .profiles
+                    .iter()
+                    .map(|p| p.name().to_string())
+                    .collect(),
+            });
+            entry.pending.push(PendingCut {
+                snapshot,
+                step,
+                profiles,
+                remaining: (0..config.world_size).collect(),
+            });
+        }
+        let state = entry.ranks[rank as usize]
+            .as_ref()
+            .expect("rank state present");
+        let mut finished = Vec::new();
+        for (i, cut) in entry.pending.iter_mut().enumerate() {
+            if !cut.remaining.contains(&rank) {
+                continue;
+            }
+            if cut.step == step {
+                match capture_rank(&config, state, &cut.snapshot, rank, &cut.profiles) {
+                    Ok(c) => {
+                        let _ = captures.send(CaptureEvent::Captured(Box::new(c)));
+                        cut.remaining.remove(&rank);
+                        if cut.remaining.is_empty() {
+                            finished.push(i);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = captures.send(CaptureEvent::Failed {
+                            snapshot: cut.snapshot.clone(),
+                            reason: format!("capturing rank {rank} failed: {e}"),
+                        });
+                        finished.push(i);
+                    }
+                }
+            } else if step > cut.step {
+                let _ = captures.send(CaptureEvent::Failed {
+                    snapshot: cut.snapshot.clone(),
+                    reason: format!(
+                        "rank {rank} went from before step {} to step {step} without applying it",
+                        cut.step
+                    ),
+                });
+                finished.push(i);
+            }
+        }
+        for i in finished.into_iter().rev() {
+            entry.pending.remove(i);
+        }
+    }
+
+    /// Schedules a cut at `step`: ranks already there are captured now, a
+    /// rank already past it makes the cut impossible.
+    pub fn schedule_cut(
+        &mut self,
+        run: &str,
+        snapshot: &str,
+        step: u64,
+        profiles: Vec<usize>,
+    ) -> Result<CutScheduled, EngineError> {
+        let captures = self.captures.clone();
+        let entry = self
+            .runs
+            .get_mut(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        let config = entry.config.clone();
+        for (rank, state) in entry.ranks.iter().enumerate() {
+            if let Some(last) = state.as_ref().and_then(|s| s.last_step) {
+                if last > step {
+                    return Err(EngineError::StepConflict(format!(
+                        "rank {rank} is already at step {last}, past the snapshot step {step}"
+                    )));
+                }
+            }
+        }
+        let mut remaining = std::collections::BTreeSet::new();
+        let mut captured = Vec::new();
+        for (rank, state) in entry.ranks.iter().enumerate() {
+            match state {
+                Some(s) if s.last_step == Some(step) => {
+                    captured.push(capture_rank(&config, s, snapshot, rank as u32, &profiles)?);
+                }
+                _ => {
+                    remaining.insert(rank as u32);
+                }
+            }
+        }
+        for c in captured {
+            let _ = captures.send(CaptureEvent::Captured(Box::new(c)));
+        }
+        if remaining.is_empty() {
+            return Ok(CutScheduled::Captured);
+        }
+        let waiting = remaining.iter().copied().collect();
+        entry.pending.push(PendingCut {
+            snapshot: snapshot.to_string(),
+            step,
+            profiles,
+            remaining,
+        });
+        Ok(CutScheduled::Waiting(waiting))
+    }
+
+    /// Forgets a pending cut (timed out or deleted); returns whether it was
+    /// pending.
+    pub fn cancel_cut(&mut self, run: &str, snapshot: &str) -> bool {
+        let Some(entry) = self.runs.get_mut(run) else {
+            return false;
+        };
+        let before = entry.pending.len();
+        entry.pending.retain(|c| c.snapshot != snapshot);
+        entry.pending.len() != before
+    }
+
+    /// Captures every rank that holds data, each at its own last step (a
+    /// crash-recovery `state` snapshot). `None` when nothing changed since
+    /// the last one (unless `force`).
+    pub fn capture_state(
+        &mut self,
+        run: &str,
+        snapshot: &str,
+        force: bool,
+    ) -> Result<Option<Vec<RankCapture>>, EngineError> {
+        let entry = self
+            .runs
+            .get_mut(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        if entry.dirty == 0 && !force {
+            return Ok(None);
+        }
+        let config = entry.config.clone();
+        let profiles: Vec<usize> = (0..config.profiles.len()).collect();
+        let mut out = Vec::new();
+        for (rank, state) in entry.ranks.iter().enumerate() {
+            if let Some(s) = state {
+                out.push(capture_rank(&config, s, snapshot, rank as u32, &profiles)?);
+            }
+        }
+        entry.dirty = 0;
+        Ok(Some(out))
+    }
+
+    /// Replaces the run's ranks with restored tensors (start-up recovery and
+    /// `resume`); ranks not restored are emptied. Pending cuts are dropped.
+    pub fn restore(
+        &mut self,
+        run: &str,
+        ranks: Vec<(u32, RestoredRank)>,
+    ) -> Result<(), EngineError> {
+        let device = self.device;
+        let entry = self
+            .runs
+            .get_mut(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        let config = entry.config.clone();
+        let mut built = Vec::with_capacity(ranks.len());
+        for (rank, restored) in ranks {
+            built.push((rank, restored.into_state(&config, device)?));
+        }
+        for slot in entry.ranks.iter_mut() {
+            *slot = None;
+        }
+        for (rank, state) in built {
+            if let Some(slot) = entry.ranks.get_mut(rank as usize) {
+                *slot = Some(state);
+            }
+        }
+        entry.last_periodic = entry
+            .ranks
+            .iter()
+            .filter_map(|s| s.as_ref().and_then(|s| s.last_step))
+            .max();
+        entry.pending.clear();
+        entry.dirty = 0;
+        Ok(())
+    }
+
+    /// Per rank: the last applied step (`None`: no data).
+    pub fn rank_steps(&self, run: &str) -> Result<Vec<Option<u64>>, EngineError> {
+        let entry = self
+            .runs
+            .get(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        Ok(entry
+            .ranks
+            .iter()
+            .map(|s| s.as_ref().and_then(|s| s.last_step))
+            .collect())
+    }
+
+    /// Copies one profile of every rank that holds data (for `compare`
+    /// against the live EMA).
+    pub fn export_all(
+        &self,
+        run: &str,
+        profile: &str,
+    ) -> Result<Vec<(u32, EmaExport)>, EngineError> {
+        let entry = self
+            .runs
+            .get(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        let mut out = Vec::new();
+        for (rank, state) in entry.ranks.iter().enumerate() {
+            if state.is_some() {
+                out.push((rank as u32, self.export_ema(run, rank as u32, profile)?));
+            }
+        }
+        Ok(out)
     }
 
     /// Copies one rank's EMA of one profile (device-side copy; the caller
@@ -336,6 +601,11 @@ impl EmaExport {
             .collect::<Result<_, _>>()?;
         Ok(self)
     }
+}
+
+/// A new snapshot id: `<kind>-<step>-<4 hex>`, safe as a path component.
+pub fn snapshot_id(kind: &str, step: u64) -> String {
+    format!("{kind}-{step}-{:04x}", rand::random::<u16>())
 }
 
 /// A new tensor with the same values, on the same device.

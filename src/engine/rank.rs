@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use super::schedule::{decide, Action};
@@ -25,7 +25,7 @@ use crate::run::RunConfig;
 use crate::wire::{Chunk, DType, ParsedPush, PushKind, WireTensor};
 
 /// Whether a tensor is averaged or copied, and where it lives.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 pub enum Slot {
     /// Element offset in each profile's flat EMA buffer.
@@ -35,32 +35,33 @@ pub enum Slot {
 }
 
 /// One tensor of a rank's registered layout.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LayoutTensor {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<i64>,
     pub numel: i64,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk: Option<Chunk>,
     #[serde(flatten)]
     pub slot: Slot,
     /// Mirror group and element offset.
-    #[serde(skip)]
+    #[serde(rename = "mirror_slot")]
     pub mirror: (usize, i64),
 }
 
 /// A flat buffer's dtype and length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Group {
     pub dtype: DType,
     pub numel: i64,
 }
 
 /// The tensors a rank registered with its first push.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RankLayout {
     pub tensors: Vec<LayoutTensor>,
+    /// Name -> position in `tensors` (rebuilt after deserialising).
     #[serde(skip)]
     pub index: HashMap<String, usize>,
     /// Elements in each profile's flat EMA buffer.
@@ -126,6 +127,16 @@ impl RankLayout {
             copied_groups,
             mirror_groups,
         }
+    }
+
+    /// Rebuilds the name index (it is not serialised).
+    pub fn rebuild_index(&mut self) {
+        self.index = self
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
     }
 
     /// For each pushed tensor, the index of its layout tensor; or why the

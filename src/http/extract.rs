@@ -45,6 +45,25 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
     }
 }
 
+/// Like [`ApiJson`], but an empty body means `T::default()`.
+pub struct MaybeJson<T>(pub T);
+
+impl<T: DeserializeOwned + Default> FromRequest<AppState> for MaybeJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let empty = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() == b"0");
+        if empty {
+            return Ok(MaybeJson(T::default()));
+        }
+        let ApiJson(value) = ApiJson::<T>::from_request(req, state).await?;
+        Ok(MaybeJson(value))
+    }
+}
+
 /// Looks up a run by a path segment: 400 for a name that can never be a
 /// run, 404 for one that is not.
 pub fn run_named(state: &AppState, name: &str) -> Result<Arc<RunHandle>, ApiError> {

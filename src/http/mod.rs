@@ -5,6 +5,7 @@
 //! - [`extract`]: JSON bodies and path segments that fail in the API's shape.
 //! - [`runs`]: runs and ranks, a rank's live EMA.
 //! - [`push`]: the push endpoint.
+//! - [`snapshots`]: snapshots, downloads, compare, resume.
 //! - [`events`]: Server-Sent Events.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
 
@@ -15,6 +16,7 @@ pub mod extract;
 pub mod ops;
 pub mod push;
 pub mod runs;
+pub mod snapshots;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
@@ -32,6 +34,8 @@ use crate::state::AppState;
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
         runs::list_ranks, runs::get_rank, runs::get_rank_ema,
         push::push,
+        snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
+        snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
         events::events,
     ),
     components(schemas(
@@ -41,11 +45,17 @@ use crate::state::AppState;
         runs::RunView, runs::CreatedRun, runs::RunList,
         crate::state::RankView, push::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
+        snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
+        snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
+        snapshots::PersistResponse, crate::store::snapshots::SnapshotRow,
+        crate::store::snapshots::FileRow, crate::snapshot::compare::TensorStats,
+        crate::snapshot::compare::CompareSummary, crate::snapshot::compare::CompareResult,
     )),
     tags(
         (name = "runs", description = "Create, list and delete runs"),
         (name = "ranks", description = "Ranks and their live EMA"),
         (name = "push", description = "Push parameter shards"),
+        (name = "snapshots", description = "Consistent snapshots, downloads, compare, resume"),
         (name = "monitoring", description = "Events and metrics"),
         (name = "ops", description = "Health and metrics"),
     )
@@ -72,6 +82,27 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))
         .route("/v1/runs/{run}/ranks/{rank}/ema", get(runs::get_rank_ema))
         .route("/v1/runs/{run}/events", get(events::events))
+        .route(
+            "/v1/runs/{run}/snapshots",
+            get(snapshots::list).post(snapshots::create),
+        )
+        .route(
+            "/v1/runs/{run}/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
+        .route(
+            "/v1/runs/{run}/snapshots/{id}/download",
+            get(snapshots::download),
+        )
+        .route("/v1/runs/{run}/compare", get(snapshots::compare))
+        .route(
+            "/v1/runs/{run}/resume",
+            axum::routing::post(snapshots::resume),
+        )
+        .route(
+            "/v1/runs/{run}/persist",
+            axum::routing::post(snapshots::persist),
+        )
         .layer(DefaultBodyLimit::max(body_limit));
     Router::new()
         .route("/livez", get(ops::livez))

@@ -14,11 +14,11 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, ApiJson};
-use crate::engine::rank::Slot;
-use crate::engine::{device, host_bytes, EmaExport};
+use crate::engine::device;
 use crate::run::{RunConfig, RunSpec};
+use crate::snapshot::format::profile_part;
 use crate::state::{now_ms, token_hash, AppState, RankView, RunHandle, RunTokens};
-use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
+use crate::wire::DType;
 
 /// A run as listed.
 #[derive(Debug, Serialize, ToSchema)]
@@ -301,10 +301,10 @@ pub async fn get_rank_ema(
     if let Some(step) = host.last_step {
         meta.insert("polyak.step".to_string(), step.to_string());
     }
-    let (header, chunks) = ema_file(host, meta);
-    let len = header.file_len();
-    let mut parts = vec![bytes::Bytes::from(header.into_bytes())];
-    parts.extend(chunks);
+    let file = profile_part(&host.layout, host.ema, host.copied, meta);
+    let len = file.len();
+    let mut parts = vec![bytes::Bytes::from(file.header.into_bytes())];
+    parts.extend(file.blocks);
     let stream = futures::stream::iter(parts.into_iter().map(Ok::<_, std::io::Error>));
     let mut response = Body::from_stream(stream).into_response();
     let headers = response.headers_mut();
@@ -314,52 +314,4 @@ pub async fn get_rank_ema(
     );
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     Ok(response)
-}
-
-/// Lays an export out as one safetensors file: blocks in decreasing
-/// element size (so every tensor stays aligned), each block's tensors in
-/// layout order. Returns the header and the blocks' bytes.
-fn ema_file(
-    export: EmaExport,
-    mut meta: BTreeMap<String, String>,
-) -> (SafetensorsHeader, Vec<bytes::Bytes>) {
-    let layout = export.layout.clone();
-    let ema_dtype = DType::from_kind(export.ema.kind()).unwrap_or(DType::F32);
-    // (dtype, tensor indices in layout order, bytes)
-    let mut blocks: Vec<(DType, Vec<usize>, bytes::Bytes)> = Vec::new();
-    let averaged: Vec<usize> = (0..layout.tensors.len())
-        .filter(|&i| matches!(layout.tensors[i].slot, Slot::Averaged { .. }))
-        .collect();
-    blocks.push((ema_dtype, averaged, host_bytes(export.ema)));
-    for (g, tensor) in export.copied.into_iter().enumerate() {
-        let members: Vec<usize> = (0..layout.tensors.len())
-            .filter(|&i| matches!(layout.tensors[i].slot, Slot::Copied { group, .. } if group == g))
-            .collect();
-        blocks.push((layout.copied_groups[g].dtype, members, host_bytes(tensor)));
-    }
-    blocks.sort_by_key(|(d, _, _)| std::cmp::Reverse(d.size()));
-    let mut entries = Vec::new();
-    let mut shards = serde_json::Map::new();
-    for (dtype, members, _) in &blocks {
-        for &i in members {
-            let t = &layout.tensors[i];
-            entries.push(HeaderEntry {
-                name: t.name.clone(),
-                dtype: *dtype,
-                shape: t.shape.clone(),
-                nbytes: t.numel as usize * dtype.size(),
-            });
-            if let Some(chunk) = &t.chunk {
-                shards.insert(t.name.clone(), serde_json::json!(chunk));
-            }
-        }
-    }
-    if !shards.is_empty() {
-        meta.insert(
-            crate::wire::push::SHARDS_KEY.to_string(),
-            serde_json::Value::Object(shards).to_string(),
-        );
-    }
-    let header = SafetensorsHeader::new(entries, meta);
-    (header, blocks.into_iter().map(|(_, _, b)| b).collect())
 }

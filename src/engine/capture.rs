@@ -1,0 +1,166 @@
+//! Consistent cuts on the engine side.
+//!
+//! A pending cut waits for each rank to apply step `S`; right after a rank
+//! applies it, the rank's buffers are copied on the device (the only work
+//! ingestion waits for) and handed to the snapshot writer, which serialises
+//! and persists them elsewhere. A rank that is already past `S`, or that
+//! jumps over it, fails the cut with a reason.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use super::rank::{RankLayout, RankState};
+use super::{deep_copy, EngineError};
+use crate::run::RunConfig;
+
+/// A cut the engine is waiting on.
+#[derive(Debug, Clone)]
+pub struct PendingCut {
+    pub snapshot: String,
+    pub step: u64,
+    /// Profile indices captured.
+    pub profiles: Vec<usize>,
+    /// Ranks that have not captured yet.
+    pub remaining: BTreeSet<u32>,
+}
+
+/// The step bookkeeping of a rank that a restore needs, stored as JSON with
+/// the snapshot's files.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankMeta {
+    pub layout: RankLayout,
+    pub last_step: Option<u64>,
+    /// xxh3-128 of the body applied at `last_step`, hex.
+    pub last_digest: Option<String>,
+    /// Per profile name: pushes averaged (SWA).
+    pub swa_n: BTreeMap<String, u64>,
+    pub has_keyframe: bool,
+}
+
+/// One rank's buffers at one step, copied on the device.
+pub struct RankCapture {
+    pub snapshot: String,
+    pub run: String,
+    pub rank: u32,
+    pub step: u64,
+    pub layout: Arc<RankLayout>,
+    /// (profile name, flat EMA copy)
+    pub profiles: Vec<(String, Tensor)>,
+    pub copied: Vec<Tensor>,
+    pub mirror: Option<Vec<Tensor>>,
+    pub meta: RankMeta,
+}
+
+/// What the engine tells the snapshot manager.
+pub enum CaptureEvent {
+    /// A rank's part of a cut (or of a state snapshot) is ready to write.
+    Captured(Box<RankCapture>),
+    /// A cut cannot complete.
+    Failed { snapshot: String, reason: String },
+    /// The engine opened a periodic cut at `step` (the manager records it).
+    PeriodicOpened {
+        snapshot: String,
+        run: String,
+        step: u64,
+        profiles: Vec<String>,
+    },
+}
+
+/// Copies a rank's buffers for the given profiles (and the mirror).
+pub fn capture_rank(
+    config: &RunConfig,
+    state: &RankState,
+    snapshot: &str,
+    rank: u32,
+    profiles: &[usize],
+) -> Result<RankCapture, EngineError> {
+    let step = state.last_step.unwrap_or(0);
+    Ok(RankCapture {
+        snapshot: snapshot.to_string(),
+        run: config.name.clone(),
+        rank,
+        step,
+        layout: state.layout.clone(),
+        profiles: profiles
+            .iter()
+            .map(|&p| {
+                Ok((
+                    config.profiles[p].name().to_string(),
+                    deep_copy(&state.ema[p])?,
+                ))
+            })
+            .collect::<Result<_, EngineError>>()?,
+        copied: state
+            .copied
+            .iter()
+            .map(deep_copy)
+            .collect::<Result<_, _>>()?,
+        mirror: match &state.mirror {
+            Some(m) => Some(m.iter().map(deep_copy).collect::<Result<_, _>>()?),
+            None => None,
+        },
+        meta: meta_of(config, state),
+    })
+}
+
+pub fn meta_of(config: &RunConfig, state: &RankState) -> RankMeta {
+    RankMeta {
+        layout: (*state.layout).clone(),
+        last_step: state.last_step,
+        last_digest: state.last_digest.map(|d| format!("{d:032x}")),
+        swa_n: config
+            .profiles
+            .iter()
+            .zip(&state.swa_n)
+            .map(|(p, &n)| (p.name().to_string(), n))
+            .collect(),
+        has_keyframe: state.has_keyframe,
+    }
+}
+
+/// Tensors read back from a snapshot, to rebuild a rank.
+pub struct RestoredRank {
+    pub meta: RankMeta,
+    /// Per profile index: the flat EMA (ema dtype, on the host).
+    pub ema: Vec<Tensor>,
+    pub copied: Vec<Tensor>,
+    pub mirror: Option<Vec<Tensor>>,
+}
+
+impl RestoredRank {
+    /// Builds the engine's rank state on `device`.
+    pub fn into_state(
+        self,
+        config: &RunConfig,
+        device: tch::Device,
+    ) -> Result<RankState, EngineError> {
+        let mut layout = self.meta.layout;
+        layout.rebuild_index();
+        let to = |t: Tensor| t.f_to_device(device);
+        let swa_n = config
+            .profiles
+            .iter()
+            .map(|p| self.meta.swa_n.get(p.name()).copied().unwrap_or(0))
+            .collect();
+        Ok(RankState {
+            layout: Arc::new(layout),
+            ema: self.ema.into_iter().map(to).collect::<Result<_, _>>()?,
+            copied: self.copied.into_iter().map(to).collect::<Result<_, _>>()?,
+            mirror: match self.mirror {
+                Some(m) => Some(m.into_iter().map(to).collect::<Result<_, _>>()?),
+                None => None,
+            },
+            swa_n,
+            last_step: self.meta.last_step,
+            last_digest: self
+                .meta
+                .last_digest
+                .as_deref()
+                .and_then(|d| u128::from_str_radix(d, 16).ok()),
+            has_keyframe: self.meta.has_keyframe,
+        })
+    }
+}

@@ -1,0 +1,180 @@
+//! Durable files: written under a temporary name, fsynced, renamed, the
+//! directory fsynced; only then does the catalog call them complete.
+//! At start, anything the catalog does not list as complete is removed.
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use super::format::PartFile;
+
+/// Suffix of files being written.
+pub const TMP_SUFFIX: &str = ".tmp";
+
+/// A file as recorded in the catalog.
+#[derive(Debug, Clone)]
+pub struct WrittenFile {
+    /// Relative to the data dir.
+    pub path: String,
+    pub sha256: String,
+    pub bytes: u64,
+}
+
+/// `runs/<run>/snapshots/<id>` (relative to the data dir).
+pub fn snapshot_rel_dir(run: &str, id: &str) -> PathBuf {
+    Path::new("runs").join(run).join("snapshots").join(id)
+}
+
+/// File name of one rank's part.
+pub fn part_file_name(rank: u32, part: &str) -> String {
+    format!("rank-{rank:05}.{part}.safetensors")
+}
+
+struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes `part` to `data_dir/rel` durably (the directory itself is synced
+/// by [`sync_dir`] once all of its files are in place).
+pub fn write_part(data_dir: &Path, rel: &Path, part: &PartFile) -> io::Result<WrittenFile> {
+    let path = data_dir.join(rel);
+    if let Some(parent) = path.parent() {
+        fs::create_dir_all(parent)?;
+    }
+    let tmp = tmp_path(&path);
+    let file = File::create(&tmp)?;
+    let mut w = HashingWriter {
+        inner: io::BufWriter::with_capacity(4 << 20, file),
+        hasher: Sha256::new(),
+        bytes: 0,
+    };
+    w.write_all(part.header.bytes())?;
+    for block in &part.blocks {
+        w.write_all(block)?;
+    }
+    w.flush()?;
+    let HashingWriter {
+        inner,
+        hasher,
+        bytes,
+    } = w;
+    let file = inner.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(&tmp, &path)?;
+    Ok(WrittenFile {
+        path: rel.to_string_lossy().into_owned(),
+        sha256: hex::encode(hasher.finalize()),
+        bytes,
+    })
+}
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(TMP_SUFFIX);
+    PathBuf::from(name)
+}
+
+/// fsync a directory, so the renames in it are durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// sha256 of a file, streamed.
+pub fn sha256_file(path: &Path) -> io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    io::copy(&mut file, &mut hasher)?;
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// Removes every snapshot directory under `data_dir/runs/*/snapshots/` that
+/// is not in `keep` (as `(run, id)`), and stray temporary files inside the
+/// kept ones. Returns what was removed.
+pub fn remove_unlisted(
+    data_dir: &Path,
+    keep: &HashSet<(String, String)>,
+) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let runs = data_dir.join("runs");
+    let Ok(run_dirs) = fs::read_dir(&runs) else {
+        return Ok(removed);
+    };
+    for run_dir in run_dirs.flatten() {
+        let run = run_dir.file_name().to_string_lossy().into_owned();
+        let Ok(snaps) = fs::read_dir(run_dir.path().join("snapshots")) else {
+            continue;
+        };
+        for snap in snaps.flatten() {
+            let id = snap.file_name().to_string_lossy().into_owned();
+            if keep.contains(&(run.clone(), id)) {
+                for f in fs::read_dir(snap.path())?.flatten() {
+                    if f.file_name().to_string_lossy().ends_with(TMP_SUFFIX) {
+                        fs::remove_file(f.path())?;
+                        removed.push(f.path());
+                    }
+                }
+            } else {
+                fs::remove_dir_all(snap.path())?;
+                removed.push(snap.path());
+            }
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn writes_hash_and_cleans_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let part = PartFile {
+            header: SafetensorsHeader::new(
+                vec![HeaderEntry {
+                    name: "w".into(),
+                    dtype: DType::F32,
+                    shape: vec![2],
+                    nbytes: 8,
+                }],
+                BTreeMap::new(),
+            ),
+            blocks: vec![bytes::Bytes::from(vec![0u8; 8])],
+        };
+        let rel = snapshot_rel_dir("r", "s1").join(part_file_name(0, "ema"));
+        let written = write_part(dir.path(), &rel, &part).unwrap();
+        let path = dir.path().join(&rel);
+        assert_eq!(written.bytes, std::fs::metadata(&path).unwrap().len());
+        assert_eq!(written.sha256, sha256_file(&path).unwrap());
+        assert!(!tmp_path(&path).exists());
+        // A half-written file and an unlisted snapshot are removed.
+        std::fs::write(tmp_path(&path), b"partial").unwrap();
+        let orphan = dir.path().join(snapshot_rel_dir("r", "s2"));
+        std::fs::create_dir_all(&orphan).unwrap();
+        let keep = HashSet::from([("r".to_string(), "s1".to_string())]);
+        let removed = remove_unlisted(dir.path(), &keep).unwrap();
+        assert_eq!(removed.len(), 2);
+        assert!(path.exists() && !orphan.exists() && !tmp_path(&path).exists());
+    }
+}

@@ -1,0 +1,224 @@
+//! The file format of one rank's part: a safetensors file holding the
+//! rank's tensors under the names, shapes and chunk metadata it pushed.
+//!
+//! A profile part holds the profile's averaged tensors (in the EMA dtype)
+//! and the copied tensors; the `__mirror__` part holds the mirror, every
+//! tensor in its pushed dtype. Blocks are laid out in decreasing element
+//! size, so every tensor stays aligned; inside a block, tensors follow the
+//! layout order, so each flat buffer is one contiguous byte range of the
+//! file. The same layout answers `GET .../ranks/{rank}/ema`.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use tch::{Kind, Tensor};
+
+use crate::engine::capture::{RankMeta, RestoredRank};
+use crate::engine::host_bytes;
+use crate::engine::rank::{RankLayout, Slot};
+use crate::wire::push::SHARDS_KEY;
+use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
+
+/// The part name of the mirror.
+pub const MIRROR_PART: &str = "__mirror__";
+
+/// A file's header and its data blocks, in order.
+pub struct PartFile {
+    pub header: SafetensorsHeader,
+    pub blocks: Vec<Bytes>,
+}
+
+impl PartFile {
+    pub fn len(&self) -> u64 {
+        self.header.file_len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn shards_metadata(layout: &RankLayout, meta: &mut BTreeMap<String, String>) {
+    let mut shards = serde_json::Map::new();
+    for t in &layout.tensors {
+        if let Some(chunk) = &t.chunk {
+            shards.insert(t.name.clone(), serde_json::json!(chunk));
+        }
+    }
+    if !shards.is_empty() {
+        meta.insert(
+            SHARDS_KEY.to_string(),
+            serde_json::Value::Object(shards).to_string(),
+        );
+    }
+}
+
+/// Lays out `blocks` (dtype, member tensor indices, bytes) as one file.
+fn assemble(
+    layout: &RankLayout,
+    mut blocks: Vec<(DType, Vec<usize>, Bytes)>,
+    mut meta: BTreeMap<String, String>,
+) -> PartFile {
+    blocks.sort_by_key(|(d, _, _)| std::cmp::Reverse(d.size()));
+    let mut entries = Vec::new();
+    for (dtype, members, _) in &blocks {
+        for &i in members {
+            let t = &layout.tensors[i];
+            entries.push(HeaderEntry {
+                name: t.name.clone(),
+                dtype: *dtype,
+                shape: t.shape.clone(),
+                nbytes: t.numel as usize * dtype.size(),
+            });
+        }
+    }
+    shards_metadata(layout, &mut meta);
+    PartFile {
+        header: SafetensorsHeader::new(entries, meta),
+        blocks: blocks.into_iter().map(|(_, _, b)| b).collect(),
+    }
+}
+
+fn averaged_members(layout: &RankLayout) -> Vec<usize> {
+    (0..layout.tensors.len())
+        .filter(|&i| matches!(layout.tensors[i].slot, Slot::Averaged { .. }))
+        .collect()
+}
+
+fn copied_members(layout: &RankLayout, group: usize) -> Vec<usize> {
+    (0..layout.tensors.len())
+        .filter(|&i| matches!(layout.tensors[i].slot, Slot::Copied { group: g, .. } if g == group))
+        .collect()
+}
+
+/// A profile part from host tensors: the flat EMA and the copied groups.
+pub fn profile_part(
+    layout: &RankLayout,
+    ema: Tensor,
+    copied: Vec<Tensor>,
+    meta: BTreeMap<String, String>,
+) -> PartFile {
+    let ema_dtype = DType::from_kind(ema.kind()).unwrap_or(DType::F32);
+    let mut blocks = vec![(ema_dtype, averaged_members(layout), host_bytes(ema))];
+    for (g, tensor) in copied.into_iter().enumerate() {
+        blocks.push((
+            layout.copied_groups[g].dtype,
+            copied_members(layout, g),
+            host_bytes(tensor),
+        ));
+    }
+    assemble(layout, blocks, meta)
+}
+
+/// The mirror part: one block per pushed dtype.
+pub fn mirror_part(
+    layout: &RankLayout,
+    mirror: Vec<Tensor>,
+    meta: BTreeMap<String, String>,
+) -> PartFile {
+    let blocks = mirror
+        .into_iter()
+        .enumerate()
+        .map(|(g, tensor)| {
+            let members = (0..layout.tensors.len())
+                .filter(|&i| layout.tensors[i].mirror.0 == g)
+                .collect();
+            (layout.mirror_groups[g].dtype, members, host_bytes(tensor))
+        })
+        .collect();
+    assemble(layout, blocks, meta)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    #[error("{0}")]
+    Parse(String),
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+/// Concatenates the named tensors' bytes into one flat host tensor.
+fn gather(file: &[u8], names: &[&str], dtype: DType, numel: i64) -> Result<Tensor, FormatError> {
+    let st = safetensors::SafeTensors::deserialize(file)
+        .map_err(|e| FormatError::Parse(e.to_string()))?;
+    let mut buf = Vec::with_capacity(numel as usize * dtype.size());
+    for name in names {
+        let view = st
+            .tensor(name)
+            .map_err(|e| FormatError::Parse(format!("`{name}`: {e}")))?;
+        if DType::from_safetensors(view.dtype()) != Some(dtype) {
+            return Err(FormatError::Parse(format!(
+                "`{name}` has dtype {:?}, expected {dtype}",
+                view.dtype()
+            )));
+        }
+        buf.extend_from_slice(view.data());
+    }
+    if buf.len() != numel as usize * dtype.size() {
+        return Err(FormatError::Parse(format!(
+            "expected {numel} elements of {dtype}, found {} bytes",
+            buf.len()
+        )));
+    }
+    Ok(Tensor::f_from_data_size(&buf, &[numel], dtype.kind())?)
+}
+
+/// Rebuilds a rank from its part files: `profiles` in the run's profile
+/// order, each with its file's bytes; `mirror` when the run keeps one.
+pub fn restore_rank(
+    meta: RankMeta,
+    profiles: &[Vec<u8>],
+    mirror: Option<&[u8]>,
+    ema_kind: Kind,
+) -> Result<RestoredRank, FormatError> {
+    let layout = &meta.layout;
+    let ema_dtype = DType::from_kind(ema_kind).unwrap_or(DType::F32);
+    let averaged: Vec<&str> = averaged_members(layout)
+        .into_iter()
+        .map(|i| layout.tensors[i].name.as_str())
+        .collect();
+    let ema = profiles
+        .iter()
+        .map(|file| gather(file, &averaged, ema_dtype, layout.ema_numel))
+        .collect::<Result<Vec<_>, _>>()?;
+    let first = profiles
+        .first()
+        .ok_or_else(|| FormatError::Parse("no profile part to restore from".into()))?;
+    let copied = layout
+        .copied_groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| {
+            let names: Vec<&str> = copied_members(layout, g)
+                .into_iter()
+                .map(|i| layout.tensors[i].name.as_str())
+                .collect();
+            gather(first, &names, group.dtype, group.numel)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mirror = match mirror {
+        None => None,
+        Some(file) => Some(
+            layout
+                .mirror_groups
+                .iter()
+                .enumerate()
+                .map(|(g, group)| {
+                    let names: Vec<&str> = layout
+                        .tensors
+                        .iter()
+                        .filter(|t| t.mirror.0 == g)
+                        .map(|t| t.name.as_str())
+                        .collect();
+                    gather(file, &names, group.dtype, group.numel)
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+    };
+    Ok(RestoredRank {
+        meta,
+        ema,
+        copied,
+        mirror,
+    })
+}

@@ -1,0 +1,233 @@
+//! Catalog rows of snapshots and their files.
+
+use std::collections::HashSet;
+
+use serde::Serialize;
+use sqlx::Row;
+use utoipa::ToSchema;
+
+use super::{Store, StoreError};
+
+/// A snapshot as listed.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct SnapshotRow {
+    pub id: String,
+    pub run: String,
+    pub step: u64,
+    /// `manual`, `periodic`, `state` or `posthoc`.
+    pub kind: String,
+    pub label: Option<String>,
+    pub profiles: Vec<String>,
+    /// `pending`, `complete` or `failed`.
+    pub status: String,
+    pub reason: Option<String>,
+    pub created_at_ms: i64,
+    pub completed_at_ms: Option<i64>,
+    pub deadline_ms: Option<i64>,
+    /// Bytes of all files.
+    pub bytes: u64,
+    #[schema(value_type = Object)]
+    pub detail: serde_json::Value,
+}
+
+/// One stored file of a complete snapshot.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FileRow {
+    pub rank: u32,
+    /// Profile name, or `__mirror__`.
+    pub part: String,
+    /// Relative to the data dir.
+    pub path: String,
+    pub sha256: String,
+    pub bytes: u64,
+    /// The rank's step in this file.
+    pub step: u64,
+    /// Step bookkeeping and layout needed to restore the rank (JSON).
+    #[serde(skip)]
+    pub state: String,
+}
+
+fn row_to_snapshot(row: sqlx::sqlite::SqliteRow) -> Result<SnapshotRow, StoreError> {
+    Ok(SnapshotRow {
+        id: row.get("id"),
+        run: row.get("run"),
+        step: row.get::<i64, _>("step") as u64,
+        kind: row.get("kind"),
+        label: row.get("label"),
+        profiles: serde_json::from_str(row.get::<&str, _>("profiles"))?,
+        status: row.get("status"),
+        reason: row.get("reason"),
+        created_at_ms: row.get("created_at_ms"),
+        completed_at_ms: row.get("completed_at_ms"),
+        deadline_ms: row.get("deadline_ms"),
+        bytes: row.get::<i64, _>("bytes") as u64,
+        detail: serde_json::from_str(row.get::<&str, _>("detail"))?,
+    })
+}
+
+const COLUMNS: &str = "id, run, step, kind, label, profiles, status, reason, created_at_ms, completed_at_ms, deadline_ms, bytes, detail";
+
+impl Store {
+    pub async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO snapshots (id, run, step, kind, label, profiles, status, reason, created_at_ms, deadline_ms, detail) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&s.id)
+        .bind(&s.run)
+        .bind(s.step as i64)
+        .bind(&s.kind)
+        .bind(&s.label)
+        .bind(serde_json::to_string(&s.profiles)?)
+        .bind(&s.status)
+        .bind(&s.reason)
+        .bind(s.created_at_ms)
+        .bind(s.deadline_ms)
+        .bind(s.detail.to_string())
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// Marks a pending snapshot complete with its files, in one transaction.
+    /// Returns false when it was no longer pending (failed or deleted).
+    pub async fn complete_snapshot(
+        &self,
+        id: &str,
+        step: u64,
+        files: &[FileRow],
+        completed_at_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let bytes: u64 = files.iter().map(|f| f.bytes).sum();
+        let done = sqlx::query(
+            "UPDATE snapshots SET status = 'complete', completed_at_ms = ?, bytes = ?, step = ? \
+             WHERE id = ? AND status = 'pending'",
+        )
+        .bind(completed_at_ms)
+        .bind(bytes as i64)
+        .bind(step as i64)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() == 0 {
+            return Ok(false);
+        }
+        for f in files {
+            sqlx::query(
+                "INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            )
+            .bind(id)
+            .bind(f.rank as i64)
+            .bind(&f.part)
+            .bind(&f.path)
+            .bind(&f.sha256)
+            .bind(f.bytes as i64)
+            .bind(f.step as i64)
+            .bind(&f.state)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Marks a pending snapshot failed; false when it was not pending.
+    pub async fn fail_snapshot(
+        &self,
+        id: &str,
+        reason: &str,
+        at_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE snapshots SET status = 'failed', reason = ?, completed_at_ms = ? WHERE id = ? AND status = 'pending'",
+        )
+        .bind(reason)
+        .bind(at_ms)
+        .bind(id)
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    pub async fn snapshots(&self, run: &str) -> Result<Vec<SnapshotRow>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE run = ? ORDER BY created_at_ms, id"
+        ))
+        .bind(run)
+        .fetch_all(self.pool())
+        .await?;
+        rows.into_iter().map(row_to_snapshot).collect()
+    }
+
+    pub async fn snapshot(&self, run: &str, id: &str) -> Result<Option<SnapshotRow>, StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE run = ? AND id = ?"
+        ))
+        .bind(run)
+        .bind(id)
+        .fetch_optional(self.pool())
+        .await?;
+        row.map(row_to_snapshot).transpose()
+    }
+
+    pub async fn snapshot_files(&self, id: &str) -> Result<Vec<FileRow>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT rank, part, path, sha256, bytes, step, state FROM snapshot_files WHERE snapshot = ? ORDER BY rank, part",
+        )
+        .bind(id)
+        .fetch_all(self.pool())
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| FileRow {
+                rank: row.get::<i64, _>("rank") as u32,
+                part: row.get("part"),
+                path: row.get("path"),
+                sha256: row.get("sha256"),
+                bytes: row.get::<i64, _>("bytes") as u64,
+                step: row.get::<i64, _>("step") as u64,
+                state: row.get("state"),
+            })
+            .collect())
+    }
+
+    /// Deletes a snapshot row (its file rows go with it).
+    pub async fn delete_snapshot(&self, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM snapshots WHERE id = ?")
+            .bind(id)
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// At start: snapshots left pending by a stop are failed. Returns them.
+    pub async fn fail_interrupted(&self, at_ms: i64) -> Result<Vec<(String, String)>, StoreError> {
+        let rows = sqlx::query("SELECT run, id FROM snapshots WHERE status = 'pending'")
+            .fetch_all(self.pool())
+            .await?;
+        sqlx::query(
+            "UPDATE snapshots SET status = 'failed', reason = 'interrupted: the server stopped before every rank was written', \
+             completed_at_ms = ? WHERE status = 'pending'",
+        )
+        .bind(at_ms)
+        .execute(self.pool())
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.get("run"), r.get("id")))
+            .collect())
+    }
+
+    /// `(run, id)` of every complete snapshot.
+    pub async fn complete_snapshot_ids(&self) -> Result<HashSet<(String, String)>, StoreError> {
+        let rows = sqlx::query("SELECT run, id FROM snapshots WHERE status = 'complete'")
+            .fetch_all(self.pool())
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.get("run"), r.get("id")))
+            .collect())
+    }
+}

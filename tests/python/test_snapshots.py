@@ -1,0 +1,490 @@
+"""Snapshots: consistent cuts, full/sharded/HF downloads, Range and dtype,
+compare, resume. Ranks push FSDP2-style chunks (uneven ``Shard(0)`` splits,
+a rank holding zero rows, one tensor split along dim 1)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import tarfile
+import time
+
+import httpx
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from refs import SmallNet, averaged_state, rel_err
+from shardsim import push_ranks
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+WORLD = 2
+DIMS = {"fc1.weight": 1}  # one tensor chunked along dim 1 (assembled, not streamed)
+
+
+class TinyLM(SmallNet):
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 8))  # one row: rank 1 holds zero rows
+
+    def forward(self, idx):
+        return super().forward(idx) + self.cls.mean()
+
+
+class Trainer:
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        self.model = TinyLM()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
+        self.gen = torch.Generator().manual_seed(seed + 7)
+
+    def step(self):
+        idx = torch.randint(0, 40, (16, 6), generator=self.gen)
+        target = torch.randint(0, 5, (16,), generator=self.gen)
+        loss = nn.functional.cross_entropy(self.model(idx), target)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+    def state(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint(self):
+        return {
+            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
+            "opt": {
+                "state": {
+                    k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
+                    for k, s in self.opt.state_dict()["state"].items()
+                },
+                "param_groups": self.opt.state_dict()["param_groups"],
+            },
+            "gen": self.gen.get_state(),
+        }
+
+    def restore(self, ckpt):
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["opt"])
+        self.gen.set_state(ckpt["gen"])
+
+
+@pytest.fixture()
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def create(client, name, **extra):
+    body = {
+        "name": name,
+        "world_size": WORLD,
+        "profiles": [
+            {"name": "ema", "kind": "constant", "beta": 0.8},
+            {"name": "slow", "kind": "constant", "beta": 0.95},
+        ],
+        **extra,
+    }
+    r = client.post("/v1/runs", json=body)
+    assert r.status_code == 201, r.text
+
+
+def wait_done(client, run, sid, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = client.get(f"/v1/runs/{run}/snapshots/{sid}").json()
+        if s["status"] != "pending":
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"snapshot {sid} still pending")
+
+
+def snapshot(client, run, **body):
+    r = client.post(f"/v1/runs/{run}/snapshots", json=body)
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+def download(client, run, sid, **params):
+    r = client.get(f"/v1/runs/{run}/snapshots/{sid}/download", params=params)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def check_state(got, want, online, rtol=1e-6):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k, w in want.items():
+        assert got[k].shape == w.shape, k
+        if w.is_floating_point():
+            assert rel_err(got[k], w) <= rtol, (k, rel_err(got[k], w))
+        else:
+            assert torch.equal(got[k], online[k]), k
+
+
+def train_and_push(client, run, steps, trainer, refs, snap_at=()):
+    """Pushes steps; returns {step: (reference EMA states, online state)} for ``snap_at``."""
+    seen = {}
+    for step in steps:
+        trainer.step()
+        state = trainer.state()
+        push_ranks(client, run, step, state, WORLD, dims=DIMS)
+        for r in refs.values():
+            r.update_parameters(trainer.model)
+        if step in snap_at:
+            seen[step] = ({k: averaged_state(r) for k, r in refs.items()}, state)
+    return seen
+
+
+def make_refs(model):
+    return {
+        "ema": AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True),
+        "slow": AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.95), use_buffers=True),
+    }
+
+
+def _dcp_load_worker(rank, world, ckpt_dir, shapes, out_path, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {}
+    for name, (shape, dtype) in shapes.items():
+        empty = torch.zeros(shape, dtype=dtype)
+        sd[name] = (
+            distribute_tensor(empty, mesh, [Shard(0)])
+            if len(shape) >= 1 and dtype.is_floating_point
+            else empty
+        )
+    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(ckpt_dir))
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+    if rank == 0:
+        torch.save(full, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_snapshot_downloads_full_sharded_and_hf(client, tmp_path):
+    run = "snap-dl"
+    create(client, run)
+    tr = Trainer(seed=3)
+    refs = make_refs(tr.model)
+    r = client.post(f"/v1/runs/{run}/snapshots", json={"step": 12, "label": "mid"})
+    assert r.status_code == 202 and r.json()["step"] == 12 and r.json()["status"] == "pending"
+    sid = r.json()["id"]
+    seen = train_and_push(client, run, range(20), tr, refs, snap_at={12})
+    s = wait_done(client, run, sid)
+    assert s["status"] == "complete", s
+    assert s["label"] == "mid" and s["kind"] == "manual" and s["bytes"] > 0
+    assert {(f["rank"], f["part"]) for f in s["files"]} == {
+        (0, "ema"),
+        (0, "slow"),
+        (1, "ema"),
+        (1, "slow"),
+    }
+    want, online = seen[12]
+    model = TinyLM()
+    for profile in ("ema", "slow"):
+        full = safetensors.torch.load(download(client, run, sid, profile=profile).content)
+        check_state(full, want[profile], online)
+        model.load_state_dict(full, strict=True)
+
+    # HF-style shards: a tar of model-0000k-of-0000n + index, same tensors.
+    r = download(client, run, sid, profile="ema", layout="hf", max_shard_size=2000)
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        names = tar.getnames()
+        index = json.load(tar.extractfile("model.safetensors.index.json"))
+        merged = {}
+        for n in names:
+            if n.endswith(".safetensors"):
+                merged.update(safetensors.torch.load(tar.extractfile(n).read()))
+    shard_files = sorted(n for n in names if n.endswith(".safetensors"))
+    assert len(shard_files) > 1 and shard_files[0].startswith("model-00001-of-")
+    assert set(index["weight_map"]) == set(want["ema"])
+    check_state(merged, want["ema"], online)
+
+    # Sharded: one file per rank with DCP_SHARDING_INFO; DCP reshards it.
+    r = download(client, run, sid, profile="ema", layout="sharded")
+    ckpt = tmp_path / "sharded"
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        tar.extractall(ckpt, filter="data")
+    assert sorted(os.listdir(ckpt)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    # World size 1, no process group.
+    sd = {k: torch.zeros_like(v) for k, v in want["ema"].items()}
+    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt)))
+    check_state(sd, want["ema"], online)
+    # World size 3, gloo, DTensors sharded along dim 0.
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in want["ema"].items()}
+    out = tmp_path / "ws3.pt"
+    mp.spawn(
+        _dcp_load_worker,
+        args=(3, str(ckpt), shapes, str(out), str(tmp_path / "init")),
+        nprocs=3,
+        join=True,
+    )
+    check_state(torch.load(out), want["ema"], online)
+
+
+def test_consistent_cut_with_a_rank_ahead(client):
+    run = "snap-cut"
+    create(client, run, snapshot_timeout_secs=2)
+    tr = Trainer(seed=4)
+    refs = make_refs(tr.model)
+    states = {}
+    for step in range(11):
+        tr.step()
+        states[step] = tr.state()
+        for r in refs.values():
+            r.update_parameters(tr.model)
+    # Rank 0 runs ahead to step 10, rank 1 is at step 4.
+    for step in range(11):
+        push_ranks(client, run, step, states[step], WORLD, ranks=[0], dims=DIMS)
+    for step in range(5):
+        push_ranks(client, run, step, states[step], WORLD, ranks=[1], dims=DIMS)
+    # A snapshot at a step rank 0 already passed is refused at once.
+    r = client.post(f"/v1/runs/{run}/snapshots", json={"step": 8})
+    assert r.status_code == 409 and "rank 0" in r.json()["error"]["message"]
+    # No step: the next update step after the furthest rank.
+    snap = snapshot(client, run)
+    assert snap["step"] == 11
+    for step in range(5, 11):
+        push_ranks(client, run, step, states[step], WORLD, ranks=[1], dims=DIMS)
+    assert client.get(f"/v1/runs/{run}/snapshots/{snap['id']}").json()["status"] == "pending"
+    tr.step()
+    states[11] = tr.state()
+    for r in refs.values():
+        r.update_parameters(tr.model)
+    want = {k: averaged_state(r) for k, r in refs.items()}
+    push_ranks(client, run, 11, states[11], WORLD, ranks=[1], dims=DIMS)
+    assert client.get(f"/v1/runs/{run}/snapshots/{snap['id']}").json()["status"] == "pending"
+    # Rank 0 goes on past 11 only after applying it.
+    push_ranks(client, run, 11, states[11], WORLD, ranks=[0], dims=DIMS)
+    for step in range(12, 15):
+        tr.step()
+        push_ranks(client, run, step, tr.state(), WORLD, dims=DIMS)
+    s = wait_done(client, run, snap["id"])
+    assert s["status"] == "complete", s
+    assert {f["step"] for f in s["files"]} == {11}
+    full = safetensors.torch.load(download(client, run, snap["id"], profile="slow").content)
+    check_state(full, want["slow"], states[11])
+
+    # A rank that never reaches the step fails the snapshot with a reason.
+    late = snapshot(client, run, step=100)
+    s = wait_done(client, run, late["id"], timeout=15)
+    assert s["status"] == "failed" and "did not reach" in s["reason"], s
+    r = client.get(f"/v1/runs/{run}/snapshots/{late['id']}/download")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "snapshot_not_complete"
+
+
+def torch_stats(a: dict, b: dict):
+    out = {}
+    for k in a:
+        x, y = a[k].double().flatten(), b[k].double().flatten()
+        na, nb, nd = x.norm().item(), y.norm().item(), (x - y).norm().item()
+        out[k] = {
+            "norm_a": na,
+            "norm_b": nb,
+            "norm_diff": nd,
+            "rel_diff": nd / na if na > 0 else nd,
+            "cosine": (x @ y).item() / (na * nb) if na > 0 and nb > 0 else None,
+            "max_abs_diff": (x - y).abs().max().item() if x.numel() else 0.0,
+        }
+    return out
+
+
+def check_compare(resp, a, b):
+    want = torch_stats(a, b)
+    got = {t["name"]: t for t in resp["tensors"]}
+    assert set(got) == set(want)
+    for k, w in want.items():
+        for field, value in w.items():
+            if value is None:
+                assert got[k][field] is None, (k, field)
+            else:
+                assert abs(got[k][field] - value) <= 1e-6 * max(1.0, abs(value)), (
+                    k,
+                    field,
+                    got[k][field],
+                    value,
+                )
+    total_a = sum(v.double().pow(2).sum().item() for v in a.values()) ** 0.5
+    assert abs(resp["summary"]["norm_a"] - total_a) <= 1e-6 * total_a
+    assert resp["summary"]["tensors"] == len(a)
+
+
+def test_compare_matches_torch(client):
+    run = "snap-compare"
+    create(client, run)
+    tr = Trainer(seed=5)
+    refs = make_refs(tr.model)
+    a = snapshot(client, run, step=6)
+    b = snapshot(client, run, step=14)
+    train_and_push(client, run, range(20), tr, refs)
+    for s in (a, b):
+        assert wait_done(client, run, s["id"])["status"] == "complete"
+    full = {
+        (sid, p): safetensors.torch.load(download(client, run, sid, profile=p).content)
+        for sid in (a["id"], b["id"])
+        for p in ("ema", "slow")
+    }
+    live = {p: averaged_state(refs[p]) for p in ("ema", "slow")}
+    # Integer tensors are copied: the live value is the last pushed one.
+    for p in live:
+        live[p]["bn.num_batches_tracked"] = tr.state()["bn.num_batches_tracked"]
+    r = client.get(f"/v1/runs/{run}/compare", params={"a": a["id"], "b": b["id"], "profile": "ema"})
+    assert r.status_code == 200, r.text
+    check_compare(r.json(), full[(a["id"], "ema")], full[(b["id"], "ema")])
+    # Cached second answer is the same.
+    assert (
+        client.get(
+            f"/v1/runs/{run}/compare", params={"a": a["id"], "b": b["id"], "profile": "ema"}
+        ).json()
+        == r.json()
+    )
+    r = client.get(f"/v1/runs/{run}/compare", params={"a": a["id"], "b": "live", "profile": "slow"})
+    check_compare(r.json(), full[(a["id"], "slow")], live["slow"])
+    r = client.get(
+        f"/v1/runs/{run}/compare",
+        params={"a": b["id"], "b": b["id"], "profile": "ema", "profile_b": "slow"},
+    )
+    check_compare(r.json(), full[(b["id"], "ema")], full[(b["id"], "slow")])
+    assert r.json()["summary"]["rel_diff"] > 0
+    r = client.get(f"/v1/runs/{run}/compare", params={"a": "nope", "b": "live"})
+    assert r.status_code == 404
+
+
+def test_range_etag_and_dtype(client):
+    run = "snap-range"
+    create(client, run)
+    tr = Trainer(seed=6)
+    refs = make_refs(tr.model)
+    s = snapshot(client, run, step=4)
+    train_and_push(client, run, range(6), tr, refs)
+    assert wait_done(client, run, s["id"])["status"] == "complete"
+    url = f"/v1/runs/{run}/snapshots/{s['id']}/download"
+    whole = client.get(url, params={"profile": "ema"})
+    body = whole.content
+    assert int(whole.headers["content-length"]) == len(body)
+    assert whole.headers["accept-ranges"] == "bytes"
+    digest = hashlib.sha256(body).hexdigest()
+    rng = random.Random(0)
+    pieces = []
+    for _ in range(12):
+        a = rng.randrange(len(body))
+        b = rng.randrange(a, len(body))
+        r = client.get(url, params={"profile": "ema"}, headers={"Range": f"bytes={a}-{b}"})
+        assert r.status_code == 206
+        assert r.headers["content-range"] == f"bytes {a}-{b}/{len(body)}"
+        assert r.content == body[a : b + 1]
+    # Reassembling the file from consecutive ranges gives the same sha256.
+    for a in range(0, len(body), 777):
+        pieces.append(
+            client.get(
+                url, params={"profile": "ema"}, headers={"Range": f"bytes={a}-{a + 776}"}
+            ).content
+        )
+    assert hashlib.sha256(b"".join(pieces)).hexdigest() == digest
+    r = client.get(url, params={"profile": "ema"}, headers={"Range": "bytes=-100"})
+    assert r.content == body[-100:]
+    r = client.get(url, params={"profile": "ema"}, headers={"Range": f"bytes={len(body)}-"})
+    assert r.status_code == 416
+    etag = whole.headers["etag"]
+    r = client.get(url, params={"profile": "ema"}, headers={"If-None-Match": etag})
+    assert r.status_code == 304
+    # dtype=bf16 equals tensor.to(bfloat16); integer tensors are not cast.
+    fp32 = safetensors.torch.load(body)
+    bf16 = safetensors.torch.load(
+        client.get(url, params={"profile": "ema", "dtype": "bf16"}).content
+    )
+    for k, v in fp32.items():
+        if v.is_floating_point():
+            assert bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], v.to(torch.bfloat16)), k
+        else:
+            assert torch.equal(bf16[k], v)
+    fp16 = safetensors.torch.load(
+        client.get(url, params={"profile": "ema", "dtype": "fp16"}).content
+    )
+    assert all(
+        torch.equal(fp16[k], v.to(torch.float16)) for k, v in fp32.items() if v.is_floating_point()
+    )
+    # The stored rank file downloads as is and matches its recorded sha256.
+    files = client.get(f"/v1/runs/{run}/snapshots/{s['id']}").json()["files"]
+    for f in files:
+        r = client.get(url, params={"layout": "rank", "rank": f["rank"], "profile": f["part"]})
+        assert hashlib.sha256(r.content).hexdigest() == f["sha256"] and len(r.content) == f["bytes"]
+
+
+def test_resume_after_a_trainer_crash_is_exact(client):
+    run = "snap-resume"
+    create(client, run)
+    straight = Trainer(seed=8)
+    refs = make_refs(straight.model)
+    s20 = snapshot(client, run, step=20)
+    s40 = snapshot(client, run, step=40)
+    ckpt20 = None
+    for step in range(41):
+        straight.step()
+        push_ranks(client, run, step, straight.state(), WORLD, dims=DIMS)
+        for r in refs.values():
+            r.update_parameters(straight.model)
+        if step == 20:
+            ckpt20 = straight.checkpoint()
+    for s in (s20, s40):
+        assert wait_done(client, run, s["id"])["status"] == "complete"
+    want = {p: averaged_state(r) for p, r in refs.items()}
+    online40 = straight.state()
+    # The trainer crashes and restarts from its own checkpoint at step 20.
+    resumed = Trainer(seed=8)
+    resumed.restore(ckpt20)
+    r = client.post(f"/v1/runs/{run}/resume", json={"step": 25})
+    assert r.status_code == 200, r.text
+    assert r.json()["snapshot"] == s20["id"] and r.json()["rank_steps"] == {"0": 20, "1": 20}
+    ranks = client.get(f"/v1/runs/{run}/ranks").json()
+    assert [x["last_step"] for x in ranks] == [20, 20]
+    for step in range(21, 41):
+        resumed.step()
+        push_ranks(client, run, step, resumed.state(), WORLD, dims=DIMS)
+    assert torch.equal(resumed.state()["fc2.weight"], online40["fc2.weight"])
+    # The live EMA equals the run that never crashed, and its snapshot at 40.
+    for p in ("ema", "slow"):
+        check = client.get(
+            f"/v1/runs/{run}/compare", params={"a": s40["id"], "b": "live", "profile": p}
+        ).json()
+        assert check["summary"]["max_abs_diff"] == 0.0, (p, check["summary"])
+        full = safetensors.torch.load(download(client, run, s40["id"], profile=p).content)
+        check_state(full, want[p], online40)
+    r = client.post(f"/v1/runs/{run}/resume", json={"step": 5})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "snapshot_not_found"
+
+
+def test_delete_and_retention(client):
+    run = "snap-retain"
+    create(client, run, snapshot_every=4, retention={"keep_last": 2, "keep_every": 8})
+    tr = Trainer(seed=9)
+    refs = make_refs(tr.model)
+    train_and_push(client, run, range(21), tr, refs)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        snaps = client.get(f"/v1/runs/{run}/snapshots", params={"kind": "periodic"}).json()[
+            "snapshots"
+        ]
+        if all(s["status"] == "complete" for s in snaps) and {s["step"] for s in snaps} == {
+            0,
+            8,
+            16,
+            20,
+        }:
+            break
+        time.sleep(0.1)
+    # keep_last=2 keeps 16 and 20; keep_every=8 also keeps 0 and 8; 4 and 12 go.
+    assert {s["step"] for s in snaps} == {0, 8, 16, 20}, snaps
+    victim = next(s for s in snaps if s["step"] == 8)
+    r = client.delete(f"/v1/runs/{run}/snapshots/{victim['id']}")
+    assert r.status_code == 204
+    assert client.get(f"/v1/runs/{run}/snapshots/{victim['id']}").status_code == 404
+    assert client.get(f"/v1/runs/{run}/snapshots/{victim['id']}/download").status_code == 404
