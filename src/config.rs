@@ -85,6 +85,14 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_EVENTS_RETAINED", default_value_t = 10_000)]
     pub events_retained: u64,
 
+    /// Points kept per metric series in the catalog (older ones are pruned).
+    #[arg(long, env = "POLYAK_METRICS_RETAINED", default_value_t = 100_000)]
+    pub metrics_retained: u64,
+
+    /// Seconds between retention passes over events and metrics.
+    #[arg(long, env = "POLYAK_PRUNE_INTERVAL", default_value_t = 60)]
+    pub prune_interval_secs: u64,
+
     /// Seconds to wait for in-flight requests on shutdown.
     #[arg(long, env = "POLYAK_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout_secs: u64,

@@ -21,6 +21,7 @@
 //!   sharded, HF shards), compare, resume and crash recovery.
 //! - [`store`]: the SQLite catalog (runs, ranks, events), migrations under
 //!   `migrations/`.
+//! - [`monitor`]: series the server records (EMA drift, ingest rate).
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
 //! - [`http`]: routes, handlers, the one error type that maps every failure
 //!   to a status and a JSON body, auth, OpenAPI.
@@ -31,6 +32,7 @@
 pub mod config;
 pub mod engine;
 pub mod http;
+pub mod monitor;
 pub mod run;
 pub mod server;
 pub mod snapshot;

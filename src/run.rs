@@ -157,6 +157,9 @@ mod defaults {
     pub fn persist_every() -> u64 {
         300
     }
+    pub fn drift_every() -> u64 {
+        10
+    }
 }
 
 impl ProfileSpec {
@@ -310,6 +313,10 @@ pub struct RunSpec {
     /// Seconds between crash-recovery state snapshots (0 = only on shutdown).
     #[serde(default = "defaults::persist_every")]
     pub persist_every_secs: u64,
+    /// Sample the EMA drift `||EMA - online|| / ||online||` every N applied
+    /// pushes of a rank (0 = never).
+    #[serde(default = "defaults::drift_every")]
+    pub drift_every: u64,
 }
 
 /// A validated run configuration, as stored in the catalog.
@@ -328,6 +335,8 @@ pub struct RunConfig {
     pub nonfinite: NonfinitePolicy,
     pub snapshot_timeout_secs: u64,
     pub persist_every_secs: u64,
+    #[serde(default = "defaults::drift_every")]
+    pub drift_every: u64,
 }
 
 /// Largest world size a run may declare.
@@ -404,6 +413,7 @@ impl RunSpec {
             nonfinite: self.nonfinite,
             snapshot_timeout_secs: self.snapshot_timeout_secs,
             persist_every_secs: self.persist_every_secs,
+            drift_every: self.drift_every,
         })
     }
 }

@@ -30,7 +30,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store = Store::open(&data_dir)
         .await
         .with_context(|| format!("opening the catalog in {}", data_dir.display()))?;
-    let (catalog, writer) = CatalogWriter::spawn(store.clone(), args.events_retained);
+    let (catalog, writer) = CatalogWriter::spawn(store.clone());
     let (state, captures) = AppInner::open(args, default_device, catalog, store).await?;
     crate::snapshot::recover(&state)
         .await

@@ -52,6 +52,41 @@ pub struct RankSummary {
     /// The rank's EMA is held by the engine (false after a restart until
     /// the rank pushes again or its state is restored).
     pub live: bool,
+    /// Exponentially weighted mean of push latency (request start to answer).
+    pub push_seconds_ewma: Option<f64>,
+    /// Recent pushes `(at_ms, bytes)`, for the rank's throughput.
+    pub recent: std::collections::VecDeque<(i64, u64)>,
+    /// Latest drift sample per profile: `(||EMA - online||^2, ||online||^2)`.
+    pub drift: BTreeMap<String, (f64, f64)>,
+}
+
+/// Pushes remembered per rank for its throughput.
+const RECENT_PUSHES: usize = 32;
+
+impl RankSummary {
+    /// Records an applied push's size and latency.
+    pub fn note_push(&mut self, bytes: u64, seconds: f64) {
+        let now = now_ms();
+        self.push_seconds_ewma = Some(match self.push_seconds_ewma {
+            None => seconds,
+            Some(prev) => 0.8 * prev + 0.2 * seconds,
+        });
+        if self.recent.len() == RECENT_PUSHES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((now, bytes));
+    }
+
+    /// Bytes per second over the remembered pushes.
+    pub fn bytes_per_second(&self) -> Option<f64> {
+        let (first, _) = *self.recent.front()?;
+        let (last, _) = *self.recent.back()?;
+        if self.recent.len() < 2 || last <= first {
+            return None;
+        }
+        let bytes: u64 = self.recent.iter().skip(1).map(|(_, b)| b).sum();
+        Some(bytes as f64 / ((last - first) as f64 / 1000.0))
+    }
 }
 
 impl RankSummary {
@@ -70,6 +105,7 @@ impl RankSummary {
             tensors,
             numel,
             live: false,
+            ..Default::default()
         }
     }
 
@@ -103,6 +139,14 @@ pub struct RunTokens {
     pub read_hash: String,
 }
 
+/// Pushes since the last ingest sample of a run.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IngestWindow {
+    pub pushes: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
 /// A run as the HTTP layer sees it.
 pub struct RunHandle {
     pub config: Arc<RunConfig>,
@@ -110,6 +154,8 @@ pub struct RunHandle {
     pub engine: EngineHandle,
     pub tokens: Option<RunTokens>,
     pub ranks: Vec<Mutex<RankSummary>>,
+    /// Ingest since the last sample (see `monitor`).
+    pub ingest: Mutex<IngestWindow>,
 }
 
 impl RunHandle {
@@ -184,6 +230,29 @@ impl EventBus {
         self.catalog.send(CatalogUpdate::Event((*event).clone()));
         let _ = self.tx.send(event.clone());
         event
+    }
+
+    /// An event for live subscribers only (not stored: high-rate, already
+    /// kept elsewhere, like metric posts).
+    pub fn emit_transient(
+        &self,
+        run: &str,
+        kind: &str,
+        rank: Option<u32>,
+        step: Option<u64>,
+        detail: serde_json::Value,
+    ) {
+        let _guard = self.recent.lock().expect("events lock");
+        let event = Arc::new(StoredEvent {
+            id: self.next_id.fetch_add(1, Ordering::SeqCst),
+            run: run.to_string(),
+            at_ms: now_ms(),
+            kind: kind.to_string(),
+            rank,
+            step,
+            detail,
+        });
+        let _ = self.tx.send(event);
     }
 
     /// Events of `run` with `id > after` still in memory, oldest first.
@@ -325,6 +394,7 @@ impl AppInner {
             engine,
             tokens,
             ranks: ranks.into_iter().map(Mutex::new).collect(),
+            ingest: Mutex::new(IngestWindow::default()),
         });
         self.runs
             .write()
@@ -383,6 +453,16 @@ pub struct RankView {
     pub last_apply_seconds: Option<f64>,
     pub tensors: usize,
     pub numel: u64,
+    /// Steps behind the furthest rank of the run.
+    pub lag: Option<u64>,
+    /// Seconds since the last push.
+    pub age_seconds: Option<f64>,
+    /// Mean push latency (exponentially weighted), seconds.
+    pub push_seconds: Option<f64>,
+    /// Throughput over the last pushes.
+    pub bytes_per_second: Option<f64>,
+    /// Latest `||EMA - online|| / ||online||` per profile.
+    pub drift: BTreeMap<String, f64>,
     /// The registered layout (with `?layout=true`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -393,7 +473,8 @@ pub struct RankView {
 pub const STALE_AFTER_MS: i64 = 60_000;
 
 impl RankView {
-    pub fn new(rank: u32, s: &RankSummary, with_layout: bool) -> Self {
+    /// `furthest`: the highest last step over the run's ranks.
+    pub fn new(rank: u32, s: &RankSummary, furthest: Option<u64>, with_layout: bool) -> Self {
         let status = if s.pushes == 0 && s.last_step.is_none() {
             "never_seen"
         } else if !s.live {
@@ -419,6 +500,17 @@ impl RankView {
             last_apply_seconds: s.last_apply_seconds,
             tensors: s.tensors,
             numel: s.numel,
+            lag: furthest.zip(s.last_step).map(|(f, l)| f.saturating_sub(l)),
+            age_seconds: s
+                .last_push_at_ms
+                .map(|t| (now_ms() - t).max(0) as f64 / 1000.0),
+            push_seconds: s.push_seconds_ewma,
+            bytes_per_second: s.bytes_per_second(),
+            drift: s
+                .drift
+                .iter()
+                .map(|(p, (d, o))| (p.clone(), if *o > 0.0 { (d / o).sqrt() } else { d.sqrt() }))
+                .collect(),
             layout: if with_layout {
                 s.layout.as_deref().cloned()
             } else {

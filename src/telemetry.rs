@@ -1,8 +1,8 @@
 //! Logging set-up and the Prometheus metrics (all prefixed `polyak_`).
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -40,6 +40,10 @@ pub struct Metrics {
     pub runs: IntGauge,
     /// Push body bytes currently held in memory (received, not yet applied).
     pub inflight_bytes: IntGauge,
+    /// Latest `||EMA - online|| / ||online||` by run and profile.
+    pub drift: GaugeVec,
+    /// Trainer metric points received, by run.
+    pub metric_points: IntCounterVec,
 }
 
 impl Metrics {
@@ -93,6 +97,22 @@ impl Metrics {
             "Push bytes received and not yet applied",
         )
         .expect("metric");
+        let drift = GaugeVec::new(
+            Opts::new(
+                "polyak_ema_drift",
+                "Relative distance of the EMA from the online weights",
+            ),
+            &["run", "profile"],
+        )
+        .expect("metric");
+        let metric_points = IntCounterVec::new(
+            Opts::new(
+                "polyak_metric_points_total",
+                "Trainer metric points received",
+            ),
+            &["run"],
+        )
+        .expect("metric");
         for m in [
             Box::new(pushes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(push_bytes.clone()),
@@ -102,6 +122,8 @@ impl Metrics {
             Box::new(engine_queue.clone()),
             Box::new(runs.clone()),
             Box::new(inflight_bytes.clone()),
+            Box::new(drift.clone()),
+            Box::new(metric_points.clone()),
         ] {
             registry.register(m).expect("unique metric");
         }
@@ -115,6 +137,8 @@ impl Metrics {
             engine_queue,
             runs,
             inflight_bytes,
+            drift,
+            metric_points,
         }
     }
 
@@ -125,6 +149,7 @@ impl Metrics {
         }
         let _ = self.push_bytes.remove_label_values(&[run]);
         let _ = self.resident_bytes.remove_label_values(&[run]);
+        let _ = self.metric_points.remove_label_values(&[run]);
     }
 
     /// The Prometheus text exposition.

@@ -161,6 +161,7 @@ impl RestoredRank {
                 .as_deref()
                 .and_then(|d| u128::from_str_radix(d, 16).ok()),
             has_keyframe: self.meta.has_keyframe,
+            applied: 0,
         })
     }
 }

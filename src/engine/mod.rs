@@ -259,6 +259,7 @@ impl Engine {
                             registered: None,
                             resident_bytes: state.resident_bytes(&config),
                             apply_seconds: 0.0,
+                            drift: None,
                         });
                     }
                     return Err(EngineError::StepConflict(format!(
@@ -297,7 +298,7 @@ impl Engine {
             *slot = Some(RankState::new(layout.clone(), &config, device)?);
         }
         let state = slot.as_mut().expect("rank state present");
-        let skipped = state.apply_push(&config, &push, &order, step, device)?;
+        let report = state.apply_push(&config, &push, &order, step, device)?;
         entry.dirty += 1;
         self.after_apply(run, rank, step);
         let state = self.runs[run].ranks[rank as usize]
@@ -308,10 +309,11 @@ impl Engine {
             duplicate: false,
             step,
             last_step: state.last_step,
-            skipped,
+            skipped: report.skipped,
             registered,
             resident_bytes: state.resident_bytes(&config),
             apply_seconds: started.elapsed().as_secs_f64(),
+            drift: report.drift,
         })
     }
 

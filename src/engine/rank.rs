@@ -228,6 +228,44 @@ pub struct RankState {
     pub last_digest: Option<u128>,
     /// A full push was applied, so deltas have a base.
     pub has_keyframe: bool,
+    /// Applied pushes since this state was created (drift sampling).
+    pub applied: u64,
+}
+
+/// `||EMA - online||^2` and `||online||^2` of one profile over a rank's
+/// averaged tensors, right after an update.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct DriftSample {
+    pub profile: String,
+    pub diff_sq: f64,
+    pub online_sq: f64,
+}
+
+/// What applying a push reports besides success.
+#[derive(Debug, Default)]
+pub struct ApplyReport {
+    /// Tensors skipped for holding NaN/Inf.
+    pub skipped: Vec<String>,
+    /// Present on the pushes where drift is sampled.
+    pub drift: Option<Vec<DriftSample>>,
+}
+
+/// Elements per step of the drift reduction (bounds its temporaries).
+const DRIFT_CHUNK: i64 = 1 << 22;
+
+/// Accumulates `sum((a - b)^2)` and `sum(b^2)` in f64.
+fn drift_sums(a: &Tensor, b: &Tensor, acc: &mut (f64, f64)) -> Result<(), EngineError> {
+    let n = a.size()[0];
+    let mut start = 0;
+    while start < n {
+        let len = DRIFT_CHUNK.min(n - start);
+        let (x, y) = (a.f_narrow(0, start, len)?, b.f_narrow(0, start, len)?);
+        let d = x.f_sub(&y)?;
+        acc.0 += d.f_mul(&d)?.f_sum(Kind::Double)?.f_double_value(&[])?;
+        acc.1 += y.f_mul(&y)?.f_sum(Kind::Double)?.f_double_value(&[])?;
+        start += len;
+    }
+    Ok(())
 }
 
 /// What happened to a push.
@@ -248,6 +286,9 @@ pub struct PushOutcome {
     pub resident_bytes: u64,
     /// Seconds the engine spent applying it.
     pub apply_seconds: f64,
+    /// EMA drift per profile, on the pushes where it is sampled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drift: Option<Vec<DriftSample>>,
 }
 
 /// Where the source of one tensor's update lives.
@@ -413,6 +454,7 @@ impl RankState {
             last_step: None,
             last_digest: None,
             has_keyframe: false,
+            applied: 0,
         })
     }
 
@@ -437,7 +479,7 @@ impl RankState {
         order: &[usize],
         step: u64,
         device: Device,
-    ) -> Result<Vec<String>, EngineError> {
+    ) -> Result<ApplyReport, EngineError> {
         let body = DeviceBody::new(push, device)?;
         let skipped: Vec<&WireTensor> = push.tensors.iter().filter(|t| t.nonfinite).collect();
         let pairs = || {
@@ -531,12 +573,15 @@ impl RankState {
             }
         }
         let ema_kind = config.ema_dtype.kind();
+        self.applied += 1;
+        let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
+        let mut drift = vec![(0.0, 0.0); self.ema.len()];
         for s in coalesce(averaged) {
             let mut src = view(&s)?;
             if src.kind() != ema_kind {
                 src = src.f_to_kind(ema_kind)?;
             }
-            for (ema, d) in self.ema.iter_mut().zip(&decisions) {
+            for ((ema, d), acc) in self.ema.iter_mut().zip(&decisions).zip(&mut drift) {
                 let mut dst = ema.f_narrow(0, s.dst, s.numel)?;
                 match d.action {
                     Action::Copy => dst.f_copy_(&src)?,
@@ -544,6 +589,9 @@ impl RankState {
                         let _ = dst.f_lerp_(&src, weight)?;
                     }
                     Action::Hold => {}
+                }
+                if sample_drift {
+                    drift_sums(&dst, &src, acc)?;
                 }
             }
         }
@@ -561,7 +609,21 @@ impl RankState {
         }
         self.last_step = Some(step);
         self.last_digest = Some(push.digest);
-        Ok(skipped.into_iter().map(|t| t.name.clone()).collect())
+        Ok(ApplyReport {
+            skipped: skipped.into_iter().map(|t| t.name.clone()).collect(),
+            drift: sample_drift.then(|| {
+                config
+                    .profiles
+                    .iter()
+                    .zip(drift)
+                    .map(|(p, (diff_sq, online_sq))| DriftSample {
+                        profile: p.name().to_string(),
+                        diff_sq,
+                        online_sq,
+                    })
+                    .collect()
+            }),
+        })
     }
 }
 

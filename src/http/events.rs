@@ -72,7 +72,14 @@ pub async fn events(
     for e in state.events.recent(&name, since) {
         history.insert(e.id, e);
     }
-    let history: Vec<Arc<StoredEvent>> = history.into_values().filter(|e| wanted(e)).collect();
+    // Retention applies to what is still in memory too.
+    let retained = state.args.events_retained as usize;
+    let skip = history.len().saturating_sub(retained);
+    let history: Vec<Arc<StoredEvent>> = history
+        .into_values()
+        .skip(skip)
+        .filter(|e| wanted(e))
+        .collect();
     if json {
         let list: Vec<StoredEvent> = history
             .iter()
@@ -83,13 +90,17 @@ pub async fn events(
     }
     let replayed_to = history.last().map(|e| e.id).unwrap_or(since);
     let run_name = name.clone();
-    let live = BroadcastStream::new(live).filter_map(move |item| {
-        let keep = match item {
-            Ok(e) if e.run == run_name && e.id > replayed_to && wanted(&e) => Some(e),
-            _ => None,
-        };
-        futures::future::ready(keep)
-    });
+    // A subscriber that falls behind is ended; EventSource reconnects with
+    // `Last-Event-ID` and replays what it missed from the catalog.
+    let live = BroadcastStream::new(live)
+        .take_while(|item| futures::future::ready(item.is_ok()))
+        .filter_map(move |item| {
+            let keep = match item {
+                Ok(e) if e.run == run_name && e.id > replayed_to && wanted(&e) => Some(e),
+                _ => None,
+            };
+            futures::future::ready(keep)
+        });
     let stream = futures::stream::iter(history)
         .chain(live)
         .map(|e| Ok::<_, Infallible>(sse_event(&e)));

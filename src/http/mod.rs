@@ -6,6 +6,7 @@
 //! - [`runs`]: runs and ranks, a rank's live EMA.
 //! - [`push`]: the push endpoint.
 //! - [`snapshots`]: snapshots, downloads, compare, resume.
+//! - [`metrics`]: trainer scalars and the server's own series.
 //! - [`events`]: Server-Sent Events.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
 
@@ -13,6 +14,7 @@ pub mod auth;
 pub mod error;
 pub mod events;
 pub mod extract;
+pub mod metrics;
 pub mod ops;
 pub mod push;
 pub mod runs;
@@ -36,7 +38,7 @@ use crate::state::AppState;
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
-        events::events,
+        events::events, metrics::post, metrics::get,
     ),
     components(schemas(
         error::ErrorBody, error::ErrorDetail,
@@ -45,6 +47,8 @@ use crate::state::AppState;
         runs::RunView, runs::CreatedRun, runs::RunList,
         crate::state::RankView, push::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
+        metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
+        metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
         snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
         snapshots::PersistResponse, crate::store::snapshots::SnapshotRow,
@@ -82,6 +86,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))
         .route("/v1/runs/{run}/ranks/{rank}/ema", get(runs::get_rank_ema))
         .route("/v1/runs/{run}/events", get(events::events))
+        .route(
+            "/v1/runs/{run}/metrics",
+            get(metrics::get).post(metrics::post),
+        )
         .route(
             "/v1/runs/{run}/snapshots",
             get(snapshots::list).post(snapshots::create),

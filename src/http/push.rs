@@ -118,6 +118,7 @@ async fn receive_and_apply(
                 registered: None,
                 resident_bytes: summary.resident_bytes,
                 apply_seconds: 0.0,
+                drift: None,
             },
             rank,
             reason: Some(format!(
@@ -219,6 +220,10 @@ async fn receive_and_apply(
         .inc_by(wire_len);
 
     let layout = outcome.registered.clone();
+    let latency = started.elapsed().as_secs_f64();
+    if !outcome.duplicate {
+        crate::monitor::note_ingest(run, wire_len, latency);
+    }
     let summary = run.update_rank(rank, |s| {
         s.bytes_received += wire_len;
         s.last_push_at_ms = Some(now_ms());
@@ -230,6 +235,7 @@ async fn receive_and_apply(
             s.pushes += 1;
             s.last_step = outcome.last_step;
             s.last_apply_seconds = Some(outcome.apply_seconds);
+            s.note_push(wire_len, latency);
         }
         if let Some(layout) = &layout {
             let (tensors, numel) = counts_of(layout);
@@ -243,6 +249,9 @@ async fn receive_and_apply(
         .resident_bytes
         .with_label_values(&[&config.name])
         .set(run.resident_bytes() as i64);
+    if let Some(drift) = &outcome.drift {
+        crate::monitor::record_drift(state, run, rank, step, drift);
+    }
     let kind = if outcome.duplicate {
         "duplicate"
     } else {

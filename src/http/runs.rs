@@ -59,8 +59,14 @@ pub struct RunList {
 }
 
 pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
-    let ranks: Vec<RankView> = (0..run.config.world_size)
-        .map(|r| RankView::new(r, &run.rank(r).unwrap_or_default(), false))
+    let summaries: Vec<_> = (0..run.config.world_size)
+        .map(|r| run.rank(r).unwrap_or_default())
+        .collect();
+    let furthest = summaries.iter().filter_map(|s| s.last_step).max();
+    let ranks: Vec<RankView> = summaries
+        .iter()
+        .enumerate()
+        .map(|(r, s)| RankView::new(r as u32, s, furthest, false))
         .collect();
     let seen: Vec<&RankView> = ranks.iter().filter(|r| r.status != "never_seen").collect();
     let health = if seen.is_empty() {
@@ -250,7 +256,10 @@ pub async fn get_rank(
     caller.require_read(&run)?;
     let rank = rank_of(&run, &rank)?;
     let summary = run.rank(rank).unwrap_or_default();
-    Ok(Json(RankView::new(rank, &summary, q.layout)))
+    let furthest = (0..run.config.world_size)
+        .filter_map(|r| run.rank(r).and_then(|s| s.last_step))
+        .max();
+    Ok(Json(RankView::new(rank, &summary, furthest, q.layout)))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -259,6 +259,8 @@ pub fn spawn_tasks(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut ingest_since = Instant::now();
+        let mut ticks = 0u64;
         loop {
             tokio::select! {
                 event = captures.recv() => match event {
@@ -268,6 +270,19 @@ pub fn spawn_tasks(
                 _ = tick.tick() => {
                     fail_late(&state).await;
                     persist_due(&state).await;
+                    ticks += 1;
+                    if ticks % 2 == 0 {
+                        crate::monitor::sample_ingest(&state, ingest_since);
+                        ingest_since = Instant::now();
+                    }
+                    if ticks % state.args.prune_interval_secs.max(1) == 0 {
+                        if let Err(e) = state.store.prune_metrics(state.args.metrics_retained).await {
+                            tracing::warn!(error = %e, "pruning metrics failed");
+                        }
+                        if let Err(e) = state.store.prune_events(state.args.events_retained).await {
+                            tracing::warn!(error = %e, "pruning events failed");
+                        }
+                    }
                 }
                 _ = stop.changed() => break,
             }

@@ -228,3 +228,125 @@ impl Store {
         Ok(id.unwrap_or(0))
     }
 }
+
+/// One point of a scalar series.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct MetricPoint {
+    pub name: String,
+    pub step: u64,
+    /// `None`: a run-level point.
+    pub rank: Option<u32>,
+    pub value: f64,
+    pub at_ms: i64,
+}
+
+impl Store {
+    pub async fn insert_metrics(
+        &self,
+        run: &str,
+        points: &[MetricPoint],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        for p in points {
+            sqlx::query(
+                "INSERT INTO metrics (run, name, step, rank, value, at_ms) \
+                 SELECT ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
+            )
+            .bind(run)
+            .bind(&p.name)
+            .bind(p.step as i64)
+            .bind(p.rank.map(|r| r as i64))
+            .bind(p.value)
+            .bind(p.at_ms)
+            .bind(run)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Points of `run`, ordered by name, rank, step. `names` filters
+    /// series; `rank`: `Some(None)` only run-level points, `Some(Some(r))`
+    /// only rank r's. `limit` applies per series (the newest points).
+    pub async fn metrics(
+        &self,
+        run: &str,
+        names: Option<&[String]>,
+        since_step: Option<u64>,
+        rank: Option<Option<u32>>,
+        limit: i64,
+    ) -> Result<Vec<MetricPoint>, StoreError> {
+        let mut sql = String::from(
+            "SELECT name, step, rank, value, at_ms FROM (SELECT name, step, rank, value, at_ms, id, \
+             ROW_NUMBER() OVER (PARTITION BY name, rank ORDER BY step DESC, id DESC) AS n \
+             FROM metrics WHERE run = ? AND step >= ?",
+        );
+        if let Some(names) = names {
+            sql.push_str(" AND name IN (");
+            sql.push_str(&vec!["?"; names.len()].join(", "));
+            sql.push(')');
+        }
+        match rank {
+            Some(None) => sql.push_str(" AND rank IS NULL"),
+            Some(Some(_)) => sql.push_str(" AND rank = ?"),
+            None => {}
+        }
+        sql.push_str(") WHERE n <= ? ORDER BY name, rank, step, id");
+        let mut q = sqlx::query(&sql)
+            .bind(run)
+            .bind(since_step.unwrap_or(0) as i64);
+        if let Some(names) = names {
+            for n in names {
+                q = q.bind(n);
+            }
+        }
+        if let Some(Some(r)) = rank {
+            q = q.bind(r as i64);
+        }
+        let rows = q.bind(limit).fetch_all(&self.pool).await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| MetricPoint {
+                name: row.get("name"),
+                step: row.get::<i64, _>("step") as u64,
+                rank: row.get::<Option<i64>, _>("rank").map(|r| r as u32),
+                value: row.get("value"),
+                at_ms: row.get("at_ms"),
+            })
+            .collect())
+    }
+
+    /// The series names of a run.
+    pub async fn metric_names(&self, run: &str) -> Result<Vec<String>, StoreError> {
+        let rows = sqlx::query("SELECT DISTINCT name FROM metrics WHERE run = ? ORDER BY name")
+            .bind(run)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.into_iter().map(|r| r.get("name")).collect())
+    }
+
+    /// Keeps the newest `retained` events of each run.
+    pub async fn prune_events(&self, retained: u64) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM events WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
+             (PARTITION BY run ORDER BY id DESC) AS n FROM events) WHERE n > ?)",
+        )
+        .bind(retained as i64)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Keeps the newest `retained` points of every series.
+    pub async fn prune_metrics(&self, retained: u64) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM metrics WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
+             (PARTITION BY run, name, rank ORDER BY step DESC, id DESC) AS n FROM metrics) WHERE n > ?)",
+        )
+        .bind(retained as i64)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+}

@@ -33,10 +33,10 @@ pub struct CatalogWriter {
 }
 
 impl CatalogWriter {
-    /// Starts the writer task. `events_retained` bounds the events kept per run.
-    pub fn spawn(store: Store, events_retained: u64) -> (Self, JoinHandle<()>) {
+    /// Starts the writer task.
+    pub fn spawn(store: Store) -> (Self, JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(write_loop(store, rx, events_retained));
+        let task = tokio::spawn(write_loop(store, rx));
         (CatalogWriter { tx }, task)
     }
 
@@ -46,8 +46,7 @@ impl CatalogWriter {
     }
 }
 
-async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>, retained: u64) {
-    let mut flushes = 0u64;
+async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>) {
     loop {
         let Some(first) = rx.recv().await else { break };
         let mut batch = vec![first];
@@ -59,14 +58,7 @@ async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>
         if let Err(e) = flush(&store, batch).await {
             tracing::error!(error = %e, "catalog write failed");
         }
-        flushes += 1;
-        if flushes % 50 == 0 {
-            if let Err(e) = prune_events(&store, retained).await {
-                tracing::warn!(error = %e, "pruning events failed");
-            }
-        }
     }
-    let _ = prune_events(&store, retained).await;
 }
 
 async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreError> {
@@ -125,17 +117,5 @@ async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreErro
         .await?;
     }
     tx.commit().await?;
-    Ok(())
-}
-
-/// Keeps the newest `retained` events of each run.
-async fn prune_events(store: &Store, retained: u64) -> Result<(), StoreError> {
-    sqlx::query(
-        "DELETE FROM events WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
-         (PARTITION BY run ORDER BY id DESC) AS n FROM events) WHERE n > ?)",
-    )
-    .bind(retained as i64)
-    .execute(store.pool())
-    .await?;
     Ok(())
 }

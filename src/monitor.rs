@@ -1,0 +1,157 @@
+//! Monitoring series the server records itself, next to the trainer's own
+//! metrics: the EMA drift per profile (sampled by the engine during the
+//! update) and the ingest rate of each run.
+//!
+//! Series names: `ema_drift/<profile>` (per rank, and run-level combining
+//! the ranks' latest samples by sums of squares), `ingest/bytes_per_second`,
+//! `ingest/pushes_per_second`, `ingest/push_seconds` (run-level, sampled
+//! while pushes arrive).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::engine::rank::DriftSample;
+use crate::state::{now_ms, AppState, RunHandle};
+use crate::store::MetricPoint;
+
+/// Prefix of the drift series.
+pub const DRIFT_PREFIX: &str = "ema_drift/";
+
+/// `||EMA - online|| / ||online||` from sums of squares.
+pub fn drift_ratio(diff_sq: f64, online_sq: f64) -> f64 {
+    if online_sq > 0.0 {
+        (diff_sq / online_sq).sqrt()
+    } else {
+        diff_sq.sqrt()
+    }
+}
+
+/// Records a rank's drift sample: the rank's point, and the run-level
+/// point over every rank's latest sample.
+pub fn record_drift(
+    state: &AppState,
+    run: &Arc<RunHandle>,
+    rank: u32,
+    step: u64,
+    samples: &[DriftSample],
+) {
+    run.update_rank(rank, |s| {
+        for d in samples {
+            s.drift.insert(d.profile.clone(), (d.diff_sq, d.online_sq));
+        }
+    });
+    let at_ms = now_ms();
+    let mut points = Vec::with_capacity(samples.len() * 2);
+    for d in samples {
+        let (mut diff, mut online) = (0.0, 0.0);
+        for r in 0..run.config.world_size {
+            if let Some((a, b)) = run.rank(r).and_then(|s| s.drift.get(&d.profile).copied()) {
+                diff += a;
+                online += b;
+            }
+        }
+        let combined = drift_ratio(diff, online);
+        state
+            .metrics
+            .drift
+            .with_label_values(&[&run.config.name, &d.profile])
+            .set(combined);
+        let name = format!("{DRIFT_PREFIX}{}", d.profile);
+        points.push(MetricPoint {
+            name: name.clone(),
+            step,
+            rank: Some(rank),
+            value: drift_ratio(d.diff_sq, d.online_sq),
+            at_ms,
+        });
+        points.push(MetricPoint {
+            name,
+            step,
+            rank: None,
+            value: combined,
+            at_ms,
+        });
+    }
+    store_points(state, &run.config.name, points);
+}
+
+/// Writes points in the background (the push answer does not wait).
+pub fn store_points(state: &AppState, run: &str, points: Vec<MetricPoint>) {
+    if points.is_empty() {
+        return;
+    }
+    let store = state.store.clone();
+    let run = run.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = store.insert_metrics(&run, &points).await {
+            tracing::warn!(run = %run, error = %e, "storing metric points failed");
+        }
+    });
+}
+
+/// Counts an applied push into the run's ingest window.
+pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
+    let mut w = run.ingest.lock().expect("ingest lock");
+    w.pushes += 1;
+    w.bytes += bytes;
+    w.seconds += seconds;
+}
+
+/// Turns each run's ingest window into points (called every few seconds).
+pub fn sample_ingest(state: &AppState, since: Instant) {
+    let elapsed = since.elapsed().as_secs_f64().max(1e-3);
+    let runs: Vec<Arc<RunHandle>> = state
+        .runs
+        .read()
+        .expect("runs lock")
+        .values()
+        .cloned()
+        .collect();
+    let at_ms = now_ms();
+    for run in runs {
+        let w = std::mem::take(&mut *run.ingest.lock().expect("ingest lock"));
+        if w.pushes == 0 {
+            continue;
+        }
+        let step = (0..run.config.world_size)
+            .filter_map(|r| run.rank(r).and_then(|s| s.last_step))
+            .max()
+            .unwrap_or(0);
+        let point = |name: &str, value: f64| MetricPoint {
+            name: name.into(),
+            step,
+            rank: None,
+            value,
+            at_ms,
+        };
+        store_points(
+            state,
+            &run.config.name,
+            vec![
+                point("ingest/bytes_per_second", w.bytes as f64 / elapsed),
+                point("ingest/pushes_per_second", w.pushes as f64 / elapsed),
+                point("ingest/push_seconds", w.seconds / w.pushes as f64),
+            ],
+        );
+    }
+}
+
+/// Checks a metric name: 1..=128 printable characters.
+pub fn valid_metric_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 128 && name.chars().all(|c| !c.is_control())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drift_ratio_is_relative_norm() {
+        assert!((drift_ratio(1.0, 4.0) - 0.5).abs() < 1e-15);
+        assert_eq!(drift_ratio(0.0, 0.0), 0.0);
+        assert!(valid_metric_name("loss/train"));
+        assert!(!valid_metric_name(""));
+        assert!(!valid_metric_name("a\nb"));
+        assert!(!valid_metric_name(&"x".repeat(129)));
+    }
+}
