@@ -26,8 +26,8 @@ pub fn drift_ratio(diff_sq: f64, online_sq: f64) -> f64 {
     }
 }
 
-/// Records a rank's drift sample: the rank's point, and the run-level
-/// point over every rank's latest sample.
+/// Records a rank's drift sample: the rank's point, and, once every rank
+/// holding data has sampled this step, the run-level point combining them.
 pub fn record_drift(
     state: &AppState,
     run: &Arc<RunHandle>,
@@ -39,6 +39,11 @@ pub fn record_drift(
         for d in samples {
             s.drift.insert(d.profile.clone(), (d.diff_sq, d.online_sq));
         }
+        s.drift_step = Some(step);
+    });
+    let complete = (0..run.config.world_size).all(|r| {
+        run.rank(r)
+            .is_none_or(|s| !s.live || s.drift_step == Some(step))
     });
     let at_ms = now_ms();
     let mut points = Vec::with_capacity(samples.len() * 2);
@@ -64,13 +69,15 @@ pub fn record_drift(
             value: drift_ratio(d.diff_sq, d.online_sq),
             at_ms,
         });
-        points.push(MetricPoint {
-            name,
-            step,
-            rank: None,
-            value: combined,
-            at_ms,
-        });
+        if complete {
+            points.push(MetricPoint {
+                name,
+                step,
+                rank: None,
+                value: combined,
+                at_ms,
+            });
+        }
     }
     store_points(state, &run.config.name, points);
 }

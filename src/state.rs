@@ -58,6 +58,8 @@ pub struct RankSummary {
     pub recent: std::collections::VecDeque<(i64, u64)>,
     /// Latest drift sample per profile: `(||EMA - online||^2, ||online||^2)`.
     pub drift: BTreeMap<String, (f64, f64)>,
+    /// The step of that sample.
+    pub drift_step: Option<u64>,
 }
 
 /// Pushes remembered per rank for its throughput.

@@ -9,10 +9,12 @@
 //!
 //! - [`schedule`]: decay schedules, pure functions.
 //! - [`rank`]: one rank's layout, flat buffers and the update path.
+//! - [`kernels`]: the fused multi-profile CPU update.
 //! - [`device`]: device names and availability.
 
 pub mod capture;
 pub mod device;
+pub mod kernels;
 pub mod rank;
 pub mod schedule;
 

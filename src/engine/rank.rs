@@ -19,6 +19,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use super::kernels::{self, EmaPtr, Op, Src};
 use super::schedule::{decide, Action};
 use super::EngineError;
 use crate::run::RunConfig;
@@ -419,6 +420,36 @@ impl DeviceBody {
 }
 
 impl RankState {
+    /// The host memory of a segment's source (body or mirror) as a typed
+    /// slice, when its dtype has a fused kernel and it is aligned.
+    fn host_source<'a>(&'a self, s: &Segment, push: &'a ParsedPush) -> Option<Src<'a>> {
+        let n = s.numel as usize;
+        let ptr: *const u8 = match s.src {
+            Source::Body(offset) => push.body[offset..offset + n * s.dtype.size()].as_ptr(),
+            Source::Mirror(g, offset) => {
+                let m = &self.mirror.as_ref()?[g];
+                // SAFETY: offset + n is within the mirror group.
+                unsafe { (m.data_ptr() as *const u8).add(offset as usize * s.dtype.size()) }
+            }
+        };
+        if (ptr as usize) % s.dtype.size() != 0 {
+            return None;
+        }
+        // SAFETY: `ptr` is aligned and `n` elements long, in memory that
+        // outlives the update (the body, or the rank's mirror).
+        unsafe {
+            match s.dtype {
+                DType::F32 => Some(Src::F32(std::slice::from_raw_parts(ptr as *const f32, n))),
+                DType::BF16 => Some(Src::BF16(std::slice::from_raw_parts(ptr as *const u16, n))),
+                DType::F16 => Some(Src::F16(std::slice::from_raw_parts(
+                    ptr as *const half::f16,
+                    n,
+                ))),
+                _ => None,
+            }
+        }
+    }
+
     /// Allocates the buffers of a freshly registered layout.
     pub fn new(
         layout: Arc<RankLayout>,
@@ -576,7 +607,37 @@ impl RankState {
         self.applied += 1;
         let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
         let mut drift = vec![(0.0, 0.0); self.ema.len()];
+        let fused = device == Device::Cpu && ema_kind == Kind::Float;
+        let threads = tch::get_num_threads().max(1) as usize;
         for s in coalesce(averaged) {
+            if fused {
+                if let Some(src) = self.host_source(&s, push) {
+                    let ops: Vec<Op> = decisions
+                        .iter()
+                        .map(|d| match d.action {
+                            Action::Copy => Op::Copy,
+                            // ATen's opmath weight for float tensors.
+                            Action::Lerp { weight } => Op::Lerp(weight as f32),
+                            Action::Hold => Op::Hold,
+                        })
+                        .collect();
+                    let ptrs: Vec<EmaPtr> = self
+                        .ema
+                        .iter()
+                        // SAFETY: `s.dst + s.numel` is within each flat buffer.
+                        .map(|e| EmaPtr(unsafe { (e.data_ptr() as *mut f32).add(s.dst as usize) }))
+                        .collect();
+                    // SAFETY: each profile's buffer is a distinct contiguous
+                    // float tensor owned by this rank; the source is the body
+                    // or the mirror, neither of which aliases them.
+                    let sums = unsafe { kernels::update(&ptrs, &ops, src, threads, sample_drift) };
+                    for (acc, (d, o)) in drift.iter_mut().zip(sums) {
+                        acc.0 += d;
+                        acc.1 += o;
+                    }
+                    continue;
+                }
+            }
             let mut src = view(&s)?;
             if src.kind() != ema_kind {
                 src = src.f_to_kind(ema_kind)?;

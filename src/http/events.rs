@@ -29,6 +29,8 @@ pub struct EventsQuery {
     pub since: Option<i64>,
     /// Most events in a JSON answer (default 1000).
     pub limit: Option<i64>,
+    /// Start from the newest N events (after `since`) instead of the oldest.
+    pub tail: Option<i64>,
     /// Only these kinds, comma separated (e.g. `snapshot,rejection`).
     pub kinds: Option<String>,
 }
@@ -56,21 +58,39 @@ pub async fn events(
         .kinds
         .as_ref()
         .map(|k| k.split(',').map(|s| s.trim().to_string()).collect());
-    let wanted = move |e: &StoredEvent| kinds.as_ref().is_none_or(|k| k.contains(&e.kind));
+    let filter = kinds.clone();
+    let wanted = move |e: &StoredEvent| filter.as_ref().is_none_or(|k| k.contains(&e.kind));
     let json = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/json"));
-    let limit = q.limit.unwrap_or(1000).clamp(1, 100_000);
+    let (limit, newest) = match q.tail {
+        Some(n) => (n.clamp(1, 100_000), true),
+        None => (q.limit.unwrap_or(1000).clamp(1, 100_000), false),
+    };
 
     // Subscribe before reading the history, so nothing falls in between.
     let live = state.events.subscribe();
     let mut history: BTreeMap<i64, Arc<StoredEvent>> = BTreeMap::new();
-    for e in state.store.events(&name, since, limit).await? {
+    for e in state
+        .store
+        .events(&name, since, kinds.as_deref(), limit, newest)
+        .await?
+    {
         history.insert(e.id, Arc::new(e));
     }
     for e in state.events.recent(&name, since) {
-        history.insert(e.id, e);
+        if wanted(&e) {
+            history.insert(e.id, e);
+        }
+    }
+    if newest {
+        // The newest `limit` of what the catalog and memory hold.
+        let keep = history.len().saturating_sub(limit as usize);
+        let cut: Vec<i64> = history.keys().take(keep).copied().collect();
+        for id in cut {
+            history.remove(&id);
+        }
     }
     // Retention applies to what is still in memory too.
     let retained = state.args.events_retained as usize;

@@ -38,6 +38,7 @@ use crate::state::AppState;
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
+        snapshots::posthoc,
         events::events, metrics::post, metrics::get,
     ),
     components(schemas(
@@ -51,7 +52,7 @@ use crate::state::AppState;
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
         snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
-        snapshots::PersistResponse, crate::store::snapshots::SnapshotRow,
+        snapshots::PersistResponse, snapshots::PosthocRequest, crate::store::snapshots::SnapshotRow,
         crate::store::snapshots::FileRow, crate::snapshot::compare::TensorStats,
         crate::snapshot::compare::CompareSummary, crate::snapshot::compare::CompareResult,
     )),
@@ -110,6 +111,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/runs/{run}/persist",
             axum::routing::post(snapshots::persist),
+        )
+        .route(
+            "/v1/runs/{run}/posthoc",
+            axum::routing::post(snapshots::posthoc),
         )
         .layer(DefaultBodyLimit::max(body_limit));
     Router::new()

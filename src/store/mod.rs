@@ -190,22 +190,37 @@ impl Store {
             .collect()
     }
 
-    /// Events of a run with `id > after`, oldest first.
+    /// Events of a run with `id > after` and a kind in `kinds` (all when
+    /// `None`), oldest first: the first `limit`, or with `newest` the last
+    /// `limit` of them.
     pub async fn events(
         &self,
         run: &str,
         after: i64,
+        kinds: Option<&[String]>,
         limit: i64,
+        newest: bool,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT id, run, at_ms, kind, rank, step, detail FROM events WHERE run = ? AND id > ? ORDER BY id LIMIT ?",
-        )
-        .bind(run)
-        .bind(after)
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.into_iter()
+        let mut sql = String::from(
+            "SELECT id, run, at_ms, kind, rank, step, detail FROM events WHERE run = ? AND id > ?",
+        );
+        if let Some(kinds) = kinds {
+            sql.push_str(" AND kind IN (");
+            sql.push_str(&vec!["?"; kinds.len()].join(", "));
+            sql.push(')');
+        }
+        sql.push_str(if newest {
+            " ORDER BY id DESC LIMIT ?"
+        } else {
+            " ORDER BY id LIMIT ?"
+        });
+        let mut q = sqlx::query(&sql).bind(run).bind(after);
+        for k in kinds.unwrap_or(&[]) {
+            q = q.bind(k);
+        }
+        let rows = q.bind(limit).fetch_all(&self.pool).await?;
+        let mut out = rows
+            .into_iter()
             .map(|row| {
                 Ok(StoredEvent {
                     id: row.get("id"),
@@ -217,7 +232,11 @@ impl Store {
                     detail: serde_json::from_str(row.get::<&str, _>("detail"))?,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        if newest {
+            out.reverse();
+        }
+        Ok(out)
     }
 
     /// The highest event id stored (event ids continue from it).

@@ -307,3 +307,36 @@ def test_invalid_run_configs_name_the_field(server):
         assert r.status_code == 201
         r = c.post("/v1/runs", json={"name": "dup", "world_size": 1})
         assert r.status_code == 409 and r.json()["error"]["code"] == "run_exists"
+
+
+def test_busy_answers_429_with_retry_after(fresh_server):
+    """While one push holds the in-flight byte budget, another is refused
+    with 429 and Retry-After; once it is released, the retry succeeds."""
+    import socket
+    import time
+
+    fresh_server.args = ["--inflight-bytes", "1KiB", "--retry-after-secs", "2"]
+    fresh_server.start()
+    url = fresh_server.url
+    with httpx.Client(base_url=url, timeout=30) as c:
+        assert c.post("/v1/runs", json={"name": "busy", "world_size": 2}).status_code == 201
+        slow = body({"w": torch.zeros(4096)})
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        head = (
+            f"PUT /v1/runs/busy/ranks/0/steps/0 HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Length: {len(slow)}\r\nContent-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        sock.sendall(head + slow[:100])  # the server reserves the budget and waits
+        time.sleep(0.5)
+        r = c.put("/v1/runs/busy/ranks/1/steps/0", content=body({"w": torch.ones(4096)}))
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "busy"
+        assert r.headers["retry-after"] == "2"
+        sock.sendall(slow[100:])
+        reply = sock.recv(65536).decode()
+        assert reply.startswith("HTTP/1.1 200"), reply
+        sock.close()
+        r = c.put("/v1/runs/busy/ranks/1/steps/0", content=body({"w": torch.ones(4096)}))
+        assert r.status_code == 200 and r.json()["applied"], r.text
+        assert c.get("/v1/runs/busy/ranks/1").json()["last_step"] == 0

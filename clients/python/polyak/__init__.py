@@ -1,3 +1,50 @@
-"""Client for polyak, the network-served EMA service for PyTorch training."""
+"""Client for polyak, the network-served EMA service for PyTorch training.
+
+```python
+import polyak
+client = polyak.Client("http://127.0.0.1:8080")
+run = client.create_run("exp1", world_size=2, profiles=[{"name": "ema", "kind": "constant", "beta": 0.999}])
+pusher = run.pusher(rank=rank)
+pusher.attach(optimizer, model)          # pushes after every optimizer.step()
+...
+pusher.flush()
+with pusher.ema_weights(model, "ema"):
+    evaluate(model)
+```
+
+Layout:
+
+- :mod:`polyak.client`: ``Client`` and ``Run`` (runs, ranks, the live EMA,
+  snapshots, downloads, metrics).
+- :mod:`polyak.pusher`: ``Pusher`` (host copies on the training thread, a
+  bounded queue, a sender thread with retries), ``attach``, ``load_ema_into``
+  and ``ema_weights``.
+- :mod:`polyak.shards`: what this rank holds (FSDP2/DTensor, FSDP1, DDP,
+  ``torch.compile``, plain), and joining chunks back.
+- :mod:`polyak.wire`: safetensors push bodies written in place; reading EMA files.
+- :mod:`polyak.downloads`: snapshot downloads with a progress bar.
+- :mod:`polyak.cli`: ``python -m polyak``.
+- :mod:`polyak.testing`: a real server on a free port, for tests.
+"""
 
 __version__ = "0.1.0"
+
+from .client import Client, RankEma, Run
+from .errors import PolyakError
+from .pusher import Attachment, Pusher, PushStats, RetryPolicy
+from .shards import assemble
+from .wire import Chunk
+
+__all__ = [
+    "Attachment",
+    "Chunk",
+    "Client",
+    "PolyakError",
+    "PushStats",
+    "Pusher",
+    "RankEma",
+    "RetryPolicy",
+    "Run",
+    "__version__",
+    "assemble",
+]

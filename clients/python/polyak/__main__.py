@@ -1,12 +1,6 @@
-"""Command line: ``python -m polyak``."""
+"""Command line: ``python -m polyak`` (see :mod:`polyak.cli`)."""
 
-import sys
-
-
-def main() -> int:
-    print("polyak client", file=sys.stderr)
-    return 0
-
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

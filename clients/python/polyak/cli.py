@@ -1,0 +1,252 @@
+"""``python -m polyak``: runs, ranks and push status, snapshots and
+downloads, for scripts and terminals.
+
+Every command takes ``--url`` (default ``$POLYAK_URL`` or
+``http://127.0.0.1:8080``) and ``--token`` (default ``$POLYAK_TOKEN``);
+``--json`` prints the server's JSON instead of a table. Exit status: 0 on
+success, 1 when the server refused the request, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .client import Client
+from .errors import PolyakError
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _age(ms: Any) -> str:
+    if ms is None:
+        return "-"
+    seconds = max(0.0, time.time() - float(ms) / 1000)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _bytes(n: Any) -> str:
+    value = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def _dash(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def cmd_runs(client: Client, args: argparse.Namespace) -> None:
+    runs = client.runs()
+    if args.json:
+        _print_json(runs)
+        return
+    rows = [
+        [
+            r["name"],
+            str(r["config"]["world_size"]),
+            f"{r['ranks_seen']}/{r['config']['world_size']}",
+            _dash(r.get("last_step")),
+            r.get("health", "-"),
+            ",".join(p["name"] for p in r["config"].get("profiles", [])),
+            _bytes(r.get("resident_bytes")),
+        ]
+        for r in runs
+    ]
+    print(_table(rows, ["RUN", "WORLD", "SEEN", "LAST STEP", "HEALTH", "PROFILES", "RESIDENT"]))
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> None:
+    run = client.run(args.run)
+    info = run.refresh()
+    if args.json:
+        _print_json(info)
+        return
+    cfg = info["config"]
+    profiles = ", ".join(f"{p['name']} ({p['kind']})" for p in cfg.get("profiles", []))
+    print(
+        f"run {info['name']}: {info.get('health', '-')}, world_size {cfg['world_size']}, "
+        f"update_every {cfg.get('update_every', 1)}, last step {_dash(info.get('last_step'))}, "
+        f"min step {_dash(info.get('min_step'))}"
+    )
+    print(f"profiles: {profiles}")
+    rows = [
+        [
+            str(r["rank"]),
+            r["status"],
+            _dash(r.get("last_step")),
+            str(r.get("pushes", 0)),
+            str(r.get("duplicates", 0)),
+            str(r.get("rejections", 0)),
+            _bytes(r.get("bytes_received")),
+            _age(r.get("last_push_at_ms")),
+        ]
+        for r in info.get("ranks") or []
+    ]
+    print(
+        _table(
+            rows,
+            ["RANK", "STATUS", "LAST STEP", "PUSHES", "DUPS", "REJECTED", "RECEIVED", "LAST PUSH"],
+        )
+    )
+
+
+def cmd_ema(client: Client, args: argparse.Namespace) -> None:
+    """One rank's live EMA to a safetensors file."""
+    run = client.run(args.run)
+    r = client.request(
+        "GET",
+        f"{run.path}/ranks/{args.rank}/ema",
+        params={"profile": args.profile, "dtype": args.dtype},
+        token=run.read_token,
+    )
+    out = Path(args.output)
+    out.write_bytes(r.content)
+    print(out if not args.json else json.dumps({"path": str(out), "bytes": len(r.content)}))
+
+
+def cmd_delete(client: Client, args: argparse.Namespace) -> None:
+    client.delete_run(args.run)
+
+
+def cmd_snapshot(client: Client, args: argparse.Namespace) -> None:
+    run = client.run(args.run)
+    profiles = args.profiles.split(",") if args.profiles else None
+    snap = run.snapshot(args.step, profiles=profiles, label=args.label, wait=not args.no_wait)
+    if args.json:
+        _print_json(snap)
+    else:
+        print(f"snapshot {snap.get('id')} at step {_dash(snap.get('step'))}: {snap.get('status')}")
+
+
+def cmd_snapshots(client: Client, args: argparse.Namespace) -> None:
+    snaps = client.run(args.run).snapshots()
+    if args.json:
+        _print_json(snaps)
+        return
+    rows = [
+        [
+            str(s.get("id")),
+            _dash(s.get("step")),
+            str(s.get("kind", "-")),
+            str(s.get("status", "-")),
+            str(s.get("label") or ""),
+        ]
+        for s in snaps
+    ]
+    print(_table(rows, ["ID", "STEP", "KIND", "STATUS", "LABEL"]))
+
+
+def cmd_download(client: Client, args: argparse.Namespace) -> None:
+    run = client.run(args.run)
+    path = run.download_to(
+        args.snapshot,
+        args.output,
+        args.profile,
+        layout=args.layout,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+    )
+    print(path if not args.json else json.dumps({"path": str(path)}))
+
+
+def cmd_log(client: Client, args: argparse.Namespace) -> None:
+    values = {}
+    for item in args.values:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"metric {item!r}: expected name=value")
+        values[name] = float(value)
+    client.run(args.run).log(args.step, rank=args.rank, **values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m polyak", description="polyak: runs, push status, snapshots and downloads."
+    )
+    parser.add_argument(
+        "--url", default=None, help="server URL (default $POLYAK_URL or http://127.0.0.1:8080)"
+    )
+    parser.add_argument("--token", default=None, help="admin or run token (default $POLYAK_TOKEN)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("runs", help="list runs").set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("status", aliases=["ranks"], help="a run and the push status of each rank")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("ema", help="save one rank's live EMA as safetensors")
+    p.add_argument("run")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_ema)
+
+    p = sub.add_parser("delete", help="delete a run")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_delete)
+
+    p = sub.add_parser("snapshot", help="take a snapshot (waits until it is complete)")
+    p.add_argument("run")
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--profiles", default=None, help="comma-separated profile names")
+    p.add_argument("--label", default=None)
+    p.add_argument("--no-wait", action="store_true")
+    p.set_defaults(func=cmd_snapshot)
+
+    p = sub.add_parser("snapshots", help="list a run's snapshots")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_snapshots)
+
+    p = sub.add_parser("download", help="download a snapshot with a progress bar")
+    p.add_argument("run")
+    p.add_argument("snapshot")
+    p.add_argument("--profile", default=None)
+    p.add_argument("--layout", choices=["full", "sharded"], default="full")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("-o", "--output", default=".")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("log", help="send trainer scalars: log RUN STEP loss=0.1 lr=3e-4")
+    p.add_argument("run")
+    p.add_argument("step", type=int)
+    p.add_argument("values", nargs="+")
+    p.add_argument("--rank", type=int, default=None)
+    p.set_defaults(func=cmd_log)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with Client(args.url, args.token) as client:
+        try:
+            args.func(client, args)
+        except PolyakError as e:
+            print(f"polyak: {e}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,477 @@
+"""``Client`` (the server) and ``Run`` (one training run): the control plane.
+
+Everything here is a small synchronous JSON call over one keep-alive
+``httpx.Client``; the data plane (pushes) lives in :mod:`polyak.pusher`,
+which sends from its own thread.
+
+The methods under "Snapshots, downloads, metrics" follow the v1 contract for
+endpoints the server is still growing (``/snapshots``, ``/compare``,
+``/resume``, ``/metrics``); they are thin and kept apart so that they are
+easy to finish when those endpoints land.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+import torch
+
+from . import downloads
+from .errors import PolyakError, error_from_response, parse_retry_after
+from .shards import assemble
+from .wire import Chunk, parse_chunks, read_safetensors
+
+if TYPE_CHECKING:
+    from .pusher import Pusher
+
+__all__ = ["DEFAULT_URL", "Client", "RankEma", "Run"]
+
+#: Where ``polyak serve`` listens by default; ``$POLYAK_URL`` overrides it.
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def _user_agent() -> str:
+    from . import __version__
+
+    return f"polyak-python/{__version__}"
+
+
+class Client:
+    """A polyak server.
+
+    ``token`` is the admin token (``polyak serve --token``) or a run's token;
+    without auth on the server leave it ``None``.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+    ) -> None:
+        self.url = (url or os.environ.get("POLYAK_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get("POLYAK_TOKEN") or None
+        self.timeout = timeout
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeout,
+            headers={"User-Agent": _user_agent()},
+        )
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _headers(self, token: str | None) -> dict[str, str]:
+        token = token if token is not None else self.token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        token: str | None = None,
+        what: str = "",
+    ) -> httpx.Response:
+        """One call; a non-2xx answer raises :class:`PolyakError`."""
+        try:
+            r = self._http.request(
+                method,
+                path,
+                json=json,
+                params={k: v for k, v in (params or {}).items() if v is not None},
+                headers=self._headers(token),
+            )
+        except httpx.HTTPError as e:
+            raise PolyakError(
+                f"{method} {self.url}{path}: {type(e).__name__}: {e}", code="unavailable"
+            ) from e
+        if r.status_code >= 300:
+            raise error_from_response(
+                r.status_code,
+                r.content,
+                parse_retry_after(r.headers.get("retry-after")),
+                what=what,
+            )
+        return r
+
+    def stream(
+        self,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        token: str | None = None,
+    ) -> httpx.Response:
+        """A streamed GET (the caller closes it); errors raise as ``request``."""
+        req = self._http.build_request(
+            "GET",
+            path,
+            params={k: v for k, v in (params or {}).items() if v is not None},
+            headers=self._headers(token),
+        )
+        try:
+            r = self._http.send(req, stream=True)
+        except httpx.HTTPError as e:
+            raise PolyakError(f"GET {self.url}{path}: {e}", code="unavailable") from e
+        if r.status_code >= 300:
+            body = r.read()
+            r.close()
+            raise error_from_response(r.status_code, body)
+        return r
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- runs -------------------------------------------------------------
+
+    def create_run(
+        self,
+        name: str,
+        world_size: int = 1,
+        update_every: int = 1,
+        profiles: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        mirror: bool | None = None,
+        copy_patterns: Sequence[str] | None = None,
+        nonfinite: str | None = None,
+        ema_dtype: str | None = None,
+        device: str | None = None,
+        snapshot_every: int | None = None,
+        exist_ok: bool = False,
+        **extra: Any,
+    ) -> Run:
+        """Creates a run (``POST /v1/runs``).
+
+        With ``exist_ok`` an existing run of the same name is attached to
+        instead, after checking its ``world_size``, ``update_every`` and
+        profile names (so every rank may call this).
+        """
+        body: dict[str, Any] = {
+            "name": name,
+            "world_size": world_size,
+            "update_every": update_every,
+        }
+        if profiles is not None:
+            body["profiles"] = [dict(p) for p in profiles]
+        for key, value in (
+            ("mirror", mirror),
+            ("copy_patterns", list(copy_patterns) if copy_patterns is not None else None),
+            ("nonfinite", nonfinite),
+            ("ema_dtype", ema_dtype),
+            ("device", device),
+            ("snapshot_every", snapshot_every),
+        ):
+            if value is not None:
+                body[key] = value
+        body.update(extra)
+        try:
+            info = self.request("POST", "/v1/runs", json=body, what=f"create run `{name}`").json()
+        except PolyakError as e:
+            if not (exist_ok and e.code == "run_exists"):
+                raise
+            run = self.run(name)
+            run._check_matches(body)
+            return run
+        return Run(
+            self,
+            info,
+            write_token=info.get("write_token"),
+            read_token=info.get("read_token"),
+        )
+
+    def run(self, name: str, *, token: str | None = None) -> Run:
+        """Attaches to an existing run (``GET /v1/runs/{run}``)."""
+        info = self.request("GET", f"/v1/runs/{quote(name, safe='')}", token=token).json()
+        return Run(self, info, write_token=token, read_token=token)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run the caller may read."""
+        return list(self.request("GET", "/v1/runs").json()["runs"])
+
+    def delete_run(self, name: str) -> None:
+        self.request("DELETE", f"/v1/runs/{quote(name, safe='')}")
+
+    def health(self) -> bool:
+        """``GET /readyz`` answered 200."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@dataclass
+class RankEma:
+    """One rank's live EMA for one profile, as the server holds it."""
+
+    rank: int
+    profile: str
+    step: int | None
+    tensors: dict[str, torch.Tensor]
+    chunks: dict[str, Chunk]
+    metadata: dict[str, str]
+
+
+class Run:
+    """One training run on a server."""
+
+    def __init__(
+        self,
+        client: Client,
+        info: Mapping[str, Any],
+        *,
+        write_token: str | None = None,
+        read_token: str | None = None,
+    ) -> None:
+        self.client = client
+        self.info: dict[str, Any] = dict(info)
+        self.name: str = str(info["name"])
+        self.config: dict[str, Any] = dict(info["config"])
+        self.write_token = write_token
+        self.read_token = read_token
+
+    def __repr__(self) -> str:
+        return f"Run({self.name!r}, world_size={self.world_size}, update_every={self.update_every}, profiles={self.profiles})"
+
+    @property
+    def path(self) -> str:
+        return f"/v1/runs/{quote(self.name, safe='')}"
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    @property
+    def world_size(self) -> int:
+        return int(self.config["world_size"])
+
+    @property
+    def update_every(self) -> int:
+        return int(self.config.get("update_every", 1))
+
+    @property
+    def profiles(self) -> list[str]:
+        return [str(p["name"]) for p in self.config.get("profiles", [])]
+
+    @property
+    def copy_patterns(self) -> list[str]:
+        return [str(p) for p in self.config.get("copy_patterns", [])]
+
+    def _check_matches(self, body: Mapping[str, Any]) -> None:
+        want: dict[str, Any] = {
+            "world_size": body["world_size"],
+            "update_every": body["update_every"],
+        }
+        have: dict[str, Any] = {"world_size": self.world_size, "update_every": self.update_every}
+        if "profiles" in body:
+            want["profiles"] = [p["name"] for p in body["profiles"]]
+            have["profiles"] = self.profiles
+        if want != have:
+            raise PolyakError(
+                f"run `{self.name}` exists with {have}, not {want}", status=409, code="run_exists"
+            )
+
+    def _get(self, path: str = "", **params: Any) -> Any:
+        return self.client.request(
+            "GET", self.path + path, params=params, token=self.read_token
+        ).json()
+
+    def refresh(self) -> dict[str, Any]:
+        """The run as the server sees it now (ranks, last steps, health)."""
+        self.info = self._get()
+        self.config = dict(self.info["config"])
+        return self.info
+
+    def ranks(self) -> list[dict[str, Any]]:
+        return list(self._get("/ranks"))
+
+    def rank(self, rank: int, *, layout: bool = False) -> dict[str, Any]:
+        return dict(
+            self._get(f"/ranks/{int(rank)}", layout=str(layout).lower() if layout else None)
+        )
+
+    def delete(self) -> None:
+        self.client.delete_run(self.name)
+
+    # -- EMA of the live run ---------------------------------------------
+
+    def rank_ema(
+        self, rank: int, profile: str | None = None, *, dtype: str | None = None
+    ) -> RankEma:
+        """One rank's live EMA (``GET .../ranks/{rank}/ema``): the names,
+        shapes and chunk metadata it pushed; averaged tensors in float32
+        unless ``dtype`` asks for another float type."""
+        r = self.client.request(
+            "GET",
+            f"{self.path}/ranks/{int(rank)}/ema",
+            params={"profile": profile, "dtype": dtype},
+            token=self.read_token,
+        )
+        tensors, metadata = read_safetensors(r.content)
+        step = metadata.get("polyak.step")
+        return RankEma(
+            rank=int(rank),
+            profile=metadata.get("polyak.profile", profile or ""),
+            step=int(step) if step is not None else None,
+            tensors=tensors,
+            chunks=parse_chunks(metadata),
+            metadata=metadata,
+        )
+
+    def fetch_ema(
+        self, profile: str | None = None, *, dtype: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Whole tensors of the live EMA, joined from every rank's chunks
+        (for a consistent cut at one step use :meth:`snapshot`)."""
+        files = [self.rank_ema(r, profile, dtype=dtype) for r in range(self.world_size)]
+        return assemble((f.tensors, f.chunks) for f in files)
+
+    # -- pushing ----------------------------------------------------------
+
+    def pusher(self, rank: int | None = None, **options: Any) -> Pusher:
+        """A :class:`~polyak.Pusher` for ``rank`` (default: the
+        ``torch.distributed`` rank, else 0). See ``Pusher`` for options."""
+        from .pusher import Pusher
+
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return Pusher(self, rank, **options)
+
+    def should_push(self, step: int) -> bool:
+        """``step`` is an update step of this run (``step % update_every == 0``)."""
+        return int(step) % self.update_every == 0
+
+    # -- Snapshots, downloads, metrics (contract endpoints) ---------------
+
+    def log(self, step: int, *, rank: int | None = None, **scalars: float) -> None:
+        """Trainer scalars for the dashboard (``POST .../metrics``)."""
+        body: dict[str, Any] = {
+            "step": int(step),
+            "values": {k: float(v) for k, v in scalars.items()},
+        }
+        if rank is not None:
+            body["rank"] = int(rank)
+        self.client.request("POST", f"{self.path}/metrics", json=body, token=self.write_token)
+
+    def snapshot(
+        self,
+        step: int | None = None,
+        *,
+        profiles: Sequence[str] | None = None,
+        label: str | None = None,
+        wait: bool = True,
+        timeout: float = 600.0,
+        poll: float = 0.5,
+    ) -> dict[str, Any]:
+        """Asks for a consistent cut (``POST .../snapshots``); with ``wait``
+        polls it until it is complete (or failed: raises)."""
+        body: dict[str, Any] = {}
+        if step is not None:
+            body["step"] = int(step)
+        if profiles is not None:
+            body["profiles"] = list(profiles)
+        if label is not None:
+            body["label"] = label
+        snap = dict(
+            self.client.request(
+                "POST", f"{self.path}/snapshots", json=body, token=self.write_token
+            ).json()
+        )
+        if not wait:
+            return snap
+        deadline = time.monotonic() + timeout
+        while not downloads.snapshot_done(snap):
+            if time.monotonic() > deadline:
+                raise PolyakError(
+                    f"snapshot {snap.get('id')} still `{snap.get('status')}` after {timeout:g}s",
+                    code="snapshot_timeout",
+                )
+            time.sleep(poll)
+            snap = self.get_snapshot(snap["id"])
+        return snap
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        data = self._get("/snapshots")
+        return list(data["snapshots"] if isinstance(data, dict) else data)
+
+    def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]:
+        return dict(self._get(f"/snapshots/{downloads.snapshot_id(snapshot)}"))
+
+    def download(
+        self,
+        snapshot: str | int | Mapping[str, Any],
+        profile: str | None = None,
+        *,
+        dtype: str | None = None,
+        progress: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Whole tensors of a snapshot (``layout=full``), loadable with
+        ``model.load_state_dict``."""
+        data = downloads.fetch_bytes(
+            self, snapshot, profile, layout="full", dtype=dtype, progress=progress
+        )
+        tensors, _ = read_safetensors(data)
+        return tensors
+
+    def download_to(
+        self,
+        snapshot: str | int | Mapping[str, Any],
+        directory: str | os.PathLike[str],
+        profile: str | None = None,
+        *,
+        layout: str = "full",
+        dtype: str | None = None,
+        progress: bool = True,
+    ) -> Path:
+        """Streams a snapshot to ``directory``: ``layout="full"`` writes one
+        ``.safetensors`` file (its path is returned); ``"sharded"`` unpacks one
+        file per rank (for ``torch.distributed.checkpoint``) and returns the
+        directory."""
+        return downloads.download_to(
+            self, snapshot, Path(directory), profile, layout=layout, dtype=dtype, progress=progress
+        )
+
+    def compare(
+        self,
+        a: str | int | Mapping[str, Any],
+        b: str | int | Mapping[str, Any] = "live",
+        profile: str | None = None,
+        *,
+        profile_b: str | None = None,
+    ) -> dict[str, Any]:
+        """Per-tensor norms, differences and cosines between two snapshots
+        (or a snapshot and the live EMA)."""
+        return dict(
+            self._get(
+                "/compare",
+                a=downloads.snapshot_id(a),
+                b=downloads.snapshot_id(b),
+                profile=profile,
+                profile_b=profile_b,
+            )
+        )
+
+    def resume(self, step: int) -> dict[str, Any]:
+        """Restores the EMA from the newest snapshot at or before ``step``
+        (``POST .../resume``), for a trainer restarting from a checkpoint."""
+        return dict(
+            self.client.request(
+                "POST", f"{self.path}/resume", json={"step": int(step)}, token=self.write_token
+            ).json()
+        )

@@ -1,0 +1,776 @@
+"""``Pusher``: one rank's stream of pushes, off the training thread.
+
+On the training thread, :meth:`Pusher.push` only finds this rank's tensors
+(:mod:`polyak.shards`) and copies them into a reusable host body
+(:class:`~polyak.wire.HostBody`: the safetensors header is already there; on
+CUDA the memory is pinned and the copies are ``non_blocking`` with an event).
+A sender thread takes bodies from a bounded queue and PUTs them over one
+keep-alive connection, retrying what can be retried.
+
+Queue and buffers: ``max_queue`` bodies may wait while one is in flight, so
+there are at most ``max_queue + 1`` bodies, allocated on first use and
+reused; the training thread never writes a body the sender is reading. When
+the queue is full, policy ``block`` waits for room and ``drop_oldest`` takes
+the buffer of the oldest waiting push (never the one in flight) and counts
+it in :attr:`PushStats.dropped`.
+
+Retries: connection errors, timeouts, 429 and 5xx are retried with
+exponential backoff and jitter, at least as long as ``Retry-After`` says.
+A PUT is idempotent: if a first attempt was applied and only its answer was
+lost, the retry carries the same bytes and the server answers
+``duplicate: true``. Nothing fails silently: a push the server refuses (4xx)
+is reported, and a push that could not be delivered for
+``RetryPolicy.report_after`` seconds is reported (and kept, and retried);
+either error is raised from the next :meth:`Pusher.push` or
+:meth:`Pusher.flush`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import logging
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote, urlsplit
+
+import torch
+from torch import nn
+
+from .errors import PolyakError, error_from_response, parse_retry_after
+from .shards import LocalPart, LocalState, copy_into_parts, local_state, matches, push_pieces
+from .wire import Chunk, HostBody, TensorSpec, WireLayout
+
+if TYPE_CHECKING:
+    from .client import Run
+
+__all__ = ["Attachment", "PushStats", "Pusher", "RetryPolicy"]
+
+log = logging.getLogger("polyak")
+
+#: Answers worth another attempt.
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the sender retries a push it could not deliver."""
+
+    #: First backoff delay; doubles per attempt up to ``max_delay``.
+    base_delay: float = 0.05
+    max_delay: float = 10.0
+    #: Seconds of failed delivery after which the failure is raised from
+    #: ``push``/``flush`` (the push stays queued and is still retried).
+    report_after: float = 60.0
+    #: Socket timeout of one request (connect, send, answer).
+    request_timeout: float = 300.0
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Exponential backoff with "equal jitter" (half fixed, half random),
+        never shorter than the server's ``Retry-After``."""
+        cap = min(float(self.max_delay), float(self.base_delay) * 2.0 ** min(attempt, 60))
+        d = cap / 2 + random.uniform(0, cap / 2)
+        return float(max(d, retry_after or 0.0))
+
+
+@dataclass(frozen=True)
+class PushStats:
+    """Counters of one pusher (a consistent copy)."""
+
+    #: ``push`` calls that queued a body.
+    pushed: int
+    #: ``push`` calls for steps that are not update steps (nothing sent).
+    skipped: int
+    #: Pushes the server answered 200 (applied or duplicate).
+    acknowledged: int
+    applied: int
+    duplicates: int
+    #: Queued pushes replaced by newer ones (policy ``drop_oldest``).
+    dropped: int
+    #: Pushes the server refused (4xx); each one was raised.
+    rejected: int
+    #: Attempts that failed and were retried.
+    retries: int
+    #: Queued plus in flight.
+    pending: int
+    #: The step being sent now, if any.
+    in_flight_step: int | None
+    #: Newest step the server acknowledged.
+    last_step: int | None
+    bytes_sent: int
+    #: Time ``push`` spent copying tensors (training thread).
+    copy_seconds: float
+    #: Time ``push`` spent waiting for room in the queue (policy ``block``).
+    blocked_seconds: float
+
+
+@dataclass
+class _Job:
+    step: int
+    body: HostBody
+    queued_at: float
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection for pushes.
+
+    ``http.client`` rather than httpx here: the body is the host buffer
+    itself, handed to one ``socket.sendall`` (which releases the GIL for the
+    whole transfer); httpx's h11 path would copy it in 64 KiB ``bytes``
+    pieces on this thread.
+    """
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"server URL must be http(s)://, not {base_url!r}")
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.https else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.timeout = timeout
+        self.conn: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self.conn is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            self.conn = cls(self.host, self.port, timeout=self.timeout)
+        return self.conn
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def put(
+        self, path: str, body: memoryview | bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        """Status, body and ``Retry-After`` of one PUT; connection problems
+        raise ``OSError`` / ``http.client.HTTPException``."""
+        conn = self._connect()
+        try:
+            try:
+                conn.request("PUT", self.prefix + path, body=body, headers=dict(headers))
+            except (BrokenPipeError, ConnectionResetError):
+                # The server may have answered early (a body over its limit)
+                # and closed; its answer is still worth reading.
+                resp = conn.getresponse()
+            else:
+                resp = conn.getresponse()
+            data = resp.read()
+        except BaseException:
+            self.close()
+            raise
+        if resp.will_close:
+            self.close()
+        return resp.status, data, resp.getheader("Retry-After")
+
+
+class Pusher:
+    """Pushes one rank's tensors to a run without stalling the training step.
+
+    Options:
+
+    - ``max_queue``: pushes that may wait while one is in flight (host
+      memory: ``max_queue + 1`` copies of this rank's shard).
+    - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
+      dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
+      push is dropped and counted).
+    - ``dtype``: cast floating point tensors (e.g. ``torch.bfloat16``) while
+      copying; names in ``copy_only`` and the run's ``copy_patterns`` keep
+      their dtype.
+    - ``skip``: globs of names not to push (nor load back).
+    - ``copy_only``: globs of floating point names that must be copied, not
+      averaged. The server decides that from the run's ``copy_patterns``;
+      the pusher checks at its first push that they cover these names.
+    - ``compress``: a zstd level (needs ``zstandard``), for slow links.
+    - ``retry``: a :class:`RetryPolicy`.
+    - ``split_replicated``: plain (non-DTensor, non-ShardedTensor) tensors
+      are taken to be the same on every rank (DDP replicas, FSDP buffers)
+      and split between the run's ranks along dim 0, so each rank sends its
+      share. ``False`` when each rank holds its own whole tensors (pipeline
+      stages): they are pushed whole.
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        rank: int,
+        *,
+        max_queue: int = 2,
+        policy: Literal["block", "drop_oldest"] = "block",
+        dtype: torch.dtype | None = None,
+        skip: Sequence[str] = (),
+        copy_only: Sequence[str] = (),
+        compress: int | None = None,
+        retry: RetryPolicy | None = None,
+        split_replicated: bool = True,
+    ) -> None:
+        if not 0 <= rank < run.world_size:
+            raise ValueError(
+                f"rank {rank} is outside run `{run.name}`'s world size {run.world_size}"
+            )
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        if policy not in ("block", "drop_oldest"):
+            raise ValueError(f"policy must be `block` or `drop_oldest`, not {policy!r}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, not {dtype}")
+        self.run = run
+        self.rank = int(rank)
+        self.world_size = run.world_size
+        self.update_every = run.update_every
+        self.max_queue = int(max_queue)
+        self.policy = policy
+        self.dtype = dtype
+        self.skip = tuple(skip)
+        self.copy_only = tuple(copy_only)
+        self.compress = compress
+        self.retry = retry or RetryPolicy()
+        self.split_replicated = bool(split_replicated)
+        self._token = run.write_token or run.client.token
+        self._path = f"/v1/runs/{quote(run.name, safe='')}/ranks/{self.rank}/steps/"
+
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._in_flight: _Job | None = None
+        self._free: list[HostBody] = []
+        self._allocated = 0
+        self._layout: WireLayout | None = None
+        self._keeps_dtype: dict[str, bool] = {}
+        self._pending_error: PolyakError | None = None
+        self._more_errors = 0
+        self._last_transient = ""
+        self._last_queued: int | None = None
+        self._closed = False
+        self._stopping = False
+        self._abort = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._counts = {
+            "pushed": 0,
+            "skipped": 0,
+            "acknowledged": 0,
+            "applied": 0,
+            "duplicates": 0,
+            "dropped": 0,
+            "rejected": 0,
+            "retries": 0,
+            "bytes_sent": 0,
+        }
+        self._last_acked: int | None = None
+        self._copy_seconds = 0.0
+        self._blocked_seconds = 0.0
+        self._last_response: dict[str, Any] | None = None
+        atexit.register(_warn_if_pending, weakref.ref(self))
+
+    def __repr__(self) -> str:
+        return f"Pusher(run={self.run.name!r}, rank={self.rank}, policy={self.policy!r}, max_queue={self.max_queue})"
+
+    # -- the training thread ---------------------------------------------
+
+    def should_push(self, step: int) -> bool:
+        """``step`` is one the run applies (``step % update_every == 0``)."""
+        return int(step) % self.update_every == 0
+
+    def push(self, model_or_state_dict: nn.Module | Mapping[str, Any], step: int) -> bool:
+        """Queues this rank's tensors for ``step``; returns ``False`` (and
+        sends nothing) when ``step`` is not an update step.
+
+        ``step`` is the number of optimizer steps taken before this one's
+        weights: after the first ``optimizer.step()`` push with step 0 (the
+        value ema-pytorch's ``EMA.step`` holds when ``update()`` is entered).
+        Raises a pending failure of an earlier push first.
+        """
+        self._raise_pending()
+        if self._closed:
+            raise PolyakError("the pusher is closed", code="closed", rank=self.rank, step=step)
+        step = int(step)
+        if not self.should_push(step):
+            with self._cond:
+                self._counts["skipped"] += 1
+            return False
+        if self._last_queued is not None and step <= self._last_queued:
+            raise PolyakError(
+                f"steps must increase; step {step} after {self._last_queued}",
+                code="step_order",
+                rank=self.rank,
+                step=step,
+            )
+        state = self._local_state(model_or_state_dict)
+        pieces = push_pieces(state.parts, self.skip)
+        specs = [
+            TensorSpec(p.name, self._wire_dtype(p.name, p.tensor), tuple(p.tensor.shape), p.chunk)
+            for p in pieces
+        ]
+        layout = self._layout_for(specs, pieces)
+        pin = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
+        body = self._acquire(layout, step, pin)
+        started = time.perf_counter()
+        try:
+            body.fill([p.tensor for p in pieces])
+        except BaseException:
+            with self._cond:
+                self._free.append(body)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._copy_seconds += time.perf_counter() - started
+            self._queue.append(_Job(step, body, time.monotonic()))
+            self._counts["pushed"] += 1
+            self._last_queued = step
+            self._cond.notify_all()
+        self._ensure_sender()
+        return True
+
+    def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
+        if self.dtype is None or not t.is_floating_point():
+            return t.dtype
+        keep = self._keeps_dtype.get(name)
+        if keep is None:
+            keep = matches(name, self.copy_only) or matches(name, self.run.copy_patterns)
+            self._keeps_dtype[name] = keep
+        return t.dtype if keep else self.dtype
+
+    def _layout_for(self, specs: list[TensorSpec], pieces: Sequence[Any]) -> WireLayout:
+        layout = self._layout
+        if layout is not None:
+            if tuple((s.name, s.dtype, s.shape, s.chunk) for s in specs) != layout.signature:
+                raise PolyakError(
+                    "the pushed tensors differ from the first push's "
+                    f"({layout.describe_difference(specs)}); a run's layout is fixed",
+                    code="layout_changed",
+                    rank=self.rank,
+                )
+            return layout
+        if self.copy_only:
+            uncovered = [
+                p.name
+                for p in pieces
+                if matches(p.name, self.copy_only)
+                and p.tensor.is_floating_point()
+                and not matches(p.name, self.run.copy_patterns)
+            ]
+            if uncovered:
+                raise PolyakError(
+                    f"copy_only names {uncovered[:5]} are floating point and not in run "
+                    f"`{self.run.name}`'s copy_patterns {self.run.copy_patterns}; the server "
+                    "would average them. Create the run with copy_patterns covering them.",
+                    code="copy_only_not_configured",
+                    rank=self.rank,
+                )
+        self._layout = WireLayout(specs)
+        return self._layout
+
+    def _acquire(self, layout: WireLayout, step: int, pin: bool) -> HostBody:
+        """A body to fill: a free one, a new one, or (``drop_oldest``) the
+        oldest queued one. ``block`` waits for room; a failure reported
+        meanwhile is raised."""
+        waited_from: float | None = None
+        body: HostBody | None = None
+        allocate = False
+        with self._cond:
+            while self._pending_error is None:
+                if len(self._queue) < self.max_queue:
+                    if self._free:
+                        body = self._free.pop()
+                        break
+                    if self._allocated < self.max_queue + 1:
+                        self._allocated += 1
+                        allocate = True
+                        break
+                if self.policy == "drop_oldest" and self._queue:
+                    dropped = self._queue.popleft()
+                    self._counts["dropped"] += 1
+                    log.warning(
+                        "polyak: run %s rank %d dropped the queued push of step %d for step %d "
+                        "(policy drop_oldest)",
+                        self.run.name,
+                        self.rank,
+                        dropped.step,
+                        step,
+                    )
+                    body = dropped.body
+                    break
+                if waited_from is None:
+                    waited_from = time.perf_counter()
+                self._cond.wait(0.5)
+            if waited_from is not None:
+                self._blocked_seconds += time.perf_counter() - waited_from
+        if allocate:
+            # Allocated outside the lock: pinning a large buffer takes a while.
+            return HostBody(layout, pin=pin)
+        if body is None:
+            self._raise_pending()
+            raise AssertionError("no body and no error")  # pragma: no cover
+        return body
+
+    def attach(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Mapping[str, Any],
+        *,
+        start_step: int = 0,
+    ) -> Attachment:
+        """Pushes ``model`` after every ``optimizer.step()`` that is an update
+        step, with the right step (like ema-pytorch's
+        ``add_to_optimizer_post_step_hook``). ``start_step``: the number of
+        optimizer steps already taken (when resuming)."""
+        return Attachment(self, optimizer, model, start_step)
+
+    # -- waiting, errors, stats -------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every queued push is acknowledged; raises the first
+        failure, or ``flush_timeout`` naming what is still pending."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._in_flight is not None) and self._pending_error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    steps = ([self._in_flight.step] if self._in_flight else []) + [
+                        j.step for j in self._queue
+                    ]
+                    raise PolyakError(
+                        f"{len(steps)} push(es) not acknowledged after {timeout:g}s "
+                        f"(steps {_steps_text(steps)}); last attempt: {self._last_transient or 'in progress'}",
+                        code="flush_timeout",
+                        rank=self.rank,
+                        step=steps[0],
+                    )
+                self._cond.wait(remaining if remaining is not None else 1.0)
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        with self._cond:
+            err, self._pending_error = self._pending_error, None
+            more, self._more_errors = self._more_errors, 0
+        if err is not None:
+            if more:
+                err = PolyakError(
+                    f"{err.message} (and {more} later failure(s); see pusher.stats())",
+                    status=err.status,
+                    code=err.code,
+                    step=err.step,
+                    rank=err.rank,
+                )
+            raise err
+
+    def _report(self, err: PolyakError) -> None:
+        """Keeps ``err`` for the training thread (called with the lock held)."""
+        if self._pending_error is None:
+            self._pending_error = err
+        else:
+            self._more_errors += 1
+        self._cond.notify_all()
+
+    def stats(self) -> PushStats:
+        with self._cond:
+            c = self._counts
+            return PushStats(
+                pushed=c["pushed"],
+                skipped=c["skipped"],
+                acknowledged=c["acknowledged"],
+                applied=c["applied"],
+                duplicates=c["duplicates"],
+                dropped=c["dropped"],
+                rejected=c["rejected"],
+                retries=c["retries"],
+                pending=len(self._queue) + (self._in_flight is not None),
+                in_flight_step=self._in_flight.step if self._in_flight is not None else None,
+                last_step=self._last_acked,
+                bytes_sent=c["bytes_sent"],
+                copy_seconds=self._copy_seconds,
+                blocked_seconds=self._blocked_seconds,
+            )
+
+    @property
+    def last_response(self) -> dict[str, Any] | None:
+        """The server's answer to the newest acknowledged push."""
+        with self._cond:
+            return self._last_response
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flushes, then stops the sender. If the flush fails, what is still
+        queued is abandoned and the error raised."""
+        if self._closed:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            self._closed = True
+            with self._cond:
+                self._stopping = True
+                aborting = bool(self._queue) or self._in_flight is not None
+                if aborting:
+                    self._abort.set()
+                self._cond.notify_all()
+            if self._thread is not None:
+                # An abandoned request may be stuck in a socket call; the
+                # thread is a daemon, so do not wait for it long.
+                self._thread.join(timeout=5.0 if aborting else None)
+            with self._cond:
+                self._free.clear()  # the host buffers go back to the allocator
+
+    def __enter__(self) -> Pusher:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(PolyakError):
+                self.close(timeout=0)
+
+    # -- EMA back into the trainer ----------------------------------------
+
+    def _local_state(self, model: nn.Module | Mapping[str, Any]) -> LocalState:
+        if self.split_replicated:
+            return local_state(model, rank=self.rank, world_size=self.world_size)
+        return local_state(model, rank=0, world_size=1)
+
+    def _targets(self, model: nn.Module | Mapping[str, Any]) -> tuple[list[LocalPart], Any]:
+        state = self._local_state(model)
+        parts = [p for p in state.parts if not (self.skip and matches(p.name, self.skip))]
+        return parts, state.commit
+
+    def load_ema_into(
+        self,
+        model: nn.Module | Mapping[str, Any],
+        profile: str | None = None,
+        *,
+        flush: bool = True,
+    ) -> None:
+        """Copies the run's EMA into this rank's part of ``model`` (its own,
+        possibly sharded, parameters and buffers), after waiting for this
+        rank's pushes to be acknowledged. Given a state dict, its tensors (or
+        local shards) are written in place; load it into the model yourself.
+
+        The rank's own EMA file is fetched first; other ranks' files only if
+        it does not cover everything this rank holds (replicated tensors,
+        which are pushed split between the ranks). With FSDP1 every rank
+        must call this together (the sharded state dict is a collective).
+        Hare-and-tortoise training (ema-pytorch's
+        ``update_model_with_ema_every``) is ``load_ema_into`` every N steps.
+        """
+        if flush:
+            self.flush()
+        parts, commit = self._targets(model)
+        files: dict[int, tuple[dict[str, torch.Tensor], dict[str, Chunk]]] = {}
+
+        def fetch(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Chunk]]:
+            if rank not in files:
+                ema = self.run.rank_ema(rank, profile)
+                files[rank] = (ema.tensors, ema.chunks)
+            return files[rank]
+
+        missing = copy_into_parts(parts, [fetch(self.rank)])
+        if missing and self.world_size > 1:
+            for r in range(self.world_size):
+                fetch(r)
+            need = [p for p in parts if p.name in set(missing)]
+            missing = copy_into_parts(need, [files[r] for r in sorted(files)])
+        if missing:
+            raise PolyakError(
+                f"the EMA does not cover {missing[:5]} (not pushed, or skipped by another rank)",
+                code="ema_incomplete",
+                rank=self.rank,
+            )
+        if commit is not None:
+            commit()
+
+    @contextlib.contextmanager
+    def ema_weights(
+        self, model: nn.Module | Mapping[str, Any], profile: str | None = None
+    ) -> Iterator[nn.Module | Mapping[str, Any]]:
+        """``with pusher.ema_weights(model, "ema"): evaluate(model)``: the EMA
+        in place of the online weights, which are restored bit for bit on
+        exit (from a host copy of this rank's part)."""
+        self.flush()
+        parts, _ = self._targets(model)
+        # A host copy: the point of polyak is not to hold extra weights on the device.
+        saved = [p.tensor.detach().to("cpu", copy=True) for p in parts]
+        self.load_ema_into(model, profile, flush=False)
+        try:
+            yield model
+        finally:
+            parts, commit = self._targets(model)
+            with torch.no_grad():
+                for part, online in zip(parts, saved, strict=True):
+                    part.tensor.copy_(online)
+            if commit is not None:
+                commit()
+
+    # -- the sender thread ------------------------------------------------
+
+    def _ensure_sender(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._send_loop,
+                name=f"polyak-push-{self.run.name}-{self.rank}",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def _send_loop(self) -> None:
+        conn = _Connection(self.run.url, self.retry.request_timeout)
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._stopping:
+                        self._cond.wait()
+                    if not self._queue or self._abort.is_set():
+                        return
+                    job = self._queue.popleft()
+                    self._in_flight = job
+                answer: dict[str, Any] | None = None
+                failure: PolyakError | None = None
+                try:
+                    answer = self._deliver(conn, job)
+                except PolyakError as e:
+                    failure = e.at(step=job.step, rank=self.rank)
+                except Exception as e:  # a bug here must not kill the thread silently
+                    failure = PolyakError(
+                        f"{type(e).__name__}: {e}",
+                        code="client_error",
+                        step=job.step,
+                        rank=self.rank,
+                    )
+                # One critical section: whoever sees the outcome sees the job done.
+                with self._cond:
+                    if failure is not None and failure.code != "aborted":
+                        self._counts["rejected"] += 1
+                        self._report(failure)
+                        log.error("polyak: push failed: %s", failure)
+                    elif answer is not None:
+                        self._counts["acknowledged"] += 1
+                        if answer.get("applied"):
+                            self._counts["applied"] += 1
+                        if answer.get("duplicate"):
+                            self._counts["duplicates"] += 1
+                        self._last_acked = job.step
+                        self._last_response = answer
+                    self._free.append(job.body)
+                    self._in_flight = None
+                    self._cond.notify_all()
+        finally:
+            conn.close()
+
+    def _deliver(self, conn: _Connection, job: _Job) -> dict[str, Any]:
+        job.body.wait_ready()
+        payload: memoryview | bytes = job.body.memory
+        from . import __version__
+
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "User-Agent": f"polyak-python/{__version__}",
+        }
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        if self.compress is not None:
+            import zstandard
+
+            payload = zstandard.ZstdCompressor(level=self.compress).compress(payload)
+            headers["Content-Encoding"] = "zstd"
+        headers["Content-Length"] = str(len(payload))
+        path = f"{self._path}{job.step}"
+        attempt = 0
+        failing_since: float | None = None
+        while True:
+            if self._abort.is_set():
+                raise PolyakError(
+                    "the pusher was closed before this push was delivered", code="aborted"
+                )
+            retry_after: float | None = None
+            try:
+                status, data, retry_header = conn.put(path, payload, headers)
+            except (OSError, http.client.HTTPException) as e:
+                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            else:
+                if status == 200:
+                    with self._cond:
+                        self._counts["bytes_sent"] += len(payload)
+                        self._last_transient = ""
+                    return dict(json.loads(data))
+                retry_after = parse_retry_after(retry_header)
+                err = error_from_response(status, data, retry_after)
+                if status not in RETRY_STATUSES:
+                    raise err
+                problem = f"{status} {err.code}: {err.message}"
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+            with self._cond:
+                self._counts["retries"] += 1
+                self._last_transient = problem
+                if now - failing_since >= self.retry.report_after:
+                    pending = len(self._queue) + 1
+                    self._report(
+                        PolyakError(
+                            f"could not deliver to {self.run.url} for {now - failing_since:.1f}s "
+                            f"({attempt + 1} attempts; last: {problem}); {pending} push(es) kept "
+                            f"and still retried, {self._counts['dropped']} dropped so far",
+                            code="unavailable",
+                            step=job.step,
+                            rank=self.rank,
+                        )
+                    )
+                    failing_since = now
+            log.debug("polyak: step %d attempt %d failed: %s", job.step, attempt + 1, problem)
+            self._abort.wait(self.retry.delay(attempt, retry_after))
+            attempt += 1
+
+
+class Attachment:
+    """An optimizer post-step hook that pushes (see :meth:`Pusher.attach`).
+
+    ``step`` is the step the next ``optimizer.step()`` will push as.
+    """
+
+    def __init__(
+        self,
+        pusher: Pusher,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Mapping[str, Any],
+        start_step: int = 0,
+    ) -> None:
+        self.pusher = pusher
+        self.model = model
+        self.step = int(start_step)
+        self._handle = optimizer.register_step_post_hook(self._hook)
+
+    def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        step = self.step
+        self.step += 1
+        if self.pusher.should_push(step):
+            self.pusher.push(self.model, step)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    if len(steps) <= 6:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]}, {steps[1]}, ... {steps[-1]}"
+
+
+def _warn_if_pending(ref: weakref.ref[Pusher]) -> None:
+    pusher = ref()
+    if pusher is None or pusher._closed:
+        return
+    pending = pusher.stats().pending
+    if pending:
+        log.warning(
+            "polyak: %d push(es) of run %s rank %d were never delivered; call pusher.flush() before exit",
+            pending,
+            pusher.run.name,
+            pusher.rank,
+        )

@@ -1,0 +1,135 @@
+"""Models, training steps and anchors shared by the client tests (and the
+processes they spawn).
+
+Anchors are computed in the same process as the training they check:
+``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn`` for
+``constant`` profiles and ``ema_pytorch.EMA`` for ``warmup`` profiles, both
+run on an unsharded copy of the model that is loaded with the gathered
+weights after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+from torch import nn
+
+VOCAB, DIM, HIDDEN, SEQ = 37, 12, 31, 7
+
+
+class TinyTransformer(nn.Module):
+    """One pre-norm attention block and MLP. The first dimensions (37, 7, 12,
+    36, 31, 1) split unevenly over 2 ranks; ``gate`` has one row, so rank 1
+    of an FSDP split holds none of it. Buffers: a float causal mask and an
+    integer count of training forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.lnf = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.gate = nn.Parameter(torch.ones(1))
+        self.register_buffer("mask", torch.tril(torch.ones(SEQ, SEQ)))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.seen += 1
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        h = self.ln1(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        att = (q @ k.transpose(-1, -2)) / DIM**0.5
+        t = idx.shape[1]
+        att = att.masked_fill(self.mask[:t, :t] == 0, float("-inf")).softmax(-1)
+        x = x + self.gate * self.proj(att @ v)
+        x = x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
+        return self.head(self.lnf(x))
+
+
+def batch(gen: torch.Generator, size: int = 8) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+
+
+def lm_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> float:
+    loss = lm_loss(model, batch(gen))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def clone_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def averaged_state(avg) -> dict[str, torch.Tensor]:
+    return clone_state(avg.module.state_dict())
+
+
+def ema_pytorch_state(ema) -> dict[str, torch.Tensor]:
+    return clone_state(ema.ema_model.state_dict())
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    denom = b64.norm().item()
+    num = (a64 - b64).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def assert_state_close(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    online: dict[str, torch.Tensor],
+    rtol: float = 1e-6,
+    label: str = "",
+) -> None:
+    """Float tensors within ``rtol`` (norm of the difference over the norm of
+    the anchor); integer tensors equal to the last pushed (online) value,
+    since polyak copies them."""
+    assert set(got) == set(want), (label, sorted(set(got) ^ set(want)))
+    for k, w in want.items():
+        g = got[k]
+        assert g.shape == w.shape, (label, k, g.shape, w.shape)
+        if w.is_floating_point():
+            assert g.dtype == torch.float32, (label, k, g.dtype)
+            err = rel_err(g, w.float())
+            assert err <= rtol, f"{label} {k}: relative error {err:.3e} > {rtol:g}"
+        else:
+            assert torch.equal(g, online[k]), (label, k, g, online[k])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Trainer:
+    """One process, one real AdamW loop on :class:`TinyTransformer`."""
+
+    def __init__(self, seed: int = 0, model: nn.Module | None = None) -> None:
+        torch.manual_seed(seed)
+        self.model = model if model is not None else TinyTransformer()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-2, weight_decay=0.01)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> float:
+        return train_step(self.model, self.opt, self.gen)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return clone_state(self.model.state_dict())

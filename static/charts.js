@@ -1,0 +1,235 @@
+// Charts on uPlot (static/vendor/uplot, loaded as the global `uPlot`).
+// Every chart is registered in `window.polyak.charts[name]` as its uPlot
+// instance, so tests and curious users can read `chart.data`.
+
+const PALETTE = ['#3451b2', '#d9480f', '#2b8a3e', '#ae3ec9', '#0c8599', '#e67700', '#c2255c', '#5c940d', '#495057', '#7048e8'];
+
+export function color(i) {
+  return PALETTE[i % PALETTE.length];
+}
+
+/** `#rrggbb` with an alpha, as rgba(). */
+export function fade(hex, alpha) {
+  const n = parseInt(hex.slice(1), 16);
+  return `rgba(${(n >> 16) & 255}, ${(n >> 8) & 255}, ${n & 255}, ${alpha})`;
+}
+
+export function registry() {
+  window.polyak = window.polyak || {};
+  window.polyak.charts = window.polyak.charts || {};
+  return window.polyak.charts;
+}
+
+/**
+ * TensorBoard's smoothing: an exponential moving average with weight `w`
+ * in [0, 1), debiased for the first points; non-finite values pass through.
+ */
+export function smoothEma(values, w) {
+  if (!(w > 0)) return values.slice();
+  const out = new Array(values.length);
+  let last = 0;
+  let n = 0;
+  for (let i = 0; i < values.length; i += 1) {
+    const v = values[i];
+    if (v === null || !Number.isFinite(v)) {
+      out[i] = v;
+      continue;
+    }
+    last = last * w + (1 - w) * v;
+    n += 1;
+    out[i] = last / (1 - w ** n);
+  }
+  return out;
+}
+
+/**
+ * Series with their own x values -> uPlot's aligned data: the sorted union
+ * of every x, each series null where it has no point.
+ * `list`: `[{xs: number[], ys: number[]}]`.
+ */
+export function alignByX(list) {
+  const all = new Set();
+  for (const s of list) for (const x of s.xs) all.add(x);
+  const xs = Float64Array.from(all).sort();
+  const index = new Map();
+  xs.forEach((x, i) => index.set(x, i));
+  const columns = list.map((s) => {
+    const col = new Array(xs.length).fill(null);
+    s.xs.forEach((x, i) => {
+      col[index.get(x)] = s.ys[i];
+    });
+    return col;
+  });
+  return [Array.from(xs), ...columns];
+}
+
+/** A tick label with as many decimals as the tick spacing needs. */
+export function fmtTick(v, incr) {
+  if (v === null || v === undefined) return '';
+  if (v === 0) return '0';
+  const a = Math.abs(v);
+  if (a >= 1e6 || a < 1e-4) return v.toExponential(Math.max(0, Math.min(6, Math.round(-Math.log10(incr / a))))).replace('e+', 'e');
+  const decimals = incr > 0 ? Math.max(0, Math.min(10, Math.ceil(-Math.log10(incr) - 1e-9))) : 2;
+  return v.toFixed(decimals);
+}
+
+/**
+ * uPlot's padded range, except that a nearly flat series (a learning rate
+ * changing in its ninth digit) gets a visible band around it instead of a
+ * zero-height scale that draws nothing.
+ */
+function linearRange(u, min, max) {
+  if (min === null || max === null || !Number.isFinite(min) || !Number.isFinite(max)) return [0, 1];
+  const [lo, hi] = uPlot.rangeNum(min, max, 0.1, true);
+  if (hi - lo > Math.abs(hi) * 1e-9 && hi > lo) return [lo, hi];
+  const pad = Math.abs(max) * 0.01 || 1;
+  return [min - pad, max + pad];
+}
+
+/** Step axes tick at whole steps: 1, 2, 5, 10, 20, 50, ... */
+const STEP_INCRS = Array.from({ length: 30 }, (_, i) => [1, 2, 5][i % 3] * 10 ** Math.floor(i / 3));
+
+/** Time axes step by whole seconds at least. */
+const TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800];
+
+function axisSize(self, values) {
+  if (!values || !values.length) return 50;
+  const longest = Math.max(...values.map((v) => (v === null || v === undefined ? 0 : String(v).length)));
+  return Math.max(40, longest * 7 + 18);
+}
+
+const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: { stroke: '#e3e6ec', width: 1 } };
+
+/**
+ * A line (or bar) chart in `container`.
+ *
+ * - `series`: `[{label, color, width?, dash?, scale?, fmt?, bars?, fill?}]` (y series).
+ * - `x`: `{label, time?, integer?, fmt?, values?, range?, axis?}`; `time: true` wants seconds since
+ *   the epoch, `integer: true` ticks at whole numbers (steps).
+ * - `y`: `{fmt?, legend?, log?, zero?, label?}` (`fmt` for ticks and legend, `legend` for the legend
+ *   only, `zero` to start the axis at 0, as bars want); `y2`: a second axis on the right for series with `scale: 'y2'`.
+ *
+ * Returns `{plot, update(data), destroy()}`; `update` keeps the user's zoom.
+ */
+export function createChart(container, name, { series, x = {}, y = {}, y2 = null, height = 220 }) {
+  const width = Math.max(240, container.clientWidth || 600);
+  const yFmt = y.fmt || y.legend || ((v) => String(v));
+  const yTick = y.fmt ? (v) => y.fmt(v) : fmtTick;
+  const yRange = y.zero ? (u, min, max) => [0, max > 0 ? max * 1.08 : 1] : linearRange;
+  const scales = { x: { time: Boolean(x.time) }, y: y.log ? { distr: 3 } : { auto: true, range: yRange } };
+  if (x.range) scales.x.range = x.range;
+  const axes = [
+    {
+      ...AXIS,
+      label: x.label,
+      labelSize: x.label ? 18 : 0,
+      ...(x.time ? { incrs: TIME_INCRS, space: 60 } : { values: x.values || ((u, splits) => splits.map((v) => (x.fmt ? x.fmt(v) : String(v)))) }),
+      ...(x.integer ? { incrs: STEP_INCRS } : {}),
+      ...(x.axis || {}),
+    },
+    {
+      ...AXIS,
+      scale: 'y',
+      label: y.label,
+      labelSize: y.label ? 18 : 0,
+      values: (u, splits, axisIdx, space, incr) => splits.map((v) => (v === null ? '' : yTick(v, incr))),
+      size: axisSize,
+    },
+  ];
+  if (y2) {
+    scales.y2 = { auto: true, range: linearRange };
+    axes.push({
+      ...AXIS,
+      scale: 'y2',
+      side: 1,
+      grid: { show: false },
+      label: y2.label,
+      labelSize: y2.label ? 18 : 0,
+      values: (u, splits) => splits.map((v) => (v === null ? '' : (y2.fmt || String)(v))),
+      size: axisSize,
+    });
+  }
+  const opts = {
+    width,
+    height,
+    scales,
+    axes,
+    cursor: { drag: { x: true, y: false }, focus: { prox: 24 } },
+    focus: { alpha: 0.4 },
+    legend: { live: true },
+    series: [
+      {
+        label: x.label || 'x',
+        value: (u, v) => (v === null || v === undefined ? '—' : x.time ? new Date(v * 1000).toLocaleTimeString() : x.fmt ? x.fmt(v) : String(v)),
+      },
+      ...series.map((s) => ({
+        label: s.label,
+        scale: s.scale || 'y',
+        stroke: s.color,
+        width: s.width ?? 1.5,
+        dash: s.dash,
+        fill: s.fill,
+        spanGaps: true,
+        points: { show: s.bars ? false : (u, si) => u.data[0].length < 40 },
+        paths: s.bars ? uPlot.paths.bars({ size: [0.7, 64], align: 0 }) : undefined,
+        value: (u, v) => (v === null || v === undefined ? '—' : (s.fmt || yFmt)(v)),
+      })),
+    ],
+  };
+  const empty = [[], ...series.map(() => [])];
+  const plot = new uPlot(opts, empty, container);
+  plot.polyak = { name, labels: series.map((s) => s.label) };
+  registry()[name] = plot;
+
+  let zoomed = false;
+  plot.over.addEventListener('mouseup', () => {
+    const sx = plot.scales.x;
+    const d = plot.data[0];
+    zoomed = d.length > 1 && (sx.min > d[0] || sx.max < d[d.length - 1]);
+  });
+  plot.over.addEventListener('dblclick', () => {
+    zoomed = false;
+  });
+
+  const resize = new ResizeObserver(() => {
+    const w = container.clientWidth;
+    if (w > 0 && Math.abs(w - plot.width) > 1) plot.setSize({ width: w, height });
+  });
+  resize.observe(container);
+
+  return {
+    plot,
+    update(data) {
+      plot.setData(data, !zoomed);
+      if (zoomed) plot.redraw(false, true);
+    },
+    destroy() {
+      resize.disconnect();
+      plot.destroy();
+      if (registry()[name] === plot) delete registry()[name];
+    },
+  };
+}
+
+/** A titled card holding a chart: returns `{el, head, body, note}`. */
+export function chartCard(title, subtitle = '') {
+  const body = document.createElement('div');
+  body.className = 'chart-body';
+  const note = document.createElement('div');
+  note.className = 'chart-note';
+  const el = document.createElement('section');
+  el.className = 'card chart-card';
+  const head = document.createElement('div');
+  head.className = 'card-head';
+  const h3 = document.createElement('h3');
+  h3.textContent = title;
+  head.append(h3);
+  if (subtitle) {
+    const sub = document.createElement('span');
+    sub.className = 'muted small';
+    sub.textContent = subtitle;
+    head.append(sub);
+  }
+  el.append(head, note, body);
+  return { el, head, body, note };
+}
