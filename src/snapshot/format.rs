@@ -38,6 +38,23 @@ impl PartFile {
     }
 }
 
+/// The `__metadata__` every stored part carries.
+pub fn part_metadata(
+    run: &str,
+    snapshot: &str,
+    rank: u32,
+    step: u64,
+    part: &str,
+) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("polyak.run".to_string(), run.to_string()),
+        ("polyak.snapshot".to_string(), snapshot.to_string()),
+        ("polyak.rank".to_string(), rank.to_string()),
+        ("polyak.step".to_string(), step.to_string()),
+        ("polyak.profile".to_string(), part.to_string()),
+    ])
+}
+
 fn shards_metadata(layout: &RankLayout, meta: &mut BTreeMap<String, String>) {
     let mut shards = serde_json::Map::new();
     for t in &layout.tensors {

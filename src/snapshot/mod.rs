@@ -376,13 +376,13 @@ fn write_rank(data_dir: &Path, capture: RankCapture) -> Result<Vec<FileRow>, Sna
     let meta_json =
         serde_json::to_string(&capture.meta).map_err(|e| SnapshotError::Invalid(e.to_string()))?;
     let base_meta = |part: &str| {
-        BTreeMap::from([
-            ("polyak.run".to_string(), capture.run.clone()),
-            ("polyak.snapshot".to_string(), capture.snapshot.clone()),
-            ("polyak.rank".to_string(), capture.rank.to_string()),
-            ("polyak.step".to_string(), capture.step.to_string()),
-            ("polyak.profile".to_string(), part.to_string()),
-        ])
+        format::part_metadata(
+            &capture.run,
+            &capture.snapshot,
+            capture.rank,
+            capture.step,
+            part,
+        )
     };
     let host = |t: tch::Tensor| -> Result<tch::Tensor, SnapshotError> {
         t.f_to_device(tch::Device::Cpu)
@@ -1164,13 +1164,7 @@ fn synthesise(
             &meta.layout,
             ema,
             base.copied,
-            BTreeMap::from([
-                ("polyak.run".to_string(), run.to_string()),
-                ("polyak.snapshot".to_string(), id.to_string()),
-                ("polyak.rank".to_string(), rank.to_string()),
-                ("polyak.step".to_string(), target.to_string()),
-                ("polyak.profile".to_string(), name.to_string()),
-            ]),
+            format::part_metadata(run, id, rank, target, name),
         );
         let rel = dir.join(files::part_file_name(rank, name));
         let w = files::write_part(data_dir, &rel, &part)?;

@@ -15,10 +15,11 @@ with pusher.ema_weights(model, "ema"):
 Layout:
 
 - :mod:`polyak.client`: ``Client`` and ``Run`` (runs, ranks, the live EMA,
-  snapshots, downloads, metrics).
-- :mod:`polyak.pusher`: ``Pusher`` (host copies on the training thread, a
-  bounded queue, a sender thread with retries), ``attach``, ``load_ema_into``
-  and ``ema_weights``.
+  snapshots, downloads, compare, resume, post-hoc EMA, metrics).
+- :mod:`polyak.pusher`: ``Pusher`` (host copies: buffers on the training
+  thread, parameters on a copy thread with ``attach``; a bounded queue, a
+  sender thread with retries), ``attach``, ``load_ema_into`` and
+  ``ema_weights``.
 - :mod:`polyak.shards`: what this rank holds (FSDP2/DTensor, FSDP1, DDP,
   ``torch.compile``, plain), and joining chunks back.
 - :mod:`polyak.wire`: safetensors push bodies written in place; reading EMA files.

@@ -1,5 +1,5 @@
-"""``python -m polyak``: runs, ranks and push status, snapshots and
-downloads, for scripts and terminals.
+"""``python -m polyak``: runs, ranks and push status, snapshots, downloads,
+compare, resume and post-hoc EMA, for scripts and terminals.
 
 Every command takes ``--url`` (default ``$POLYAK_URL`` or
 ``http://127.0.0.1:8080``) and ``--token`` (default ``$POLYAK_TOKEN``);
@@ -171,6 +171,55 @@ def cmd_download(client: Client, args: argparse.Namespace) -> None:
     print(path if not args.json else json.dumps({"path": str(path)}))
 
 
+def cmd_compare(client: Client, args: argparse.Namespace) -> None:
+    result = client.run(args.run).compare(args.a, args.b, args.profile, profile_b=args.profile_b)
+    if args.json:
+        _print_json(result)
+        return
+    rows = [
+        [
+            t["name"],
+            "x".join(str(d) for d in t.get("shape", [])),
+            f"{t['norm_a']:.6g}",
+            f"{t['norm_b']:.6g}",
+            f"{t['rel_diff']:.3e}",
+            "-" if t.get("cosine") is None else f"{t['cosine']:.6f}",
+            f"{t['max_abs_diff']:.3e}",
+        ]
+        for t in result["tensors"]
+    ]
+    print(_table(rows, ["TENSOR", "SHAPE", "NORM A", "NORM B", "REL DIFF", "COSINE", "MAX ABS"]))
+    summary = result.get("summary") or {}
+    if summary:
+        print(
+            f"{result['a']} ({result['profile']}) vs {result['b']} ({result['profile_b']}): "
+            f"rel_diff {float(summary.get('rel_diff', 0.0)):.3e}, "
+            f"max_abs_diff {float(summary.get('max_abs_diff', 0.0)):.3e}"
+        )
+
+
+def cmd_resume(client: Client, args: argparse.Namespace) -> None:
+    answer = client.run(args.run).resume(args.step)
+    if args.json:
+        _print_json(answer)
+    else:
+        print(f"resumed from snapshot {answer['snapshot']} at step {answer['step']}")
+
+
+def cmd_posthoc(client: Client, args: argparse.Namespace) -> None:
+    profiles = args.profiles.split(",") if args.profiles else None
+    snap = client.run(args.run).posthoc(
+        args.sigma_rel, step=args.step, profiles=profiles, name=args.name, wait=not args.no_wait
+    )
+    if args.json:
+        _print_json(snap)
+    else:
+        print(
+            f"snapshot {snap.get('id')} (posthoc, sigma_rel {args.sigma_rel:g}) at step "
+            f"{_dash(snap.get('step'))}: {snap.get('status')}"
+        )
+
+
 def cmd_log(client: Client, args: argparse.Namespace) -> None:
     values = {}
     for item in args.values:
@@ -226,11 +275,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.add_argument("snapshot")
     p.add_argument("--profile", default=None)
-    p.add_argument("--layout", choices=["full", "sharded"], default="full")
+    p.add_argument("--layout", choices=["full", "sharded", "hf"], default="full")
     p.add_argument("--dtype", default=None)
     p.add_argument("-o", "--output", default=".")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("compare", help="per-tensor differences between two snapshots")
+    p.add_argument("run")
+    p.add_argument("a", help="snapshot id")
+    p.add_argument("b", nargs="?", default="live", help="snapshot id or `live` (default)")
+    p.add_argument("--profile", default=None)
+    p.add_argument("--profile-b", default=None)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("resume", help="restore the EMA from the newest snapshot <= STEP")
+    p.add_argument("run")
+    p.add_argument("step", type=int)
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("posthoc", help="synthesise a post-hoc EMA (EDM2) as a snapshot")
+    p.add_argument("run")
+    p.add_argument("--sigma-rel", type=float, required=True)
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--profiles", default=None, help="comma-separated power profiles to combine")
+    p.add_argument("--name", default=None, help="profile name of the result (default posthoc)")
+    p.add_argument("--no-wait", action="store_true")
+    p.set_defaults(func=cmd_posthoc)
 
     p = sub.add_parser("log", help="send trainer scalars: log RUN STEP loss=0.1 lr=3e-4")
     p.add_argument("run")

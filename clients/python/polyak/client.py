@@ -4,20 +4,19 @@ Everything here is a small synchronous JSON call over one keep-alive
 ``httpx.Client``; the data plane (pushes) lives in :mod:`polyak.pusher`,
 which sends from its own thread.
 
-The methods under "Snapshots, downloads, metrics" follow the v1 contract for
-endpoints the server is still growing (``/snapshots``, ``/compare``,
-``/resume``, ``/metrics``); they are thin and kept apart so that they are
-easy to finish when those endpoints land.
+The methods under "Snapshots, downloads, metrics" follow the server's
+``/snapshots``, ``/compare``, ``/resume``, ``/posthoc`` and ``/metrics``
+endpoints; downloads stream (:mod:`polyak.downloads`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -360,7 +359,8 @@ class Run:
     # -- Snapshots, downloads, metrics (contract endpoints) ---------------
 
     def log(self, step: int, *, rank: int | None = None, **scalars: float) -> None:
-        """Trainer scalars for the dashboard (``POST .../metrics``)."""
+        """Trainer scalars for the dashboard (``POST .../metrics``):
+        ``run.log(step, loss=loss.item(), lr=lr)``."""
         body: dict[str, Any] = {
             "step": int(step),
             "values": {k: float(v) for k, v in scalars.items()},
@@ -368,6 +368,34 @@ class Run:
         if rank is not None:
             body["rank"] = int(rank)
         self.client.request("POST", f"{self.path}/metrics", json=body, token=self.write_token)
+
+    def metrics(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        since_step: int | None = None,
+        rank: int | str | None = None,
+    ) -> dict[str, list[tuple[int, float]]]:
+        """Metric series (``GET .../metrics``): ``{name: [(step, value), ...]}``
+        for the trainer's scalars and the server's own (``ema_drift/<profile>``,
+        ``ingest/...``). ``rank``: one rank's series, or ``"run"`` for the
+        run-level ones; by default every series, a rank's named
+        ``name@rank``."""
+        data = self._get(
+            "/metrics",
+            names=",".join(names) if names is not None else None,
+            since_step=since_step,
+            rank=rank,
+        )
+        out: dict[str, list[tuple[int, float]]] = {}
+        for series in data["series"]:
+            key = (
+                series["name"]
+                if series.get("rank") is None
+                else f"{series['name']}@{series['rank']}"
+            )
+            out[key] = [(int(p[0]), float(p[1])) for p in series["points"]]
+        return out
 
     def snapshot(
         self,
@@ -379,8 +407,11 @@ class Run:
         timeout: float = 600.0,
         poll: float = 0.5,
     ) -> dict[str, Any]:
-        """Asks for a consistent cut (``POST .../snapshots``); with ``wait``
-        polls it until it is complete (or failed: raises)."""
+        """Asks for a consistent cut (``POST .../snapshots``): every rank's
+        EMA right after it applied ``step`` (default: the next update step
+        after the furthest rank; a step some rank has passed is refused with
+        409). With ``wait`` polls it until it is complete, and raises if it
+        failed; else returns the pending row (``id``, ``step``, ``status``)."""
         body: dict[str, Any] = {}
         if step is not None:
             body["step"] = int(step)
@@ -388,30 +419,51 @@ class Run:
             body["profiles"] = list(profiles)
         if label is not None:
             body["label"] = label
-        snap = dict(
-            self.client.request(
-                "POST", f"{self.path}/snapshots", json=body, token=self.write_token
-            ).json()
-        )
-        if not wait:
-            return snap
+        return self._start_snapshot("snapshots", body, wait=wait, timeout=timeout, poll=poll)
+
+    def wait_snapshot(
+        self,
+        snapshot: str | int | Mapping[str, Any],
+        *,
+        timeout: float = 600.0,
+        poll: float = 0.5,
+    ) -> dict[str, Any]:
+        """Polls a snapshot until it is ``complete`` (returned, with its
+        files) or ``failed`` (raises ``snapshot_failed`` with the server's
+        reason); ``snapshot_timeout`` after ``timeout`` seconds."""
+        sid = downloads.snapshot_id(snapshot)
         deadline = time.monotonic() + timeout
-        while not downloads.snapshot_done(snap):
+        delay = min(0.05, poll)
+        while True:
+            snap = self.get_snapshot(sid)
+            if downloads.snapshot_done(snap):
+                return snap
             if time.monotonic() > deadline:
                 raise PolyakError(
-                    f"snapshot {snap.get('id')} still `{snap.get('status')}` after {timeout:g}s",
+                    f"snapshot {sid} still `{snap.get('status')}` after {timeout:g}s",
                     code="snapshot_timeout",
                 )
-            time.sleep(poll)
-            snap = self.get_snapshot(snap["id"])
-        return snap
+            time.sleep(delay)
+            delay = min(poll, delay * 2)
 
-    def snapshots(self) -> list[dict[str, Any]]:
-        data = self._get("/snapshots")
+    def snapshots(
+        self, *, kind: str | None = None, status: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The run's snapshots, oldest first (optionally one ``kind``:
+        ``manual``, ``periodic``, ``state``, ``posthoc``; or one ``status``)."""
+        data = self._get("/snapshots", kind=kind, status=status)
         return list(data["snapshots"] if isinstance(data, dict) else data)
 
     def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]:
+        """One snapshot with its files (rank, part, sha256, bytes, step)."""
         return dict(self._get(f"/snapshots/{downloads.snapshot_id(snapshot)}"))
+
+    def delete_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> None:
+        self.client.request(
+            "DELETE",
+            f"{self.path}/snapshots/{downloads.snapshot_id(snapshot)}",
+            token=self.write_token,
+        )
 
     def download(
         self,
@@ -419,12 +471,21 @@ class Run:
         profile: str | None = None,
         *,
         dtype: str | None = None,
-        progress: bool = True,
+        progress: bool | IO[str] = True,
+        on_progress: Callable[[int, int | None], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Whole tensors of a snapshot (``layout=full``), loadable with
-        ``model.load_state_dict``."""
+        ``model.load_state_dict`` of the unsharded model. ``profile``:
+        default the snapshot's first; ``dtype``: ``bf16``, ``fp16``,
+        ``fp32`` casts floating point tensors on the server."""
         data = downloads.fetch_bytes(
-            self, snapshot, profile, layout="full", dtype=dtype, progress=progress
+            self,
+            snapshot,
+            profile,
+            layout="full",
+            dtype=dtype,
+            progress=progress,
+            on_progress=on_progress,
         )
         tensors, _ = read_safetensors(data)
         return tensors
@@ -437,14 +498,29 @@ class Run:
         *,
         layout: str = "full",
         dtype: str | None = None,
-        progress: bool = True,
+        progress: bool | IO[str] = True,
+        on_progress: Callable[[int, int | None], None] | None = None,
     ) -> Path:
-        """Streams a snapshot to ``directory``: ``layout="full"`` writes one
-        ``.safetensors`` file (its path is returned); ``"sharded"`` unpacks one
-        file per rank (for ``torch.distributed.checkpoint``) and returns the
-        directory."""
+        """Streams a snapshot to ``directory``, through a temporary file
+        renamed into place. ``layout="full"`` writes one ``.safetensors``
+        file of whole tensors and returns its path; ``"sharded"`` unpacks
+        one file per rank (``rank-0000k.safetensors`` with
+        ``DCP_SHARDING_INFO``, for ``torch.distributed.checkpoint.load``
+        with ``HuggingFaceStorageReader``) and ``"hf"`` HF-style shards with
+        their index, both into a directory whose path is returned.
+
+        ``progress``: a tqdm bar on stderr (``False``: none; a text stream:
+        the bar goes there). ``on_progress(bytes_done, bytes_total)`` is
+        called as the bytes arrive."""
         return downloads.download_to(
-            self, snapshot, Path(directory), profile, layout=layout, dtype=dtype, progress=progress
+            self,
+            snapshot,
+            Path(directory),
+            profile,
+            layout=layout,
+            dtype=dtype,
+            progress=progress,
+            on_progress=on_progress,
         )
 
     def compare(
@@ -468,10 +544,55 @@ class Run:
         )
 
     def resume(self, step: int) -> dict[str, Any]:
-        """Restores the EMA from the newest snapshot at or before ``step``
-        (``POST .../resume``), for a trainer restarting from a checkpoint."""
+        """Restores every rank's EMA from the newest complete snapshot at or
+        before ``step`` (``POST .../resume``), for a trainer restarting
+        from its own checkpoint. Answers ``{snapshot, step, rank_steps}``:
+        the trainer goes on from ``step`` (``attach(..., start_step=step +
+        1)``) and the EMA is exactly that of a run that never stopped,
+        provided a snapshot at the trainer's checkpoint step exists."""
         return dict(
             self.client.request(
                 "POST", f"{self.path}/resume", json={"step": int(step)}, token=self.write_token
             ).json()
         )
+
+    def posthoc(
+        self,
+        sigma_rel: float,
+        *,
+        step: int | None = None,
+        profiles: Sequence[str] | None = None,
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float = 600.0,
+        poll: float = 0.5,
+    ) -> dict[str, Any]:
+        """Synthesises the EMA of another length after training (EDM2
+        post-hoc EMA, ``POST .../posthoc``) from the stored snapshots of the
+        run's ``power`` profiles (``profiles``: which; default all), at
+        ``step`` (default the newest snapshot's). The result is a snapshot
+        of kind ``posthoc`` holding one profile, ``name`` (default
+        ``posthoc``), downloadable like any other. With ``wait`` polls it
+        until it is complete."""
+        body: dict[str, Any] = {"sigma_rel": float(sigma_rel)}
+        if step is not None:
+            body["step"] = int(step)
+        if profiles is not None:
+            body["profiles"] = list(profiles)
+        if name is not None:
+            body["name"] = name
+        return self._start_snapshot("posthoc", body, wait=wait, timeout=timeout, poll=poll)
+
+    def _start_snapshot(
+        self, endpoint: str, body: dict[str, Any], *, wait: bool, timeout: float, poll: float
+    ) -> dict[str, Any]:
+        """POSTs ``body`` to ``.../{endpoint}``; with ``wait`` polls the
+        snapshot it created until it is complete."""
+        snap = dict(
+            self.client.request(
+                "POST", f"{self.path}/{endpoint}", json=body, token=self.write_token
+            ).json()
+        )
+        if not wait:
+            return snap
+        return self.wait_snapshot(snap, timeout=timeout, poll=poll)

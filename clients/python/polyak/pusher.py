@@ -7,6 +7,19 @@ CUDA the memory is pinned and the copies are ``non_blocking`` with an event).
 A sender thread takes bodies from a bounded queue and PUTs them over one
 keep-alive connection, retrying what can be retried.
 
+Deferred copies: parameters change only in ``optimizer.step()`` (forward
+and backward read them), so a push from :meth:`Pusher.attach` copies at
+once only the buffers and whatever else is not a parameter of the
+optimizer, and leaves the parameters' copy to a copy thread, which runs
+while the next forward and backward do (torch releases the GIL while it
+copies). An optimizer pre-step hook waits until those copies are done, so
+no step changes a parameter being copied; the wait is counted in
+:attr:`PushStats.wait_seconds`. A plain ``push`` copies everything before
+it returns unless asked ``defer=True`` (the caller then calls
+:meth:`Pusher.wait_copied` before changing the parameters). The copy thread
+is not the sender: a slow server delays sending, never the copy the next
+step waits for.
+
 Queue and buffers: ``max_queue`` bodies may wait while one is in flight, so
 there are at most ``max_queue + 1`` bodies, allocated on first use and
 reused; the training thread never writes a body the sender is reading. When
@@ -106,10 +119,28 @@ class PushStats:
     #: Newest step the server acknowledged.
     last_step: int | None
     bytes_sent: int
-    #: Time ``push`` spent copying tensors (training thread).
+    #: Time ``push`` spent copying tensors on the calling (training) thread.
     copy_seconds: float
     #: Time ``push`` spent waiting for room in the queue (policy ``block``).
     blocked_seconds: float
+    #: Time spent in ``push`` on the calling thread, all of it (finding the
+    #: tensors, copying what is copied at once, waiting for room).
+    push_seconds: float = 0.0
+    #: Time the calling thread waited in :meth:`Pusher.wait_copied` (the
+    #: optimizer pre-step hook of ``attach``) for deferred copies to finish.
+    wait_seconds: float = 0.0
+    #: Calls of ``wait_copied`` that had to wait.
+    waits: int = 0
+    #: Pushes whose parameter copy was deferred to the copy thread.
+    deferred: int = 0
+    #: Time the copy thread spent on deferred copies (not the training thread's).
+    deferred_copy_seconds: float = 0.0
+
+    @property
+    def training_thread_seconds(self) -> float:
+        """What the pushes cost the training thread: time in ``push`` plus
+        time waiting for deferred copies before ``optimizer.step()``."""
+        return self.push_seconds + self.wait_seconds
 
 
 @dataclass
@@ -117,6 +148,13 @@ class _Job:
     step: int
     body: HostBody
     queued_at: float
+    #: ``(view indices, sources)`` still to be copied into ``body`` by the
+    #: copy thread (deferred parameter copies); ``None`` once the body is full.
+    deferred: tuple[list[int], list[torch.Tensor]] | None = None
+    #: The body holds every tensor (the sender may read it).
+    copied: bool = True
+    #: Why the deferred copy failed (the push is then not sent).
+    copy_error: PolyakError | None = None
 
 
 class _Connection:
@@ -254,6 +292,11 @@ class Pusher:
         self._stopping = False
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
+        # Deferred parameter copies, oldest first, for the copy thread.
+        self._copy_queue: deque[_Job] = deque()
+        self._copies_pending = 0
+        self._copier: threading.Thread | None = None
+        self._storages = _ParamStorages()
         self._counts = {
             "pushed": 0,
             "skipped": 0,
@@ -268,7 +311,13 @@ class Pusher:
         self._last_acked: int | None = None
         self._copy_seconds = 0.0
         self._blocked_seconds = 0.0
+        self._push_seconds = 0.0
+        self._wait_seconds = 0.0
+        self._waits = 0
+        self._deferred = 0
+        self._deferred_copy_seconds = 0.0
         self._last_response: dict[str, Any] | None = None
+        _LIVE_PUSHERS.add(self)
         atexit.register(_warn_if_pending, weakref.ref(self))
 
     def __repr__(self) -> str:
@@ -280,7 +329,13 @@ class Pusher:
         """``step`` is one the run applies (``step % update_every == 0``)."""
         return int(step) % self.update_every == 0
 
-    def push(self, model_or_state_dict: nn.Module | Mapping[str, Any], step: int) -> bool:
+    def push(
+        self,
+        model_or_state_dict: nn.Module | Mapping[str, Any],
+        step: int,
+        *,
+        defer: bool = False,
+    ) -> bool:
         """Queues this rank's tensors for ``step``; returns ``False`` (and
         sends nothing) when ``step`` is not an update step.
 
@@ -288,7 +343,25 @@ class Pusher:
         weights: after the first ``optimizer.step()`` push with step 0 (the
         value ema-pytorch's ``EMA.step`` holds when ``update()`` is entered).
         Raises a pending failure of an earlier push first.
+
+        By default every tensor is copied before ``push`` returns. With
+        ``defer=True`` (a module on the CPU) only the buffers are; the
+        parameters are copied by the pusher's copy thread while the training
+        thread goes on, and the caller must call :meth:`wait_copied` before
+        anything changes a parameter (before the next ``optimizer.step()``).
+        :meth:`attach` does this with an optimizer pre-step hook.
         """
+        return self._push(model_or_state_dict, step, defer=defer)
+
+    def _push(
+        self,
+        model_or_state_dict: nn.Module | Mapping[str, Any],
+        step: int,
+        *,
+        defer: bool,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> bool:
+        entered = time.perf_counter()
         self._raise_pending()
         if self._closed:
             raise PolyakError("the pusher is closed", code="closed", rank=self.rank, step=step)
@@ -312,23 +385,70 @@ class Pusher:
         ]
         layout = self._layout_for(specs, pieces)
         pin = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
+        later: list[int] = []
+        if defer and not any(p.tensor.is_cuda for p in pieces):
+            # On CUDA the copies are already asynchronous (pinned memory,
+            # `non_blocking`, an event); on the CPU the parameters' copy is
+            # what a push costs, and it can wait for the copy thread.
+            stable = self._storages.of(model_or_state_dict, optimizer)
+            later = [i for i, p in enumerate(pieces) if _storage_key(p.tensor) in stable]
         body = self._acquire(layout, step, pin)
         started = time.perf_counter()
         try:
-            body.fill([p.tensor for p in pieces])
+            if later:
+                deferred = set(later)
+                now = [i for i in range(len(pieces)) if i not in deferred]
+                body.fill([pieces[i].tensor for i in now], now)
+            else:
+                body.fill([p.tensor for p in pieces])
         except BaseException:
             with self._cond:
                 self._free.append(body)
                 self._cond.notify_all()
             raise
+        job = _Job(step, body, time.monotonic())
+        if later:
+            job.deferred = (later, [pieces[i].tensor for i in later])
+            job.copied = False
         with self._cond:
             self._copy_seconds += time.perf_counter() - started
-            self._queue.append(_Job(step, body, time.monotonic()))
+            self._queue.append(job)
+            if later:
+                self._copy_queue.append(job)
+                self._copies_pending += 1
+                self._deferred += 1
             self._counts["pushed"] += 1
             self._last_queued = step
             self._cond.notify_all()
-        self._ensure_sender()
+        self._ensure_threads(copier=bool(later))
+        with self._cond:
+            self._push_seconds += time.perf_counter() - entered
         return True
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Waits until the deferred copies of earlier pushes are done, so
+        the parameters may change. ``attach`` calls it from an optimizer
+        pre-step hook; call it yourself before ``optimizer.step()`` (or any
+        other change to the parameters) after ``push(..., defer=True)``.
+        The time it waits is counted in :attr:`PushStats.wait_seconds`."""
+        with self._cond:
+            if not self._copies_pending:
+                return
+            started = time.perf_counter()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._copies_pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining if remaining is not None else 1.0)
+            self._wait_seconds += time.perf_counter() - started
+            self._waits += 1
+            if self._copies_pending:
+                raise PolyakError(
+                    f"{self._copies_pending} deferred copies still running after {timeout:g}s",
+                    code="copy_timeout",
+                    rank=self.rank,
+                )
 
     def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
         if self.dtype is None or not t.is_floating_point():
@@ -388,6 +508,12 @@ class Pusher:
                         break
                 if self.policy == "drop_oldest" and self._queue:
                     dropped = self._queue.popleft()
+                    if not dropped.copied:
+                        # Its deferred copy may be writing the body now.
+                        if waited_from is None:
+                            waited_from = time.perf_counter()
+                        while not dropped.copied:
+                            self._cond.wait(0.5)
                     self._counts["dropped"] += 1
                     log.warning(
                         "polyak: run %s rank %d dropped the queued push of step %d for step %d "
@@ -418,12 +544,21 @@ class Pusher:
         model: nn.Module | Mapping[str, Any],
         *,
         start_step: int = 0,
+        defer: bool = True,
     ) -> Attachment:
         """Pushes ``model`` after every ``optimizer.step()`` that is an update
         step, with the right step (like ema-pytorch's
         ``add_to_optimizer_post_step_hook``). ``start_step``: the number of
-        optimizer steps already taken (when resuming)."""
-        return Attachment(self, optimizer, model, start_step)
+        optimizer steps already taken (when resuming).
+
+        With ``defer`` (the default) the optimizer's parameters are copied
+        off the training thread, while the next forward and backward run;
+        a pre-step hook waits for that copy before the next step changes
+        them (see :class:`Attachment`). Code that changes parameters
+        between steps otherwise (weight clipping, loading a checkpoint)
+        calls :meth:`wait_copied` first, or attaches with ``defer=False``.
+        """
+        return Attachment(self, optimizer, model, start_step, defer)
 
     # -- waiting, errors, stats -------------------------------------------
 
@@ -489,6 +624,11 @@ class Pusher:
                 bytes_sent=c["bytes_sent"],
                 copy_seconds=self._copy_seconds,
                 blocked_seconds=self._blocked_seconds,
+                push_seconds=self._push_seconds,
+                wait_seconds=self._wait_seconds,
+                waits=self._waits,
+                deferred=self._deferred,
+                deferred_copy_seconds=self._deferred_copy_seconds,
             )
 
     @property
@@ -512,6 +652,8 @@ class Pusher:
                 if aborting:
                     self._abort.set()
                 self._cond.notify_all()
+            if self._copier is not None:
+                self._copier.join()
             if self._thread is not None:
                 # An abandoned request may be stuck in a socket call; the
                 # thread is a daemon, so do not wait for it long.
@@ -562,6 +704,7 @@ class Pusher:
         """
         if flush:
             self.flush()
+        _wait_all_copies()  # other pushers may still be copying these parameters
         parts, commit = self._targets(model)
         files: dict[int, tuple[dict[str, torch.Tensor], dict[str, Chunk]]] = {}
 
@@ -601,6 +744,7 @@ class Pusher:
         try:
             yield model
         finally:
+            _wait_all_copies()
             parts, commit = self._targets(model)
             with torch.no_grad():
                 for part, online in zip(parts, saved, strict=True):
@@ -610,7 +754,7 @@ class Pusher:
 
     # -- the sender thread ------------------------------------------------
 
-    def _ensure_sender(self) -> None:
+    def _ensure_threads(self, *, copier: bool) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._send_loop,
@@ -618,6 +762,50 @@ class Pusher:
                 daemon=True,
             )
             self._thread.start()
+        if copier and self._copier is None:
+            self._copier = threading.Thread(
+                target=self._copy_loop,
+                name=f"polyak-copy-{self.run.name}-{self.rank}",
+                daemon=True,
+            )
+            self._copier.start()
+
+    def _copy_loop(self) -> None:
+        """Deferred parameter copies, oldest first. A thread of its own, not
+        the sender's: a slow or unreachable server must not delay a copy
+        the next ``optimizer.step()`` waits for. torch releases the GIL
+        while it copies, so the training thread runs meanwhile."""
+        while True:
+            with self._cond:
+                while not self._copy_queue and not self._stopping:
+                    self._cond.wait()
+                if not self._copy_queue:
+                    return
+                job = self._copy_queue[0]
+            started = time.perf_counter()
+            error: PolyakError | None = None
+            try:
+                self._copy_deferred(job)
+            except Exception as e:  # reported from push/flush; never hangs a waiter
+                error = PolyakError(
+                    f"deferred copy failed: {type(e).__name__}: {e}",
+                    code="copy_failed",
+                    step=job.step,
+                    rank=self.rank,
+                )
+            with self._cond:
+                self._copy_queue.popleft()
+                job.deferred = None  # drop the references to the parameters
+                job.copy_error = error
+                job.copied = True
+                self._copies_pending -= 1
+                self._deferred_copy_seconds += time.perf_counter() - started
+                self._cond.notify_all()
+
+    def _copy_deferred(self, job: _Job) -> None:
+        assert job.deferred is not None
+        indices, sources = job.deferred
+        job.body.fill(sources, indices)
 
     def _send_loop(self) -> None:
         conn = _Connection(self.run.url, self.retry.request_timeout)
@@ -630,9 +818,13 @@ class Pusher:
                         return
                     job = self._queue.popleft()
                     self._in_flight = job
+                    while not job.copied:
+                        self._cond.wait()
                 answer: dict[str, Any] | None = None
                 failure: PolyakError | None = None
                 try:
+                    if job.copy_error is not None:
+                        raise job.copy_error
                     answer = self._deliver(conn, job)
                 except PolyakError as e:
                     failure = e.at(step=job.step, rank=self.rank)
@@ -729,7 +921,14 @@ class Pusher:
 
 
 class Attachment:
-    """An optimizer post-step hook that pushes (see :meth:`Pusher.attach`).
+    """Optimizer hooks that push (see :meth:`Pusher.attach`).
+
+    The post-step hook pushes, copying at once only what may change before
+    the next ``optimizer.step()`` (buffers, tensors that are not parameters
+    of this optimizer); the parameters are copied by the pusher's copy
+    thread while forward and backward run, which only read them. The
+    pre-step hook waits until those copies are done, so a step never
+    changes a parameter that is being copied.
 
     ``step`` is the step the next ``optimizer.step()`` will push as.
     """
@@ -740,20 +939,88 @@ class Attachment:
         optimizer: torch.optim.Optimizer,
         model: nn.Module | Mapping[str, Any],
         start_step: int = 0,
+        defer: bool = True,
     ) -> None:
         self.pusher = pusher
         self.model = model
         self.step = int(start_step)
-        self._handle = optimizer.register_step_post_hook(self._hook)
+        self.defer = bool(defer)
+        self._pre = optimizer.register_step_pre_hook(self._pre_hook)
+        self._post = optimizer.register_step_post_hook(self._hook)
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.pusher.wait_copied()
 
     def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         step = self.step
         self.step += 1
         if self.pusher.should_push(step):
-            self.pusher.push(self.model, step)
+            self.pusher._push(self.model, step, defer=self.defer, optimizer=optimizer)
 
     def remove(self) -> None:
-        self._handle.remove()
+        """Removes both hooks, after the pending copies are done."""
+        self.pusher.wait_copied()
+        self._pre.remove()
+        self._post.remove()
+
+
+class _ParamStorages:
+    """The storages of the tensors a deferred push may copy later: those
+    that change only in ``optimizer.step()``.
+
+    With an optimizer (``attach``): its parameters (what its steps write,
+    and what its pre-step hook protects), plus the module's frozen
+    parameters (no optimizer changes them). Without one (``push(...,
+    defer=True)``): the module's parameters, the caller having promised to
+    call ``wait_copied`` before changing them. Buffers are never in it
+    (BatchNorm statistics change in the forward pass), nor is anything else
+    of a state dict. Cached while the parameter objects stay the same.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._keys: frozenset[tuple[int, int]] = frozenset()
+
+    def of(
+        self, model: nn.Module | Mapping[str, Any], optimizer: torch.optim.Optimizer | None
+    ) -> frozenset[tuple[int, int]]:
+        params: list[torch.Tensor] = []
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                params.extend(group["params"])
+            if isinstance(model, nn.Module):
+                params.extend(p for p in model.parameters() if not p.requires_grad)
+        elif isinstance(model, nn.Module):
+            params.extend(model.parameters())
+        key = tuple(id(p) for p in params)
+        if key != self._key:
+            with torch.no_grad():
+                locals_ = [_local_tensor(p) for p in params]
+            self._keys = frozenset(_storage_key(t) for t in locals_ if t.numel() > 0)
+            self._key = key
+        return self._keys
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2)
+    return to_local() if callable(to_local) else t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """Which storage a tensor lives in (empty tensors match nothing)."""
+    if t.numel() == 0 or t.device.type != "cpu":
+        return (-1, id(t))
+    return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+
+#: Every pusher of this process, so that writing the EMA into a model waits
+#: for the deferred copies of all of them (two runs may push one model).
+_LIVE_PUSHERS: weakref.WeakSet[Pusher] = weakref.WeakSet()
+
+
+def _wait_all_copies() -> None:
+    for pusher in list(_LIVE_PUSHERS):
+        pusher.wait_copied()
 
 
 def _steps_text(steps: Sequence[int]) -> str:

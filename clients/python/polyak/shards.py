@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -72,6 +73,9 @@ class LocalPart:
     offsets: tuple[int, ...]
     #: ``(index, count)`` of this process among those holding the same data.
     replica: tuple[int, int] = (0, 1)
+    #: A chunk of a tensor sharded between processes (DTensor ``Shard``,
+    #: ShardedTensor), even where this process happens to hold all of it.
+    sharded: bool = False
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Piece:
     chunk: Chunk | None
 
 
+@functools.lru_cache(maxsize=65536)
 def canonical_name(key: str) -> str:
     """Drops wrapper segments (``torch.compile``'s ``_orig_mod``, FSDP1's
     ``_fsdp_wrapped_module``, activation checkpointing's wrapper)."""
@@ -240,7 +245,14 @@ def _dtensor_part(name: str, t: Any) -> LocalPart:
             size = mesh.size(dim)
             index = index * size + coordinate[dim]
             count *= size
-    return LocalPart(name, local, tuple(t.shape), tuple(int(o) for o in offsets), (index, count))
+    return LocalPart(
+        name,
+        local,
+        tuple(t.shape),
+        tuple(int(o) for o in offsets),
+        (index, count),
+        sharded=any(p.is_shard() for p in placements),
+    )
 
 
 def _sharded_tensor_part(name: str, t: Any) -> LocalPart | None:
@@ -254,7 +266,11 @@ def _sharded_tensor_part(name: str, t: Any) -> LocalPart | None:
         dtype = t.metadata().tensor_properties.dtype
         empty = torch.empty((0, *global_shape[1:]), dtype=dtype)
         return LocalPart(
-            name, empty, global_shape, (global_shape[0],) + (0,) * (len(global_shape) - 1)
+            name,
+            empty,
+            global_shape,
+            (global_shape[0],) + (0,) * (len(global_shape) - 1),
+            sharded=True,
         )
     if len(shards) > 1:
         # Several local shards: one chunk only if they follow each other along dim 0.
@@ -273,10 +289,16 @@ def _sharded_tensor_part(name: str, t: Any) -> LocalPart | None:
                 )
             row += md.shard_sizes[0]
         local = torch.cat([s.tensor.detach() for s in shards])
-        return LocalPart(name, local, global_shape, tuple(int(o) for o in first.shard_offsets))
+        return LocalPart(
+            name, local, global_shape, tuple(int(o) for o in first.shard_offsets), sharded=True
+        )
     md = shards[0].metadata
     return LocalPart(
-        name, shards[0].tensor.detach(), global_shape, tuple(int(o) for o in md.shard_offsets)
+        name,
+        shards[0].tensor.detach(),
+        global_shape,
+        tuple(int(o) for o in md.shard_offsets),
+        sharded=True,
     )
 
 
@@ -301,6 +323,7 @@ def push_pieces(parts: Sequence[LocalPart], skip: Sequence[str] = ()) -> list[Pi
             continue
         tensor, offsets = part.tensor, part.offsets
         index, count = part.replica
+        split = False
         if count > 1:
             if tensor.dim() == 0:
                 if index != 0:
@@ -309,8 +332,13 @@ def push_pieces(parts: Sequence[LocalPart], skip: Sequence[str] = ()) -> list[Pi
                 start, size = split_range(tensor.shape[0], index, count)
                 tensor = tensor.narrow(0, start, size)
                 offsets = (offsets[0] + start, *offsets[1:])
-        whole = tuple(tensor.shape) == part.global_shape
-        chunk = None if whole else Chunk(part.global_shape, tuple(offsets))
+                split = True
+        # A name is a chunk on every rank or whole on every rank (the server
+        # refuses a mix when it assembles a snapshot): a rank that holds all
+        # of a sharded or split tensor (one row split over two ranks) still
+        # says where its chunk sits.
+        chunked = part.sharded or split or tuple(tensor.shape) != part.global_shape
+        chunk = Chunk(part.global_shape, tuple(offsets)) if chunked else None
         pieces.append(Piece(part.name, tensor, chunk))
     return pieces
 

@@ -220,24 +220,31 @@ class HostBody:
         # The bytes the socket sends: the same memory, no copy.
         self.memory: memoryview = self.storage.numpy().data.cast("B")
 
-    def fill(self, sources: Sequence[torch.Tensor]) -> None:
-        """Copies ``sources`` (one per spec, same order) into the views.
+    def fill(self, sources: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        """Copies ``sources`` into the views: one per spec in spec order, or
+        one per entry of ``indices`` (the specs they fill; a push copies its
+        buffers at once and its parameters later, on another thread).
 
         CPU sources: one memcpy each, done when this returns. CUDA sources:
         ``non_blocking`` copies into pinned memory on the current stream and
         an event the sender waits on; the training stream never waits for
         the host.
         """
+        views = self.views if indices is None else [self.views[i] for i in indices]
+        if len(views) != len(sources):
+            raise ValueError(f"{len(sources)} sources for {len(views)} tensors")
         on_cuda = any(s.is_cuda for s in sources)
         non_blocking = on_cuda and self.pinned
         with torch.no_grad():
-            if not on_cuda and hasattr(torch, "_foreach_copy_"):
+            if not views:
+                pass
+            elif not on_cuda and hasattr(torch, "_foreach_copy_"):
                 # One call for the whole list (what torch's optimizers use).
-                torch._foreach_copy_(self.views, list(sources))
+                torch._foreach_copy_(views, list(sources))
             else:
                 # Device to host: one asynchronous copy per tensor, each on
                 # its device's current stream.
-                for view, src in zip(self.views, sources, strict=True):
+                for view, src in zip(views, sources, strict=True):
                     view.copy_(src, non_blocking=non_blocking)
         # One event per CUDA device, on the stream the copies went to.
         self.ready = []

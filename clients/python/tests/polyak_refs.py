@@ -10,7 +10,12 @@ weights after every optimizer step.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -133,3 +138,90 @@ class Trainer:
 
     def state(self) -> dict[str, torch.Tensor]:
         return clone_state(self.model.state_dict())
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a trainer saves to restart from this step: weights,
+        optimizer state and the data generator's position."""
+        opt = self.opt.state_dict()
+        return {
+            "model": self.state(),
+            "opt": {
+                "state": {
+                    i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                    for i, st in opt["state"].items()
+                },
+                "param_groups": opt["param_groups"],
+            },
+            "gen": self.gen.get_state(),
+        }
+
+    def restore(self, ckpt: dict[str, Any]) -> None:
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["opt"])
+        self.gen.set_state(ckpt["gen"])
+
+
+def torch_compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Per tensor what ``GET .../compare`` reports, computed with torch in
+    float64: norms, ``rel_diff = norm_diff / norm_a``, cosine, max abs diff."""
+    out: dict[str, dict] = {}
+    for k in a:
+        x, y = a[k].double().flatten(), b[k].double().flatten()
+        na, nb, nd = x.norm().item(), y.norm().item(), (x - y).norm().item()
+        out[k] = {
+            "norm_a": na,
+            "norm_b": nb,
+            "norm_diff": nd,
+            "rel_diff": nd / na if na > 0 else nd,
+            "cosine": (x @ y).item() / (na * nb) if na > 0 and nb > 0 else None,
+            "max_abs_diff": (x - y).abs().max().item() if x.numel() else 0.0,
+        }
+    return out
+
+
+@contextlib.contextmanager
+def copies_held_until_waited(timeout: float = 60.0) -> Iterator[dict[str, int]]:
+    """Holds every deferred parameter copy of a pusher until a thread waits
+    for that pusher's copies (``Pusher.wait_copied``: the optimizer
+    pre-step hook of ``attach``; or ``flush``). Each copy then runs after
+    the next forward and backward (when buffers have changed) and right
+    before the next step, which must wait for it: an exactness check under
+    the slowest possible copier, with no timing involved. Yields counts:
+    ``released`` copies, and ``timed_out`` ones that nobody waited for
+    within ``timeout``."""
+    from polyak.pusher import Pusher
+
+    waiting: collections.defaultdict[int, threading.Event] = collections.defaultdict(
+        threading.Event
+    )
+    counts = {"released": 0, "timed_out": 0}
+    wait_copied, flush, copy_deferred = Pusher.wait_copied, Pusher.flush, Pusher._copy_deferred
+
+    def waiting_for(method):
+        def wrapper(self, *args, **kwargs):
+            waiting[id(self)].set()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                waiting[id(self)].clear()
+
+        return wrapper
+
+    def held_copy(self, job):
+        if waiting[id(self)].wait(timeout):
+            counts["released"] += 1
+        else:
+            counts["timed_out"] += 1
+        return copy_deferred(self, job)
+
+    Pusher.wait_copied = waiting_for(wait_copied)
+    Pusher.flush = waiting_for(flush)
+    Pusher._copy_deferred = held_copy
+    try:
+        yield counts
+    finally:
+        Pusher.wait_copied, Pusher.flush, Pusher._copy_deferred = (
+            wait_copied,
+            flush,
+            copy_deferred,
+        )

@@ -11,7 +11,9 @@ compares.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,29 @@ from polyak_refs import (
     averaged_state,
     batch,
     clone_state,
+    copies_held_until_waited,
     ema_pytorch_state,
     train_step,
 )
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+
+def run_ranks(
+    fn: Callable[[int, int, dict[str, Any]], None], world: int, cfg: dict[str, Any]
+) -> None:
+    """Runs ``fn(rank, world, cfg)`` in ``world`` processes and waits for
+    them (a failure in any is raised here, as ``torch.multiprocessing.spawn``
+    does).
+
+    The processes are forked from a fork server that has imported torch and
+    this module once, and run nothing else: each starts in a fraction of a
+    second, where a spawned one imports torch itself (three at once took
+    ~13 s on a loaded 2-core machine)."""
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    mp.start_processes(fn, args=(world, cfg), nprocs=world, join=True, start_method="forkserver")
 
 
 def _init(rank: int, world: int, init_method: str) -> None:
@@ -80,7 +100,9 @@ def _wrap(kind: str, model: nn.Module) -> tuple[nn.Module, Any]:
 
 def train_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     """``cfg``: kind, init, url, runs {constant, warmup}, beta, warmup (kwargs),
-    steps, out. The warmup run has ``update_every=5``."""
+    steps, out. The warmup run has ``update_every=5``. Pushes through
+    ``attach`` defer their parameter copies, each held until the next
+    optimizer step waits for it."""
     _init(rank, world, cfg["init"])
     try:
         torch.manual_seed(0)
@@ -100,21 +122,26 @@ def train_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
         avg = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(cfg["beta"]), use_buffers=True)
         ema = EMA(ref, update_every=5, **cfg["warmup"])
         gen = torch.Generator().manual_seed(1000 + rank)
-        for step in range(cfg["steps"]):
-            train_step(model, opt, gen)
-            if state_dict_pusher and push_w.should_push(step):
-                from torch.distributed.checkpoint.state_dict import (
-                    StateDictOptions,
-                    get_model_state_dict,
-                )
+        # Every deferred parameter copy runs only once the next step waits
+        # for it: after that step's forward and backward.
+        with copies_held_until_waited() as held:
+            for step in range(cfg["steps"]):
+                train_step(model, opt, gen)
+                if state_dict_pusher and push_w.should_push(step):
+                    from torch.distributed.checkpoint.state_dict import (
+                        StateDictOptions,
+                        get_model_state_dict,
+                    )
 
-                sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-                push_w.push(sd, step)
-            ref.load_state_dict(gather())
-            avg.update_parameters(ref)
-            ema.update()
-        push_c.flush()
-        push_w.flush()
+                    sd = get_model_state_dict(
+                        model, options=StateDictOptions(full_state_dict=False)
+                    )
+                    push_w.push(sd, step)
+                ref.load_state_dict(gather())
+                avg.update_parameters(ref)
+                ema.update()
+            push_c.flush()
+            push_w.flush()
         online = gather()
 
         # ema_weights: the EMA swapped in for evaluation, online weights back after.
@@ -144,6 +171,7 @@ def train_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
                     "out_after": out_after,
                     "out_ref": out_ref,
                     "stats": [s.__dict__ for s in stats],
+                    "held": held,
                 },
                 Path(cfg["out"]) / "rank0.pt",
             )
@@ -186,3 +214,69 @@ def dtensor_round_trip(rank: int, cfg: dict[str, Any]) -> None:
     if rank == 0:
         torch.save({"loaded": loaded}, Path(cfg["out"]) / "dtensor.pt")
     pusher.close()
+
+
+def snapshot_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """FSDP2 (uneven shards) trained with AdamW and pushed with ``attach``,
+    every deferred parameter copy held until the next pre-step hook waits
+    for it. ``cfg``: init, url, run, beta, steps, snap_step, out. Rank 0
+    saves the anchor (``AveragedModel`` on the gathered weights) and the
+    online weights at ``snap_step``, and the pushers' stats."""
+    _init(rank, world, cfg["init"])
+    try:
+        torch.manual_seed(0)
+        base = TinyTransformer()
+        ref = copy.deepcopy(base)
+        model, gather = _wrap("fsdp2", base)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+        pusher = polyak.Client(cfg["url"]).run(cfg["run"]).pusher(rank=rank)
+        pusher.attach(opt, model)
+        avg = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(cfg["beta"]), use_buffers=True)
+        gen = torch.Generator().manual_seed(2000 + rank)
+        saved: dict[str, Any] = {}
+        with copies_held_until_waited() as held:
+            for step in range(cfg["steps"]):
+                train_step(model, opt, gen)
+                ref.load_state_dict(gather())
+                avg.update_parameters(ref)
+                if step == cfg["snap_step"]:
+                    saved = {"avg": averaged_state(avg), "online": clone_state(ref.state_dict())}
+            pusher.flush()
+        if rank == 0:
+            torch.save(
+                {**saved, "stats": pusher.stats().__dict__, "held": held},
+                Path(cfg["out"]) / "snapshot-rank0.pt",
+            )
+        pusher.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def dcp_load_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """Loads a ``layout=sharded`` download with
+    ``torch.distributed.checkpoint`` into DTensors ``Shard(0)`` on a 1-D mesh
+    of ``world`` processes (scalars and integer tensors plain); rank 0
+    saves the ``full_tensor()`` of each. ``cfg``: init, dir, shapes
+    ``{name: (shape, dtype)}``, out."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    _init(rank, world, cfg["init"])
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sd: dict[str, Any] = {}
+        for name, (shape, dtype) in cfg["shapes"].items():
+            zeros = torch.zeros(shape, dtype=dtype)
+            sharded = len(shape) >= 1 and dtype.is_floating_point
+            sd[name] = distribute_tensor(zeros, mesh, [Shard(0)]) if sharded else zeros
+        dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(cfg["dir"]))
+        local_rows = {k: tuple(v.to_local().shape) for k, v in sd.items() if isinstance(v, DTensor)}
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+        if rank == 0:
+            torch.save({"full": full}, Path(cfg["out"]) / "dcp-full.pt")
+        torch.save(local_rows, Path(cfg["out"]) / f"dcp-local-{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

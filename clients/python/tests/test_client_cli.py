@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import polyak
 import pytest
@@ -87,3 +88,69 @@ def test_runs_create_attach_delete(client, run_name):
     with pytest.raises(polyak.PolyakError) as e:
         client.run(run_name)
     assert (e.value.status, e.value.code) == (404, "run_not_found")
+
+
+def test_cli_snapshots_downloads_compare_resume_posthoc(server, client, run_name, tmp_path, capsys):
+    run = client.create_run(
+        run_name,
+        snapshot_every=2,
+        profiles=[
+            {"name": "p05", "kind": "power", "sigma_rel": 0.05},
+            {"name": "p15", "kind": "power", "sigma_rel": 0.15},
+        ],
+    )
+    url = server.url
+    tr = Trainer(seed=25)
+    pusher = run.pusher()
+    for step in range(5):
+        tr.step()
+        pusher.push(tr.model, step)
+    pusher.flush()
+
+    # No step: the next update step after the furthest rank.
+    args = ["--url", url, "--json", "snapshot", run_name, "--no-wait", "--label", "cli"]
+    assert main(args) == 0
+    pending = json.loads(capsys.readouterr().out)
+    assert (pending["step"], pending["status"], pending["label"]) == (5, "pending", "cli")
+    tr.step()
+    pusher.push(tr.model, 5)
+    pusher.flush()
+    snap = run.wait_snapshot(pending["id"], timeout=30)
+
+    assert main(["--url", url, "snapshots", run_name]) == 0
+    rows = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[snap["id"]][1:] == ["5", "manual", "complete", "cli"]
+
+    out = tmp_path / "dl"
+    args = ["--url", url, "download", run_name, snap["id"], "--profile", "p15", "-o", str(out)]
+    assert main([*args, "--no-progress"]) == 0
+    path = capsys.readouterr().out.strip()
+    saved = safetensors.torch.load_file(path)
+    want = run.download(snap, "p15", progress=False)
+    assert set(saved) == set(want) and all(torch.equal(saved[k], v) for k, v in want.items())
+    assert main([*args, "--layout", "sharded"]) == 0
+    captured = capsys.readouterr()
+    assert "100%" in captured.err  # the progress bar
+    assert sorted(p.name for p in Path(captured.out.strip()).iterdir()) == [
+        "rank-00000.safetensors"
+    ]
+
+    assert main(["--url", url, "--json", "compare", run_name, snap["id"], "--profile", "p05"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["b"], result["summary"]["max_abs_diff"]) == ("live", 0.0)
+    assert main(["--url", url, "compare", run_name, snap["id"], "--profile-b", "p15"]) == 0
+    table = capsys.readouterr().out
+    assert "fc1.weight" in table and f"{snap['id']} (p05) vs live (p15)" in table
+
+    assert main(["--url", url, "posthoc", run_name, "--sigma-rel", "0.1", "--step", "4"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("at step 4: complete") and "sigma_rel 0.1" in line
+    (made,) = run.snapshots(kind="posthoc")
+    assert (made["profiles"], made["status"]) == (["posthoc"], "complete")
+
+    assert main(["--url", url, "resume", run_name, "4"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("resumed from snapshot periodic-4") and line.endswith("at step 4"), line
+    assert run.rank(0)["last_step"] == 4
+    assert main(["--url", url, "posthoc", run_name, "--sigma-rel", "0.9"]) == 1
+    assert "422" in capsys.readouterr().err

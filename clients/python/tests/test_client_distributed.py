@@ -13,9 +13,8 @@ from __future__ import annotations
 import polyak
 import pytest
 import torch
-import torch.multiprocessing as mp
 from polyak_refs import assert_state_close
-from polyak_workers import train_worker
+from polyak_workers import run_ranks, train_worker
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 BETA = 0.9
@@ -54,14 +53,14 @@ def _train(
         "out": str(tmp_path),
         **extra,
     }
-    mp.spawn(train_worker, args=(world, cfg), nprocs=world, join=True)
+    run_ranks(train_worker, world, cfg)
     out = torch.load(tmp_path / "rank0.pt", weights_only=False)
     out["runs"] = {k: client.run(v) for k, v in runs.items()}
     out["steps"] = steps
     return out
 
 
-def _check(out: dict, *, expect_chunks: bool) -> None:
+def _check(out: dict, *, expect_chunks: bool, deferred: bool = True) -> None:
     run_c, run_w = out["runs"]["constant"], out["runs"]["warmup"]
     online = out["online"]
     files = [run_c.rank_ema(r, "c") for r in range(run_c.world_size)]
@@ -76,6 +75,16 @@ def _check(out: dict, *, expect_chunks: bool) -> None:
     assert set(got_c) == set(online)
     for stats in out["stats"]:
         assert stats["dropped"] == 0 and stats["rejected"] == 0 and stats["pending"] == 0
+    # The attached pushes deferred their parameter copies; each one waited
+    # for the next optimizer step (none was left for the timeout). FSDP1's
+    # sharded state dict holds copies already: nothing to defer there.
+    assert out["held"]["timed_out"] == 0
+    c, w = out["stats"]
+    assert out["held"]["released"] == c["deferred"] + w["deferred"]
+    if deferred:
+        assert c["deferred"] == out["steps"] and c["waits"] == out["steps"] - 1
+    else:
+        assert c["deferred"] == 0
 
     # ema_weights: outputs of the model with the EMA swapped in equal those
     # of the anchor's averaged model, and the online weights come back exactly.
@@ -114,7 +123,7 @@ def test_fsdp1_sharded_state_dict_and_get_model_state_dict(client, server, tmp_p
     ShardedTensor local shards); the warmup run from the state dict that
     ``get_model_state_dict`` returns."""
     out = _train("fsdp1", client, server, tmp_path, run_name, warmup_from="get_model_state_dict")
-    _check(out, expect_chunks=True)
+    _check(out, expect_chunks=True, deferred=False)
     r1 = out["runs"]["constant"].rank_ema(1, "c")
     assert tuple(r1.tensors["gate"].shape) == (0,)
     assert "_fsdp_wrapped_module" not in "".join(r1.tensors)

@@ -29,6 +29,7 @@ from polyak_refs import (
     assert_state_close,
     averaged_state,
     batch,
+    copies_held_until_waited,
     ema_pytorch_state,
     rel_err,
 )
@@ -82,13 +83,17 @@ def test_compiled_module_constant_and_warmup(client, run_name):
     push_c, push_w, push_d = run_c.pusher(), run_w.pusher(), run_d.pusher()
     push_c.attach(tr.opt, compiled)
     push_w.attach(tr.opt, compiled)
-    for step in range(31):
-        tr.step()
-        push_d.push(compiled.state_dict(), step)
-        avg.update_parameters(base)
-        ema.update()
-    for p in (push_c, push_w, push_d):
-        p.flush()
+    # The attached pushes' parameter copies run only when the next step waits.
+    with copies_held_until_waited() as held:
+        for step in range(31):
+            tr.step()
+            push_d.push(compiled.state_dict(), step)
+            avg.update_parameters(base)
+            ema.update()
+        for p in (push_c, push_w, push_d):
+            p.flush()
+    assert held == {"released": 31 + 7, "timed_out": 0}
+    assert (push_c.stats().deferred, push_d.stats().deferred) == (31, 0)
     online = {k: v.detach().clone() for k, v in base.state_dict().items()}
     got_c = run_c.fetch_ema("c")
     assert set(got_c) == set(base.state_dict())
@@ -199,6 +204,110 @@ def test_server_down_nothing_dropped_and_delivered_after_restart(fresh_server, r
     stats = pusher.stats()
     assert (stats.acknowledged, stats.applied, stats.dropped, stats.rejected) == (7, 7, 0, 0)
     assert_state_close(run.fetch_ema("c"), averaged_state(avg), tr.state())
+
+
+def test_graceful_restart_restores_the_ema_and_pushing_goes_on(fresh_server, run_name):
+    """The server persists every run's EMA on a graceful stop and restores
+    it at start: pushes before and after a restart (the pusher keeps its
+    connection's retries to itself) give the EMA of a run that never
+    stopped, for a constant and a warmup profile (whose decay depends on
+    the restored step bookkeeping)."""
+    warmup = dict(beta=0.99, update_after_step=3, inv_gamma=1.0, power=0.75, min_value=0.0)
+    fresh_server.start()
+    url = fresh_server.url
+    run = polyak.Client(url).create_run(
+        run_name, profiles=[*constant(), {"name": "w", "kind": "warmup", **warmup}]
+    )
+    tr = Trainer(seed=17)
+    avg = anchor(tr.model)
+    ema = EMA(tr.model, update_every=1, **warmup)
+    pusher = run.pusher(retry=polyak.RetryPolicy(base_delay=0.02, max_delay=0.2))
+    pusher.attach(tr.opt, tr.model)
+    for step in range(12):
+        if step == 6:
+            pusher.flush()
+            before = run.fetch_ema("w")
+            fresh_server.restart()  # SIGTERM: waits for requests, persists, exits
+            assert fresh_server.url == url
+            restored = run.fetch_ema("w")
+            assert all(torch.equal(restored[k], v) for k, v in before.items())
+        tr.step()
+        avg.update_parameters(tr.model)
+        ema.update()
+    pusher.flush(timeout=60)
+    stats = pusher.stats()
+    assert (stats.acknowledged, stats.applied, stats.rejected, stats.dropped) == (12, 12, 0, 0)
+    state = run.snapshots(kind="state")
+    assert state and all(s["status"] == "complete" for s in state)
+    assert run.rank(0)["last_step"] == 11
+    online = tr.state()
+    assert_state_close(run.fetch_ema("c"), averaged_state(avg), online, label="constant")
+    assert_state_close(run.fetch_ema("w"), ema_pytorch_state(ema), online, label="warmup")
+
+
+def test_attach_defers_parameter_copies_and_stays_exact(fresh_server, run_name):
+    """``attach`` copies buffers at once and parameters on the copy thread;
+    the pre-step hook waits for that copy. Here every deferred copy is held
+    until the next ``optimizer.step()`` waits for it (after the forward has
+    changed the BatchNorm statistics and the backward the gradients) and
+    the server is stopped for the first steps, so the sender is stuck while
+    the copies go on. The EMA is still exact against the anchors: buffers
+    as they were at the push, parameters as the step left them."""
+    warmup = dict(beta=0.99, update_after_step=4, inv_gamma=1.0, power=0.75, min_value=0.0)
+    fresh_server.start()
+    client = polyak.Client(fresh_server.url)
+    run_c = client.create_run(f"{run_name}-c", profiles=constant())
+    run_w = client.create_run(
+        f"{run_name}-w", update_every=3, profiles=[{"name": "w", "kind": "warmup", **warmup}]
+    )
+    run_m = client.create_run(f"{run_name}-m", profiles=constant())
+    torch.manual_seed(18)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    avg = anchor(model)
+    ema = EMA(model, update_every=3, **warmup)
+    push_c, push_w = run_c.pusher(max_queue=32), run_w.pusher(max_queue=32)
+    push_c.attach(opt, model)
+    push_w.attach(opt, model)
+    manual = run_m.pusher(max_queue=32)  # push(defer=True) + wait_copied(), no hooks
+    gen = torch.Generator().manual_seed(19)
+    steps = 19  # 0..18: the last step is an update step of both runs
+    with copies_held_until_waited() as held, _Paused(fresh_server) as paused:
+        for step in range(steps):
+            if step == 8:
+                paused.resume()
+            loss = model(torch.randn(32, 6, generator=gen)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            manual.wait_copied()
+            opt.step()
+            manual.push(model, step, defer=True)
+            avg.update_parameters(model)
+            ema.update()
+        for p in (push_c, push_w, manual):
+            p.flush(timeout=60)
+    online = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert_state_close(run_c.fetch_ema("c"), averaged_state(avg), online, label="constant")
+    assert_state_close(run_w.fetch_ema("w"), ema_pytorch_state(ema), online, label="warmup")
+    assert_state_close(run_m.fetch_ema("c"), averaged_state(avg), online, label="defer=True")
+    # Every copy waited for the training thread: 19 + 7 + 19 copies.
+    assert held == {"released": 2 * steps + 7, "timed_out": 0}
+    c, w, m = push_c.stats(), push_w.stats(), manual.stats()
+    assert (c.deferred, w.deferred, m.deferred) == (steps, 7, steps)
+    # Each step after a push waited for that push's copy (push_w's last is
+    # released by flush).
+    assert (c.waits, w.waits, m.waits) == (steps - 1, 6, steps - 1)
+    assert c.wait_seconds > 0 and w.wait_seconds > 0
+    assert c.training_thread_seconds == c.push_seconds + c.wait_seconds
+    assert (c.applied, w.applied, m.applied, c.dropped) == (steps, 7, steps, 0)
+
+    # A plain push copies everything before it returns: nothing deferred.
+    plain = run_c.pusher()
+    plain.push(model, steps)
+    plain.flush()
+    assert (plain.stats().deferred, plain.stats().waits) == (0, 0)
 
 
 def test_busy_server_429_retry_after(fresh_server, run_name):

@@ -1,0 +1,403 @@
+"""The client's snapshot side against the real server: consistent cuts under
+FSDP2, ``full`` and ``sharded`` downloads (loaded by ``load_state_dict`` and
+by ``torch.distributed.checkpoint`` into world sizes 1 and 3), compare,
+resume after a trainer crash, post-hoc EMA, trainer metrics and the
+download progress bar.
+
+Every EMA is checked against ``AveragedModel`` + ``get_ema_multi_avg_fn``
+computed in the same test (1e-6 relative); compare's numbers against torch
+statistics of the downloaded tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import time
+
+import httpx
+import polyak
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from polyak_refs import (
+    TinyTransformer,
+    Trainer,
+    assert_state_close,
+    averaged_state,
+    rel_err,
+    torch_compare,
+)
+from polyak_workers import dcp_load_worker, run_ranks, snapshot_worker
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+BETA = 0.9
+
+
+def constant(name: str, beta: float) -> dict:
+    return {"name": name, "kind": "constant", "beta": beta}
+
+
+def anchor(model: torch.nn.Module, beta: float) -> AveragedModel:
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_snapshot_full_and_sharded_downloads(client, server, tmp_path, run_name):
+    """FSDP2 on 2 gloo ranks (uneven shards; rank 1 holds no row of
+    ``gate``), AdamW, ``attach``. The snapshot is asked for before the ranks
+    reach its step; its ``full`` download loads into the unsharded model,
+    and its ``sharded`` download into world sizes 1 and 3 through
+    ``torch.distributed.checkpoint``; all equal the anchor at that step."""
+    steps, snap_step = 16, 11
+    run = client.create_run(run_name, world_size=2, profiles=[constant("c", BETA)])
+    pending = run.snapshot(step=snap_step, label="fsdp2", wait=False)
+    assert (pending["status"], pending["step"], pending["label"]) == ("pending", snap_step, "fsdp2")
+    cfg = {
+        "init": f"file://{tmp_path / 'store'}",
+        "url": server.url,
+        "run": run_name,
+        "beta": BETA,
+        "steps": steps,
+        "snap_step": snap_step,
+        "out": str(tmp_path),
+    }
+    run_ranks(snapshot_worker, 2, cfg)
+    out = torch.load(tmp_path / "snapshot-rank0.pt", weights_only=False)
+    want, online = out["avg"], out["online"]
+
+    # Every parameter copy was deferred and ran only once the next
+    # optimizer step waited for it (the last one when flush did).
+    assert out["held"] == {"released": steps, "timed_out": 0}
+    stats = out["stats"]
+    assert (stats["deferred"], stats["waits"], stats["applied"]) == (steps, steps - 1, steps)
+    assert stats["wait_seconds"] > 0
+
+    snap = run.wait_snapshot(pending, timeout=60)
+    assert snap["status"] == "complete" and snap["kind"] == "manual"
+    assert {(f["rank"], f["part"], f["step"]) for f in snap["files"]} == {
+        (0, "c", snap_step),
+        (1, "c", snap_step),
+    }
+    assert snap["id"] in [s["id"] for s in run.snapshots()]
+
+    # full: whole tensors, into the unsharded model.
+    full = run.download(snap, "c", progress=False)
+    assert_state_close(full, want, online, label="full")
+    model = TinyTransformer()
+    model.load_state_dict(full, strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, full[k].to(v.dtype)), k
+    path = run.download_to(snap, tmp_path / "dl", "c", layout="full", progress=False)
+    assert path.name.endswith(".safetensors") and path.parent == tmp_path / "dl"
+    from_file = safetensors.torch.load_file(path)
+    assert set(from_file) == set(full)
+    assert all(torch.equal(from_file[k], v) for k, v in full.items())
+
+    # sharded: one file per rank; DCP reshards it.
+    shard_dir = run.download_to(snap, tmp_path / "dl", "c", layout="sharded", progress=False)
+    assert sorted(os.listdir(shard_dir)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    # World size 1, no process group.
+    sd = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(shard_dir)))
+    assert_state_close(sd, want, online, label="sharded into world size 1")
+    # World size 3: DTensors Shard(0) on a 1-D mesh, then full_tensor().
+    load_cfg = {
+        "init": f"file://{tmp_path / 'store3'}",
+        "dir": str(shard_dir),
+        "shapes": {k: (tuple(v.shape), v.dtype) for k, v in want.items()},
+        "out": str(tmp_path),
+    }
+    run_ranks(dcp_load_worker, 3, load_cfg)
+    got3 = torch.load(tmp_path / "dcp-full.pt")["full"]
+    assert_state_close(got3, want, online, label="sharded into world size 3")
+    rows = [torch.load(tmp_path / f"dcp-local-{r}.pt") for r in range(3)]
+    # Shard(0) splits as torch.chunk does: 37 rows -> 13, 13, 11.
+    assert [r["tok.weight"] for r in rows] == [(13, 12), (13, 12), (11, 12)]
+    assert [r["gate"] for r in rows] == [(1,), (0,), (0,)]
+
+
+def _check_compare(result: dict, a: dict, b: dict) -> None:
+    """The server's per-tensor numbers against torch's, to 1e-6 relative."""
+    want = torch_compare(a, b)
+    got = {t["name"]: t for t in result["tensors"]}
+    assert set(got) == set(want)
+    for name, fields in want.items():
+        assert got[name]["shape"] == list(a[name].shape), name
+        for field, value in fields.items():
+            if value is None:
+                assert got[name][field] is None, (name, field)
+                continue
+            assert abs(got[name][field] - value) <= 1e-6 * abs(value) + 1e-12, (
+                name,
+                field,
+                got[name][field],
+                value,
+            )
+    summary = result["summary"]
+    assert summary["tensors"] == len(a)
+    norm_a = sum(v.double().square().sum().item() for v in a.values()) ** 0.5
+    assert abs(summary["norm_a"] - norm_a) <= 1e-6 * norm_a
+    assert summary["max_abs_diff"] == max(t["max_abs_diff"] for t in result["tensors"])
+
+
+def test_compare_matches_torch(client, run_name):
+    """Two ranks pushed from one process (each pushes its half of every
+    tensor); compare two snapshots, a snapshot and the live EMA, two
+    profiles of one snapshot."""
+    run = client.create_run(
+        run_name, world_size=2, profiles=[constant("ema", 0.8), constant("slow", 0.95)]
+    )
+    a = run.snapshot(step=4, wait=False)
+    b = run.snapshot(step=9, wait=False)
+    tr = Trainer(seed=21)
+    pushers = [run.pusher(rank=r) for r in (0, 1)]
+    for step in range(12):
+        tr.step()
+        for p in pushers:
+            p.push(tr.model, step)
+    for p in pushers:
+        p.flush()
+    a, b = run.wait_snapshot(a, timeout=30), run.wait_snapshot(b, timeout=30)
+    dl = {(s["id"], p): run.download(s, p, progress=False) for s in (a, b) for p in ("ema", "slow")}
+
+    result = run.compare(a, b, "ema")
+    assert (result["a"], result["b"], result["profile"], result["profile_b"]) == (
+        a["id"],
+        b["id"],
+        "ema",
+        "ema",
+    )
+    _check_compare(result, dl[(a["id"], "ema")], dl[(b["id"], "ema")])
+    _check_compare(run.compare(a, "live", "slow"), dl[(a["id"], "slow")], run.fetch_ema("slow"))
+    both = run.compare(b["id"], b, "ema", profile_b="slow")
+    _check_compare(both, dl[(b["id"], "ema")], dl[(b["id"], "slow")])
+    assert both["summary"]["rel_diff"] > 0
+    assert run.compare(b, b, "slow")["summary"]["max_abs_diff"] == 0.0
+    with pytest.raises(polyak.PolyakError) as e:
+        run.compare("no-such-snapshot", "live")
+    assert (e.value.status, e.value.code) == (404, "snapshot_not_found")
+
+
+def test_refused_failed_and_deleted_snapshots(client, run_name):
+    """A step a rank has passed is refused at once; one no rank reaches
+    fails after the run's ``snapshot_timeout_secs`` and ``run.snapshot``
+    raises the server's reason; a deleted snapshot is gone."""
+    run = client.create_run(run_name, profiles=[constant("c", BETA)], snapshot_timeout_secs=1)
+    tr = Trainer(seed=26)
+    pusher = run.pusher()
+    for step in range(3):
+        tr.step()
+        pusher.push(tr.model, step)
+    pusher.flush()
+    with pytest.raises(polyak.PolyakError) as e:
+        run.snapshot(step=1)
+    assert (e.value.status, e.value.code) == (409, "snapshot_conflict")
+    with pytest.raises(polyak.PolyakError) as e:
+        run.snapshot(step=50, timeout=30)
+    assert e.value.code == "snapshot_failed" and "did not reach" in e.value.message
+    (failed,) = run.snapshots(status="failed")
+    assert failed["step"] == 50
+    with pytest.raises(polyak.PolyakError) as e:
+        run.download(failed, "c", progress=False)
+    assert (e.value.status, e.value.code) == (409, "snapshot_not_complete")
+    run.delete_snapshot(failed)
+    assert run.snapshots() == []
+    with pytest.raises(polyak.PolyakError) as e:
+        run.get_snapshot(failed["id"])
+    assert (e.value.status, e.value.code) == (404, "snapshot_not_found")
+
+
+def test_resume_after_a_trainer_crash_is_exact(client, run_name):
+    """The trainer crashes after step 14 and restarts from its own
+    checkpoint of step 10; ``run.resume(12)`` restores the snapshot of step
+    10, the trainer pushes on with ``attach(start_step=11)``, and the EMA
+    is bit for bit that of a run that never crashed."""
+    profiles = [constant("ema", 0.8), constant("slow", 0.95)]
+    run = client.create_run(run_name, world_size=2, profiles=profiles)
+    mid = run.snapshot(step=10, wait=False)
+    end = run.snapshot(step=20, wait=False)
+    straight = Trainer(seed=22)
+    anchors = {p["name"]: anchor(straight.model, p["beta"]) for p in profiles}
+    pushers = [run.pusher(rank=r) for r in (0, 1)]
+    for p in pushers:
+        p.attach(straight.opt, straight.model)
+    ckpt = None
+    for step in range(21):
+        straight.step()
+        for avg in anchors.values():
+            avg.update_parameters(straight.model)
+        if step == 10:
+            ckpt = straight.checkpoint()
+    for p in pushers:
+        p.close()
+    end = run.wait_snapshot(end, timeout=30)
+    mid = run.wait_snapshot(mid, timeout=30)
+    online = straight.state()
+    want = {name: averaged_state(avg) for name, avg in anchors.items()}
+    for name in want:
+        assert_state_close(run.fetch_ema(name), want[name], online, label=name)
+
+    with pytest.raises(polyak.PolyakError) as e:
+        run.resume(5)  # no snapshot at or before step 5
+    assert (e.value.status, e.value.code) == (404, "snapshot_not_found")
+    answer = run.resume(12)
+    assert answer == {"snapshot": mid["id"], "step": 10, "rank_steps": {"0": 10, "1": 10}}
+    assert [r["last_step"] for r in run.ranks()] == [10, 10]
+
+    resumed = Trainer(seed=22)
+    assert ckpt is not None
+    resumed.restore(ckpt)
+    pushers = [run.pusher(rank=r) for r in (0, 1)]
+    for p in pushers:
+        p.attach(resumed.opt, resumed.model, start_step=11)
+    for _ in range(11, 21):
+        resumed.step()
+    for p in pushers:
+        p.close()
+    assert all(torch.equal(v, online[k]) for k, v in resumed.state().items())
+    for name in want:
+        assert run.compare(end, "live", name)["summary"]["max_abs_diff"] == 0.0
+        live = run.fetch_ema(name)
+        stored = run.download(end, name, progress=False)
+        assert all(torch.equal(live[k], v) for k, v in stored.items()), name
+        assert_state_close(live, want[name], online, label=f"resumed {name}")
+
+
+def test_log_metrics_and_download_progress(client, server, run_name, tmp_path, capsys):
+    """``run.log`` scalars come back from ``GET .../metrics``; a waiting
+    ``run.snapshot`` completes while the trainer pushes; ``download_to``
+    shows a progress bar (tqdm: on stderr, or on a given stream), calls
+    ``on_progress``, and writes the bytes a direct download gets."""
+    run = client.create_run(run_name, profiles=[constant("c", BETA)])
+    tr = Trainer(seed=23)
+    pusher = run.pusher()
+    pusher.attach(tr.opt, tr.model)
+    losses: list[float] = []
+
+    def train() -> None:
+        # Starts once the snapshot is asked for, so it cannot pass its step first.
+        deadline = time.monotonic() + 30
+        while not run.snapshots() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for step in range(8):
+            losses.append(tr.step())
+            run.log(step, loss=losses[-1], lr=0.02)
+        pusher.flush()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    snap = run.snapshot(step=5, timeout=60)  # waits until complete
+    trainer.join(60)
+    assert snap["status"] == "complete" and snap["step"] == 5
+    run.log(3, rank=0, grad_norm=0.5)
+
+    series = run.metrics(["loss", "lr"])
+    assert set(series) == {"loss", "lr"}
+    assert [s for s, _ in series["loss"]] == list(range(8))
+    assert all(
+        abs(v - w) <= 1e-9 * abs(w) for (_, v), w in zip(series["loss"], losses, strict=True)
+    )
+    raw = httpx.get(f"{server.url}/v1/runs/{run_name}/metrics", params={"names": "loss"}).json()
+    assert [p[:2] for p in raw["series"][0]["points"]] == [[s, v] for s, v in series["loss"]]
+    assert run.metrics(rank=0) == {"grad_norm@0": [(3, 0.5)]}
+    assert [s for s, _ in run.metrics(["loss"], since_step=6)["loss"]] == [6, 7]
+
+    seen: list[tuple[int, int | None]] = []
+    bar = io.StringIO()
+    path = run.download_to(
+        snap,
+        tmp_path,
+        "c",
+        progress=bar,
+        on_progress=lambda done, total: seen.append((done, total)),
+    )
+    body = path.read_bytes()
+    direct = httpx.get(
+        f"{server.url}/v1/runs/{run_name}/snapshots/{snap['id']}/download", params={"profile": "c"}
+    )
+    assert direct.status_code == 200
+    assert hashlib.sha256(body).hexdigest() == hashlib.sha256(direct.content).hexdigest()
+    assert seen and seen[-1] == (len(body), len(body))
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    text = bar.getvalue()
+    assert f"{run_name}/{snap['id']} c" in text and "100%" in text
+    assert not list(tmp_path.glob("*.part"))
+
+    capsys.readouterr()
+    again = run.download_to(snap, tmp_path / "again", "c")  # the default bar: stderr
+    assert "100%" in capsys.readouterr().err
+    assert again.read_bytes() == body
+    run.download_to(snap, tmp_path / "quiet", "c", progress=False)
+    assert "100%" not in capsys.readouterr().err
+
+    # A rank's stored file matches the sha256 the catalog recorded.
+    (f,) = snap["files"]
+    stored = httpx.get(
+        f"{server.url}/v1/runs/{run_name}/snapshots/{snap['id']}/download",
+        params={"layout": "rank", "rank": 0, "profile": "c"},
+    ).content
+    assert hashlib.sha256(stored).hexdigest() == f["sha256"] and len(stored) == f["bytes"]
+
+
+def test_posthoc_from_power_profile_snapshots(client, run_name):
+    """``run.posthoc``: a ``posthoc`` snapshot whose tensors are the
+    weighted sum (the server's EDM2 least-squares weights) of the source
+    snapshots it lists; asking for a tracked ``sigma_rel`` gives that
+    profile back."""
+    run = client.create_run(
+        run_name,
+        world_size=2,
+        snapshot_every=5,
+        profiles=[
+            {"name": "p05", "kind": "power", "sigma_rel": 0.05},
+            {"name": "p10", "kind": "power", "sigma_rel": 0.10},
+            {"name": "p15", "kind": "power", "sigma_rel": 0.15},
+        ],
+    )
+    tr = Trainer(seed=24)
+    pushers = [run.pusher(rank=r) for r in (0, 1)]
+    for step in range(21):
+        tr.step()
+        for p in pushers:
+            p.push(tr.model, step)
+    for p in pushers:
+        p.flush()
+    periodic: list[dict] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        periodic = run.snapshots(kind="periodic")
+        if len(periodic) == 5 and all(s["status"] == "complete" for s in periodic):
+            break
+        time.sleep(0.05)
+    assert [s["step"] for s in periodic] == [0, 5, 10, 15, 20]
+
+    snap = run.posthoc(0.10, step=20, profiles=["p05", "p15"], name="synth")
+    assert (snap["kind"], snap["status"], snap["profiles"], snap["step"]) == (
+        "posthoc",
+        "complete",
+        ["synth"],
+        20,
+    )
+    sources = snap["detail"]["sources"]
+    assert {s["profile"] for s in sources} == {"p05", "p15"}
+    inputs = [run.download(s["snapshot"], s["profile"], progress=False) for s in sources]
+    synth = run.download(snap, "synth", progress=False)
+    for name, value in synth.items():
+        if not value.is_floating_point():
+            continue
+        want = sum(
+            float(s["weight"]) * inp[name].double() for s, inp in zip(sources, inputs, strict=True)
+        )
+        assert rel_err(value, want) <= 1e-5, name
+    tracked = run.download(periodic[-1], "p10", progress=False)
+    pending = run.posthoc(0.10, step=20, name="again", wait=False)
+    assert pending["kind"] == "posthoc"
+    again = run.download(run.wait_snapshot(pending, timeout=30), "again", progress=False)
+    assert max(rel_err(again[k], v) for k, v in tracked.items() if v.is_floating_point()) < 1e-5
+    with pytest.raises(polyak.PolyakError) as e:
+        run.posthoc(0.5)
+    assert e.value.status == 422 and "sigma_rel" in e.value.message
