@@ -290,10 +290,16 @@ pub struct AppInner {
     /// Push bytes that may be held in memory at once, in KiB permits.
     pub inflight: Arc<Semaphore>,
     pub inflight_kib: usize,
+    /// Reused receive buffers for push bodies.
+    pub bodies: Arc<crate::wire::bodies::BodyPool>,
     pub started: Instant,
 }
 
 pub type AppState = Arc<AppInner>;
+
+/// Idle push receive buffers kept for reuse: one for the body being
+/// received while another is applied, one spare.
+const BODY_BUFFERS_KEPT: usize = 2;
 
 impl AppInner {
     /// Opens the catalog and loads every run from it. The receiver gets what
@@ -319,6 +325,7 @@ impl AppInner {
             metrics: Metrics::new(),
             inflight: Arc::new(Semaphore::new(inflight_kib)),
             inflight_kib,
+            bodies: crate::wire::bodies::BodyPool::new(BODY_BUFFERS_KEPT),
             started: Instant::now(),
             args,
         });

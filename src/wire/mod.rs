@@ -5,6 +5,7 @@
 //! - [`writer`]: safetensors headers for streamed responses.
 //! - [`dtype`]: the dtypes polyak keeps.
 
+pub mod bodies;
 pub mod dtype;
 pub mod nonfinite;
 pub mod push;

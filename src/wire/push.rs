@@ -23,8 +23,11 @@ pub const SHARDS_KEY: &str = "polyak.shards";
 /// Metadata key selecting `full` or `delta`.
 pub const KIND_KEY: &str = "polyak.kind";
 
-/// Bytes scanned and digested at a time (stays in L2).
+/// Bytes scanned for NaN/Inf at a time.
 const SCAN_BLOCK: usize = 256 << 10;
+/// Bodies at least this large are digested on a second thread while the
+/// first scans them for NaN/Inf.
+const PARALLEL_SCAN_MIN: usize = 4 << 20;
 
 /// Where a tensor chunk sits in its whole (unsharded) tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,12 +161,6 @@ pub fn parse_push(
     if names.is_empty() {
         return Err(WireError::Empty);
     }
-    // One pass over the data: each block is scanned for NaN/Inf and fed to
-    // the digest while it is in cache. The tensors tile the data section
-    // in offset order (checked above), so this digests the whole body.
-    let scan = policy != NonfinitePolicy::Allow;
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    hasher.update(&body[..data_start]);
     let mut tensors = Vec::with_capacity(names.len());
     for name in names {
         let info = metadata.info(&name).ok_or_else(|| {
@@ -181,23 +178,13 @@ pub fn parse_push(
         if let Some(chunk) = &chunk {
             check_chunk(&name, &shape, chunk)?;
         }
-        let mut nonfinite = false;
-        for block in body[range.clone()].chunks(SCAN_BLOCK) {
-            if scan && !nonfinite {
-                nonfinite = has_nonfinite(dtype, block);
-            }
-            hasher.update(block);
-        }
-        if nonfinite && policy == NonfinitePolicy::Reject {
-            return Err(WireError::Nonfinite { tensor: name });
-        }
         tensors.push(WireTensor {
             name,
             dtype,
             shape,
             range,
             chunk,
-            nonfinite,
+            nonfinite: false,
         });
     }
     if let Some(name) = chunks.keys().next() {
@@ -205,7 +192,34 @@ pub fn parse_push(
             "chunk metadata for `{name}`, which is not in the push"
         )));
     }
-    let digest = hasher.digest128();
+    // The digest (xxh3-128 of the whole body) and the NaN/Inf scan read the
+    // data once each; on a large body they run on two threads at once.
+    let scan = policy != NonfinitePolicy::Allow;
+    let scan_all = |tensors: &mut [WireTensor]| -> Result<(), WireError> {
+        for t in tensors.iter_mut() {
+            t.nonfinite = scan
+                && body[t.range.clone()]
+                    .chunks(SCAN_BLOCK)
+                    .any(|block| has_nonfinite(t.dtype, block));
+            if t.nonfinite && policy == NonfinitePolicy::Reject {
+                return Err(WireError::Nonfinite {
+                    tensor: t.name.clone(),
+                });
+            }
+        }
+        Ok(())
+    };
+    let digest = if scan && body.len() >= PARALLEL_SCAN_MIN {
+        std::thread::scope(|s| {
+            let hash = s.spawn(|| xxhash_rust::xxh3::xxh3_128(&body));
+            let scanned = scan_all(&mut tensors);
+            let digest = hash.join().expect("digest thread");
+            scanned.map(|()| digest)
+        })?
+    } else {
+        scan_all(&mut tensors)?;
+        xxhash_rust::xxh3::xxh3_128(&body)
+    };
     Ok(ParsedPush {
         body,
         tensors,
@@ -496,5 +510,32 @@ mod tests {
         assert!(flags.contains(&("bad", true)) && flags.contains(&("good", false)));
         let allow = parse_push(b, LIMITS, NonfinitePolicy::Allow).unwrap();
         assert!(allow.tensors.iter().all(|t| !t.nonfinite));
+    }
+
+    /// Large bodies are digested on a second thread while the first scans:
+    /// the same digest, the same flags and errors as the small-body path.
+    #[test]
+    fn large_bodies_scan_and_digest_in_parallel() {
+        let n = PARALLEL_SCAN_MIN / 4 + 1;
+        let mut tail = vec![0.5f32; n];
+        tail[n - 1] = f32::INFINITY;
+        let b = body(
+            &[
+                ("a", DType::F32, vec![n as i64], f32s(&vec![1.0; n])),
+                ("b", DType::F32, vec![n as i64], f32s(&tail)),
+            ],
+            &[],
+        );
+        assert!(b.len() >= PARALLEL_SCAN_MIN);
+        assert!(matches!(
+            parse_push(b.clone(), LIMITS, NonfinitePolicy::Reject),
+            Err(WireError::Nonfinite { tensor }) if tensor == "b"
+        ));
+        let skip = parse_push(b.clone(), LIMITS, NonfinitePolicy::SkipTensor).unwrap();
+        assert_eq!(skip.digest, xxhash_rust::xxh3::xxh3_128(&b));
+        let flags: Vec<_> = skip.tensors.iter().map(|t| t.nonfinite).collect();
+        assert_eq!(flags, [false, true]);
+        let allow = parse_push(b.clone(), LIMITS, NonfinitePolicy::Allow).unwrap();
+        assert_eq!(allow.digest, skip.digest);
     }
 }

@@ -500,9 +500,11 @@ class Run:
         dtype: str | None = None,
         progress: bool | IO[str] = True,
         on_progress: Callable[[int, int | None], None] | None = None,
+        fsync: bool = True,
     ) -> Path:
         """Streams a snapshot to ``directory``, through a temporary file
-        renamed into place. ``layout="full"`` writes one ``.safetensors``
+        renamed into place (``fsync``: made durable before the rename, so
+        a crash leaves the old file or the whole new one). ``layout="full"`` writes one ``.safetensors``
         file of whole tensors and returns its path; ``"sharded"`` unpacks
         one file per rank (``rank-0000k.safetensors`` with
         ``DCP_SHARDING_INFO``, for ``torch.distributed.checkpoint.load``
@@ -521,6 +523,7 @@ class Run:
             dtype=dtype,
             progress=progress,
             on_progress=on_progress,
+            fsync=fsync,
         )
 
     def compare(

@@ -8,20 +8,27 @@ file renamed into place (or unpacked) for :meth:`Run.download_to`.
 
 from __future__ import annotations
 
+import errno
+import http.client
+import io
+import mmap
 import os
+import stat
 import tarfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import urlencode, urlsplit
 
-from .errors import PolyakError
+from .errors import PolyakError, error_from_response, parse_retry_after
 
 if TYPE_CHECKING:
     from .client import Run
 
 __all__ = ["download_to", "fetch_bytes", "snapshot_done", "snapshot_id"]
 
-_CHUNK = 1 << 20
+#: Bytes read (and written) at a time.
+_CHUNK = 8 << 20
 _DONE = {"complete", "completed", "ready", "done"}
 _FAILED = {"failed", "error", "aborted"}
 
@@ -46,6 +53,47 @@ def snapshot_done(snap: Mapping[str, Any]) -> bool:
     return status in _DONE
 
 
+def _open(run: Run, path: str, params: Mapping[str, Any]) -> http.client.HTTPResponse:
+    """A streamed GET on a connection of its own.
+
+    ``http.client`` rather than the client's httpx session: its response
+    reads straight into a caller's buffer (``readinto``, the GIL released
+    for the whole read), where httpx hands out 64 KiB ``bytes`` pieces,
+    which measured about four times slower than the server streams.
+    """
+    parts = urlsplit(run.client.url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"server URL must be http(s)://, not {run.client.url!r}")
+    https = parts.scheme == "https"
+    cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    conn = cls(
+        parts.hostname or "127.0.0.1",
+        parts.port or (443 if https else 80),
+        timeout=run.client.timeout,
+    )
+    query = urlencode({k: v for k, v in params.items() if v is not None})
+    target = parts.path.rstrip("/") + path + (f"?{query}" if query else "")
+    from . import __version__
+
+    headers = {
+        "User-Agent": f"polyak-python/{__version__}",
+        **run.client._headers(run.read_token),
+    }
+    try:
+        conn.request("GET", target, headers=headers)
+        r = conn.getresponse()
+    except (OSError, http.client.HTTPException) as e:
+        conn.close()
+        raise PolyakError(
+            f"GET {run.client.url}{path}: {type(e).__name__}: {e}", code="unavailable"
+        ) from e
+    if r.status >= 300:
+        body = r.read()
+        conn.close()
+        raise error_from_response(r.status, body, parse_retry_after(r.getheader("retry-after")))
+    return r
+
+
 def _stream_into(
     run: Run,
     snapshot: str | int | Mapping[str, Any],
@@ -61,10 +109,14 @@ def _stream_into(
     sid = snapshot_id(snapshot)
     path = f"{run.path}/snapshots/{sid}/download"
     params = {"profile": profile, "layout": layout, "dtype": dtype}
-    r = run.client.stream(path, params=params, token=run.read_token)
+    r = _open(run, path, params)
+    mapped: memoryview | None = None
     try:
-        total = int(r.headers.get("content-length", 0)) or None
+        total = int(r.getheader("content-length") or 0) or None
+        mapped = _map_file(out, total)
         done = 0
+        buf = bytearray(0 if mapped is not None else _CHUNK)
+        view = memoryview(buf)
         with tqdm(
             total=total,
             unit="B",
@@ -74,10 +126,25 @@ def _stream_into(
             disable=progress is False,
             file=None if isinstance(progress, bool) else progress,
         ) as bar:
-            for chunk in r.iter_bytes(_CHUNK):
-                out.write(chunk)
-                done += len(chunk)
-                bar.update(len(chunk))
+            while True:
+                try:
+                    if mapped is not None:
+                        # Straight from the socket into the file's pages.
+                        n = r.readinto(mapped[done : min(done + _CHUNK, len(mapped))])
+                    else:
+                        n = r.readinto(buf)
+                        if n:
+                            out.write(view[:n])
+                except (OSError, http.client.HTTPException) as e:
+                    raise PolyakError(
+                        f"download of snapshot {sid} failed after {done} bytes: "
+                        f"{type(e).__name__}: {e}",
+                        code="incomplete_download",
+                    ) from e
+                if not n:
+                    break
+                done += n
+                bar.update(n)
                 if on_progress is not None:
                     on_progress(done, total)
         if total is not None and done != total:
@@ -86,7 +153,40 @@ def _stream_into(
                 code="incomplete_download",
             )
     finally:
+        if mapped is not None:
+            mm = mapped.obj
+            mapped.release()
+            mm.close()  # type: ignore[union-attr]
         r.close()
+
+
+def _map_file(out: BinaryIO, total: int | None) -> memoryview | None:
+    """When ``out`` is an empty regular file and the size is known: the
+    file's blocks reserved (``posix_fallocate``: a full disk fails here, at
+    once, not half way) and mapped, so the response is read straight into
+    the page cache, with no copy through a buffer and no ``write``.
+    ``None`` (write in pieces) where that is not possible."""
+    if not total or not hasattr(os, "posix_fallocate"):
+        return None
+    try:
+        fd = out.fileno()
+        if out.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise PolyakError(
+                f"not enough disk space for a {total}-byte download", code="no_space"
+            ) from e
+        return None  # a filesystem without fallocate: plain writes
+    out.flush()
+    try:
+        return memoryview(mmap.mmap(fd, total, flags=mmap.MAP_SHARED))
+    except (OSError, ValueError):
+        return None  # e.g. opened write-only: plain writes
 
 
 def fetch_bytes(
@@ -116,6 +216,7 @@ def download_to(
     dtype: str | None,
     progress: bool | IO[str],
     on_progress: Callable[[int, int | None], None] | None = None,
+    fsync: bool = True,
 ) -> Path:
     if layout not in ("full", "sharded", "hf"):
         raise ValueError(f"layout must be `full`, `sharded` or `hf`, not {layout!r}")
@@ -126,10 +227,11 @@ def download_to(
         final = directory / f"{stem}.safetensors"
         tmp = final.with_suffix(".safetensors.part")
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "w+b") as f:  # readable too, to be mapped
                 _stream_into(run, snapshot, profile, layout, dtype, f, progress, on_progress)
                 f.flush()
-                os.fsync(f.fileno())
+                if fsync:
+                    os.fsync(f.fileno())
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -137,7 +239,7 @@ def download_to(
     target = directory / (stem if layout == "sharded" else f"{stem}-hf")
     tmp_tar = directory / f"{target.name}.tar.part"
     try:
-        with open(tmp_tar, "wb") as f:
+        with open(tmp_tar, "w+b") as f:
             _stream_into(run, snapshot, profile, layout, dtype, f, progress, on_progress)
         with tarfile.open(tmp_tar) as tar:
             target.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,137 @@
+//! Reused receive buffers for push bodies.
+//!
+//! A trainer pushes bodies of the same size every step. A fresh 64 MB
+//! allocation is a fresh `mmap`: the kernel faults in and zeroes every page
+//! while the body is copied in, and unmaps them all when the push is done,
+//! which costs about as much as the copy itself. The pool keeps a few
+//! buffers of earlier bodies (already faulted in) and hands them out again;
+//! a buffer goes back when the last reference to the body it held is
+//! dropped (on the engine thread, after the apply).
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+
+/// Idle receive buffers, at most `max_idle` of them.
+pub struct BodyPool {
+    idle: Mutex<Vec<Vec<u8>>>,
+    max_idle: usize,
+}
+
+impl BodyPool {
+    pub fn new(max_idle: usize) -> Arc<Self> {
+        Arc::new(BodyPool {
+            idle: Mutex::new(Vec::new()),
+            max_idle,
+        })
+    }
+
+    /// An empty buffer with room for at least `len` bytes: the smallest idle
+    /// one that is large enough, else a new one.
+    pub fn take(self: &Arc<Self>, len: usize) -> PooledBuf {
+        let reused = {
+            let mut idle = self.idle.lock().expect("body pool");
+            let best = idle
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= len)
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i);
+            best.map(|i| idle.swap_remove(i))
+        };
+        PooledBuf {
+            buf: reused.unwrap_or_else(|| Vec::with_capacity(len)),
+            pool: Arc::clone(self),
+        }
+    }
+
+    /// Bytes held by idle buffers.
+    pub fn idle_bytes(&self) -> usize {
+        let idle = self.idle.lock().expect("body pool");
+        idle.iter().map(Vec::capacity).sum()
+    }
+
+    fn give_back(&self, mut buf: Vec<u8>) {
+        if buf.capacity() == 0 || self.max_idle == 0 {
+            return;
+        }
+        buf.clear();
+        let mut idle = self.idle.lock().expect("body pool");
+        if idle.len() < self.max_idle {
+            idle.push(buf);
+        } else if let Some(smallest) = idle.iter_mut().min_by_key(|b| b.capacity()) {
+            // Keep the larger ones: they fit every body the smaller ones fit.
+            if smallest.capacity() < buf.capacity() {
+                *smallest = buf;
+            }
+        }
+    }
+}
+
+/// A receive buffer that returns to its pool when dropped.
+pub struct PooledBuf {
+    buf: Vec<u8>,
+    pool: Arc<BodyPool>,
+}
+
+impl PooledBuf {
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    pub fn extend_from_slice(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The body as `Bytes`; the buffer goes back to the pool when the last
+    /// clone is dropped.
+    pub fn freeze(self) -> Bytes {
+        Bytes::from_owner(self)
+    }
+}
+
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        self.pool.give_back(std::mem::take(&mut self.buf));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_reused_and_bounded() {
+        let pool = BodyPool::new(2);
+        let mut a = pool.take(1000);
+        a.extend_from_slice(&[7u8; 1000]);
+        let bytes = a.freeze();
+        let clone = bytes.clone();
+        drop(bytes);
+        assert_eq!(pool.idle_bytes(), 0, "a clone still holds the body");
+        assert_eq!(&clone[..3], &[7, 7, 7]);
+        drop(clone);
+        assert!(pool.idle_bytes() >= 1000);
+        // Reused: same allocation, empty again.
+        let b = pool.take(500);
+        assert!(b.is_empty() && pool.idle_bytes() == 0);
+        drop(b);
+        // At most two idle buffers, the largest kept.
+        let bufs: Vec<_> = [10, 20, 4000].iter().map(|&n| pool.take(n)).collect();
+        drop(bufs);
+        let idle = pool.idle.lock().unwrap();
+        assert_eq!(idle.len(), 2);
+        assert!(idle.iter().any(|b| b.capacity() >= 4000));
+        assert!(idle.iter().any(|b| b.capacity() >= 1000));
+    }
+}
