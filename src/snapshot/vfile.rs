@@ -214,6 +214,46 @@ fn read_at(
     Ok(buf)
 }
 
+/// A range of a stored file, mapped read-only: the socket write copies it
+/// straight from the page cache, with no read into a buffer first.
+struct Mapped(memmap2::Mmap);
+
+impl AsRef<[u8]> for Mapped {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn map_at(
+    files: &mut HashMap<PathBuf, File>,
+    path: &PathBuf,
+    offset: u64,
+    len: u64,
+) -> io::Result<Bytes> {
+    if len == 0 {
+        return Ok(Bytes::new());
+    }
+    let file = open(files, path)?;
+    if offset + len > file.metadata()?.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("{} is shorter than its recipe", path.display()),
+        ));
+    }
+    // SAFETY: the files a download reads are stored snapshot parts: written
+    // under a temporary name, fsynced and renamed into place before they are
+    // listed, and never written again (retention and delete unlink them,
+    // which leaves mapped pages valid). The length was checked just above.
+    let map = unsafe {
+        memmap2::MmapOptions::new()
+            .offset(offset)
+            .len(len as usize)
+            .populate()
+            .map(file)?
+    };
+    Ok(Bytes::from_owner(Mapped(map)))
+}
+
 fn produce_piece(
     piece: &Piece,
     local: Range<u64>,
@@ -226,8 +266,7 @@ fn produce_piece(
             let mut pos = local.start;
             while pos < local.end {
                 let n = CHUNK.min(local.end - pos);
-                let buf = read_at(files, path, offset + pos, n)?;
-                if !sink(Bytes::from(buf)) {
+                if !sink(map_at(files, path, offset + pos, n)?) {
                     return Ok(false);
                 }
                 pos += n;
