@@ -252,6 +252,10 @@ pub async fn create(
     Ok(row)
 }
 
+/// Push receive buffers idle this long are freed (a trainer that pushes
+/// less often than this pays a fresh allocation per push).
+const BODY_BUFFER_IDLE: Duration = Duration::from_secs(120);
+
 /// Starts the task that writes what the engines capture, and the ticker
 /// that fails late snapshots and takes periodic state snapshots.
 pub fn spawn_tasks(
@@ -276,6 +280,12 @@ pub fn spawn_tasks(
                     if ticks % 2 == 0 {
                         crate::monitor::sample_ingest(&state, ingest_since);
                         ingest_since = Instant::now();
+                    }
+                    if ticks % 10 == 0 {
+                        let freed = state.bodies.trim(BODY_BUFFER_IDLE);
+                        if freed > 0 {
+                            tracing::debug!(bytes = freed, "freed idle push receive buffers");
+                        }
                     }
                     if ticks % state.args.prune_interval_secs.max(1) == 0 {
                         if let Err(e) = state.store.prune_metrics(state.args.metrics_retained).await {

@@ -6,15 +6,19 @@
 //! which costs about as much as the copy itself. The pool keeps a few
 //! buffers of earlier bodies (already faulted in) and hands them out again;
 //! a buffer goes back when the last reference to the body it held is
-//! dropped (on the engine thread, after the apply).
+//! dropped (on the engine thread, after the apply). Buffers left idle for a
+//! while are freed ([`BodyPool::trim`], from the server's ticker), so a
+//! server whose runs stopped pushing does not keep their memory.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 /// Idle receive buffers, at most `max_idle` of them.
 pub struct BodyPool {
-    idle: Mutex<Vec<Vec<u8>>>,
+    /// Idle buffers and when each came back.
+    idle: Mutex<Vec<(Vec<u8>, Instant)>>,
     max_idle: usize,
 }
 
@@ -34,10 +38,10 @@ impl BodyPool {
             let best = idle
                 .iter()
                 .enumerate()
-                .filter(|(_, b)| b.capacity() >= len)
-                .min_by_key(|(_, b)| b.capacity())
+                .filter(|(_, (b, _))| b.capacity() >= len)
+                .min_by_key(|(_, (b, _))| b.capacity())
                 .map(|(i, _)| i);
-            best.map(|i| idle.swap_remove(i))
+            best.map(|i| idle.swap_remove(i).0)
         };
         PooledBuf {
             buf: reused.unwrap_or_else(|| Vec::with_capacity(len)),
@@ -48,7 +52,16 @@ impl BodyPool {
     /// Bytes held by idle buffers.
     pub fn idle_bytes(&self) -> usize {
         let idle = self.idle.lock().expect("body pool");
-        idle.iter().map(Vec::capacity).sum()
+        idle.iter().map(|(b, _)| b.capacity()).sum()
+    }
+
+    /// Frees the buffers idle for `after` or longer; returns the bytes freed.
+    pub fn trim(&self, after: Duration) -> usize {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().expect("body pool");
+        let before: usize = idle.iter().map(|(b, _)| b.capacity()).sum();
+        idle.retain(|(_, since)| now.duration_since(*since) < after);
+        before - idle.iter().map(|(b, _)| b.capacity()).sum::<usize>()
     }
 
     fn give_back(&self, mut buf: Vec<u8>) {
@@ -57,12 +70,13 @@ impl BodyPool {
         }
         buf.clear();
         let mut idle = self.idle.lock().expect("body pool");
+        let now = Instant::now();
         if idle.len() < self.max_idle {
-            idle.push(buf);
-        } else if let Some(smallest) = idle.iter_mut().min_by_key(|b| b.capacity()) {
+            idle.push((buf, now));
+        } else if let Some(smallest) = idle.iter_mut().min_by_key(|(b, _)| b.capacity()) {
             // Keep the larger ones: they fit every body the smaller ones fit.
-            if smallest.capacity() < buf.capacity() {
-                *smallest = buf;
+            if smallest.0.capacity() < buf.capacity() {
+                *smallest = (buf, now);
             }
         }
     }
@@ -129,9 +143,16 @@ mod tests {
         // At most two idle buffers, the largest kept.
         let bufs: Vec<_> = [10, 20, 4000].iter().map(|&n| pool.take(n)).collect();
         drop(bufs);
-        let idle = pool.idle.lock().unwrap();
-        assert_eq!(idle.len(), 2);
-        assert!(idle.iter().any(|b| b.capacity() >= 4000));
-        assert!(idle.iter().any(|b| b.capacity() >= 1000));
+        {
+            let idle = pool.idle.lock().unwrap();
+            assert_eq!(idle.len(), 2);
+            assert!(idle.iter().any(|(b, _)| b.capacity() >= 4000));
+            assert!(idle.iter().any(|(b, _)| b.capacity() >= 1000));
+        }
+        // Recently returned buffers stay; idle ones are freed.
+        assert_eq!(pool.trim(Duration::from_secs(3600)), 0);
+        let held = pool.idle_bytes();
+        assert_eq!(pool.trim(Duration::ZERO), held);
+        assert_eq!(pool.idle_bytes(), 0);
     }
 }
