@@ -79,6 +79,20 @@ impl RankSummary {
         self.recent.push_back((now, bytes));
     }
 
+    /// Milliseconds without a push after which this rank counts as stale:
+    /// [`STALE_AFTER_MS`], or three times its usual interval between pushes
+    /// (the median over the remembered ones) when that is longer, so a run
+    /// that pushes every few minutes is not shown stale between pushes.
+    pub fn stale_after_ms(&self) -> i64 {
+        let times: Vec<i64> = self.recent.iter().map(|(t, _)| *t).collect();
+        if times.len() < 3 {
+            return STALE_AFTER_MS;
+        }
+        let mut gaps: Vec<i64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        gaps.sort_unstable();
+        STALE_AFTER_MS.max(3 * gaps[gaps.len() / 2])
+    }
+
     /// Bytes per second over the remembered pushes.
     pub fn bytes_per_second(&self) -> Option<f64> {
         let (first, _) = *self.recent.front()?;
@@ -466,6 +480,9 @@ pub struct RankView {
     pub lag: Option<u64>,
     /// Seconds since the last push.
     pub age_seconds: Option<f64>,
+    /// Seconds without a push after which the rank counts as stale: 60, or
+    /// three times its usual interval between pushes when that is longer.
+    pub stale_after_seconds: f64,
     /// Mean push latency (exponentially weighted), seconds.
     pub push_seconds: Option<f64>,
     /// Throughput over the last pushes.
@@ -478,7 +495,8 @@ pub struct RankView {
     pub layout: Option<serde_json::Value>,
 }
 
-/// Seconds without a push after which a rank counts as stale.
+/// Milliseconds without a push after which a rank counts as stale, at
+/// least (see [`RankSummary::stale_after_ms`]).
 pub const STALE_AFTER_MS: i64 = 60_000;
 
 impl RankView {
@@ -490,7 +508,7 @@ impl RankView {
             "not_restored"
         } else if s
             .last_push_at_ms
-            .is_some_and(|t| now_ms() - t > STALE_AFTER_MS)
+            .is_some_and(|t| now_ms() - t > s.stale_after_ms())
         {
             "stale"
         } else {
@@ -513,6 +531,7 @@ impl RankView {
             age_seconds: s
                 .last_push_at_ms
                 .map(|t| (now_ms() - t).max(0) as f64 / 1000.0),
+            stale_after_seconds: s.stale_after_ms() as f64 / 1000.0,
             push_seconds: s.push_seconds_ewma,
             bytes_per_second: s.bytes_per_second(),
             drift: s
@@ -535,4 +554,29 @@ pub fn counts_of(layout: &RankLayout) -> (usize, u64) {
         layout.tensors.len(),
         layout.tensors.iter().map(|t| t.numel as u64).sum(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pushed_at(times: &[i64]) -> RankSummary {
+        RankSummary {
+            recent: times.iter().map(|&t| (t, 1)).collect(),
+            ..RankSummary::default()
+        }
+    }
+
+    #[test]
+    fn stale_after_follows_the_usual_push_interval() {
+        // Too few pushes to tell, or frequent pushes: the floor.
+        assert_eq!(pushed_at(&[0, 300_000]).stale_after_ms(), STALE_AFTER_MS);
+        assert_eq!(
+            pushed_at(&[0, 1_000, 2_000, 3_000]).stale_after_ms(),
+            STALE_AFTER_MS
+        );
+        // Every five minutes, with one long pause: three median intervals.
+        let rare = pushed_at(&[0, 300_000, 600_000, 4_000_000, 4_300_000]);
+        assert_eq!(rare.stale_after_ms(), 3 * 300_000);
+    }
 }

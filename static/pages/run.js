@@ -12,7 +12,7 @@ import { runHeader, setConnection } from './common.js';
 const RUN_REFRESH_MS = 3000;
 const SERVER_SERIES_REFRESH_MS = 5000;
 const TRAINER_REFRESH_MS = 15000;
-const STALE_AFTER_S = 60; // the server's STALE_AFTER_MS
+const STALE_AFTER_S = 60; // the server's STALE_AFTER_MS, when a rank does not say
 const COMPACT_RANKS = 32; // above this many ranks, tiles become squares
 const TRAINER_POINTS = 5000;
 const SERVER_POINTS = 5000;
@@ -636,7 +636,8 @@ export function render(root, { run }, ctx) {
     for (const r of ranks) {
       r.age = r.last_push_at_ms ? Math.max(0, (serverNow() - r.last_push_at_ms) / 1000) : null;
       r.lag = r.last_step === null || furthest < 0 ? null : furthest - r.last_step;
-      r.shownStatus = r.status === 'live' && r.age !== null && r.age > STALE_AFTER_S ? 'stale' : r.status;
+      const staleAfter = r.stale_after_seconds ?? STALE_AFTER_S; // longer for ranks that push rarely
+      r.shownStatus = r.status === 'live' && r.age !== null && r.age > staleAfter ? 'stale' : r.status;
     }
     view.last_step = furthest < 0 ? view.last_step : furthest;
     const seen = ranks.filter((r) => r.last_step !== null).map((r) => r.last_step);

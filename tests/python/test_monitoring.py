@@ -122,6 +122,8 @@ def test_drift_series_matches_torch(mon):
     assert combined[0] == 3 and abs(combined[1] - (diff / online).sqrt().item()) < 1e-5
     assert per_rank[0]["points"][0][1] == 0.0  # the first push copies
     rank_view = c.get("/v1/runs/drift/ranks/1").json()
+    # Pushes seconds apart: the stale threshold is the 60 s floor.
+    assert rank_view["status"] == "live" and rank_view["stale_after_seconds"] == 60.0
     assert (
         abs(
             rank_view["drift"]["ema"]
