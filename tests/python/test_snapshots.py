@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from polyak.testing import compare_stats
 from refs import SmallNet, averaged_state, rel_err
 from shardsim import push_ranks
 from torch import nn
@@ -281,24 +282,8 @@ def test_consistent_cut_with_a_rank_ahead(client):
     assert r.status_code == 409 and r.json()["error"]["code"] == "snapshot_not_complete"
 
 
-def torch_stats(a: dict, b: dict):
-    out = {}
-    for k in a:
-        x, y = a[k].double().flatten(), b[k].double().flatten()
-        na, nb, nd = x.norm().item(), y.norm().item(), (x - y).norm().item()
-        out[k] = {
-            "norm_a": na,
-            "norm_b": nb,
-            "norm_diff": nd,
-            "rel_diff": nd / na if na > 0 else nd,
-            "cosine": (x @ y).item() / (na * nb) if na > 0 and nb > 0 else None,
-            "max_abs_diff": (x - y).abs().max().item() if x.numel() else 0.0,
-        }
-    return out
-
-
 def check_compare(resp, a, b):
-    want = torch_stats(a, b)
+    want = compare_stats(a, b)
     got = {t["name"]: t for t in resp["tensors"]}
     assert set(got) == set(want)
     for k, w in want.items():

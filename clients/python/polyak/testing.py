@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["PolyakServer", "find_binary"]
+__all__ = ["PolyakServer", "compare_stats", "find_binary"]
 
 
 def find_binary() -> str:
@@ -137,3 +137,22 @@ class PolyakServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def compare_stats(a: dict, b: dict) -> dict[str, dict]:
+    """Per tensor what ``GET .../compare`` reports, computed with torch in
+    float64 over whole tensors: norms, ``rel_diff = norm_diff / norm_a``,
+    cosine, max abs diff (the anchor the compare tests check against)."""
+    out: dict[str, dict] = {}
+    for k in a:
+        x, y = a[k].double().flatten(), b[k].double().flatten()
+        na, nb, nd = x.norm().item(), y.norm().item(), (x - y).norm().item()
+        out[k] = {
+            "norm_a": na,
+            "norm_b": nb,
+            "norm_diff": nd,
+            "rel_diff": nd / na if na > 0 else nd,
+            "cosine": (x @ y).item() / (na * nb) if na > 0 and nb > 0 else None,
+            "max_abs_diff": (x - y).abs().max().item() if x.numel() else 0.0,
+        }
+    return out

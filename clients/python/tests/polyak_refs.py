@@ -124,6 +124,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def train_and_push(trainer: Trainer, pushers: list, steps: int) -> None:
+    """``steps`` real optimizer steps, each pushed (steps 0..) by every
+    pusher; then every pusher is flushed."""
+    for step in range(steps):
+        trainer.step()
+        for p in pushers:
+            p.push(trainer.model, step)
+    for p in pushers:
+        p.flush()
+
+
 class Trainer:
     """One process, one real AdamW loop on :class:`TinyTransformer`."""
 
@@ -159,24 +170,6 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["opt"])
         self.gen.set_state(ckpt["gen"])
-
-
-def torch_compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Per tensor what ``GET .../compare`` reports, computed with torch in
-    float64: norms, ``rel_diff = norm_diff / norm_a``, cosine, max abs diff."""
-    out: dict[str, dict] = {}
-    for k in a:
-        x, y = a[k].double().flatten(), b[k].double().flatten()
-        na, nb, nd = x.norm().item(), y.norm().item(), (x - y).norm().item()
-        out[k] = {
-            "norm_a": na,
-            "norm_b": nb,
-            "norm_diff": nd,
-            "rel_diff": nd / na if na > 0 else nd,
-            "cosine": (x @ y).item() / (na * nb) if na > 0 and nb > 0 else None,
-            "max_abs_diff": (x - y).abs().max().item() if x.numel() else 0.0,
-        }
-    return out
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 from polyak.cli import main
-from polyak_refs import Trainer
+from polyak_refs import Trainer, train_and_push
 
 
 def test_cli_runs_status_and_ema(server, client, run_name, tmp_path, capsys):
@@ -21,10 +21,7 @@ def test_cli_runs_status_and_ema(server, client, run_name, tmp_path, capsys):
     )
     tr = Trainer(seed=12)
     pusher = run.pusher(rank=1)
-    for step in range(3):
-        tr.step()
-        pusher.push(tr.model, step)
-    pusher.flush()
+    train_and_push(tr, [pusher], 3)
 
     assert main(["--url", server.url, "runs"]) == 0
     out = capsys.readouterr().out
@@ -102,10 +99,7 @@ def test_cli_snapshots_downloads_compare_resume_posthoc(server, client, run_name
     url = server.url
     tr = Trainer(seed=25)
     pusher = run.pusher()
-    for step in range(5):
-        tr.step()
-        pusher.push(tr.model, step)
-    pusher.flush()
+    train_and_push(tr, [pusher], 5)
 
     # No step: the next update step after the furthest rank.
     args = ["--url", url, "--json", "snapshot", run_name, "--no-wait", "--label", "cli"]

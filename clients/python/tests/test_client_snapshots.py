@@ -23,13 +23,14 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
+from polyak.testing import compare_stats
 from polyak_refs import (
     TinyTransformer,
     Trainer,
     assert_state_close,
     averaged_state,
     rel_err,
-    torch_compare,
+    train_and_push,
 )
 from polyak_workers import dcp_load_worker, run_ranks, snapshot_worker
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -122,7 +123,7 @@ def test_fsdp2_snapshot_full_and_sharded_downloads(client, server, tmp_path, run
 
 def _check_compare(result: dict, a: dict, b: dict) -> None:
     """The server's per-tensor numbers against torch's, to 1e-6 relative."""
-    want = torch_compare(a, b)
+    want = compare_stats(a, b)
     got = {t["name"]: t for t in result["tensors"]}
     assert set(got) == set(want)
     for name, fields in want.items():
@@ -154,13 +155,7 @@ def test_compare_matches_torch(client, run_name):
     a = run.snapshot(step=4, wait=False)
     b = run.snapshot(step=9, wait=False)
     tr = Trainer(seed=21)
-    pushers = [run.pusher(rank=r) for r in (0, 1)]
-    for step in range(12):
-        tr.step()
-        for p in pushers:
-            p.push(tr.model, step)
-    for p in pushers:
-        p.flush()
+    train_and_push(tr, [run.pusher(rank=r) for r in (0, 1)], 12)
     a, b = run.wait_snapshot(a, timeout=30), run.wait_snapshot(b, timeout=30)
     dl = {(s["id"], p): run.download(s, p, progress=False) for s in (a, b) for p in ("ema", "slow")}
 
@@ -189,10 +184,7 @@ def test_refused_failed_and_deleted_snapshots(client, run_name):
     run = client.create_run(run_name, profiles=[constant("c", BETA)], snapshot_timeout_secs=1)
     tr = Trainer(seed=26)
     pusher = run.pusher()
-    for step in range(3):
-        tr.step()
-        pusher.push(tr.model, step)
-    pusher.flush()
+    train_and_push(tr, [pusher], 3)
     with pytest.raises(polyak.PolyakError) as e:
         run.snapshot(step=1)
     assert (e.value.status, e.value.code) == (409, "snapshot_conflict")
@@ -359,13 +351,7 @@ def test_posthoc_from_power_profile_snapshots(client, run_name):
         ],
     )
     tr = Trainer(seed=24)
-    pushers = [run.pusher(rank=r) for r in (0, 1)]
-    for step in range(21):
-        tr.step()
-        for p in pushers:
-            p.push(tr.model, step)
-    for p in pushers:
-        p.flush()
+    train_and_push(tr, [run.pusher(rank=r) for r in (0, 1)], 21)
     periodic: list[dict] = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
