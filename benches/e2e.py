@@ -37,6 +37,8 @@ from polyak import Client  # noqa: E402
 from polyak.testing import PolyakServer  # noqa: E402
 
 MB = 1 << 20
+#: Where the runs keep their EMA and where torch's baselines run (--device).
+DEVICE = "cpu"
 
 
 # -- helpers ---------------------------------------------------------------
@@ -81,7 +83,13 @@ def create_run(url: str, name: str, world: int = 1, profiles: int = 1, **extra) 
         {"name": f"p{i}", "kind": "constant", "beta": 0.99 + 0.001 * i} for i in range(profiles)
     ]
     c.create_run(
-        name, world_size=world, profiles=profs, persist_every_secs=0, drift_every=0, **extra
+        name,
+        world_size=world,
+        profiles=profs,
+        persist_every_secs=0,
+        drift_every=0,
+        device=DEVICE,
+        **extra,
     )
     c.close()
 
@@ -133,7 +141,10 @@ def machine() -> str:
     with contextlib.suppress(OSError, ValueError, IndexError):
         kb = int(Path("/proc/meminfo").read_text().split()[1])
         mem = f", {kb / 2**20:.0f} GiB memory"
-    return f"{os.cpu_count()} CPUs ({model}){mem}, torch {torch.__version__}"
+    gpu = ""
+    if DEVICE.startswith("cuda"):
+        gpu = f", {torch.cuda.get_device_name(torch.device(DEVICE))}"
+    return f"{os.cpu_count()} CPUs ({model}){mem}{gpu}, torch {torch.__version__}"
 
 
 # -- measurements ------------------------------------------------------------
@@ -169,14 +180,46 @@ def apply_seconds(url: str, name: str, numel: int, profiles: int, dtype, pushes:
 
 
 def torch_lerp_seconds(numel: int, reps: int = 5) -> float:
-    ema = torch.zeros(numel)
-    w = torch.randn(numel)
+    ema = torch.zeros(numel, device=DEVICE)
+    w = torch.randn(numel, device=DEVICE)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         ema.lerp_(w, 0.001)
+        sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def gpu_baselines(numel: int, tensors: int = 64, reps: int = 5) -> dict:
+    """torch on the same GPU: a pinned host-to-device copy of the push's
+    bytes, and ``torch._foreach_lerp_`` over the push's tensors."""
+    per = numel // tensors
+    host = torch.randn(per * tensors).pin_memory()
+    dev = torch.empty(per * tensors, device=DEVICE)
+    emas = [torch.zeros(per, device=DEVICE) for _ in range(tensors)]
+    ws = list(torch.randn(per * tensors, device=DEVICE).split(per))
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+
+    return {
+        "h2d_s": timed(lambda: dev.copy_(host, non_blocking=True)),
+        "foreach_lerp_s": timed(lambda: torch._foreach_lerp_(emas, ws, 0.001)),
+        "bytes": host.numel() * 4,
+    }
 
 
 def training_thread(url: str, params: int, steps: int) -> dict:
@@ -201,7 +244,9 @@ def training_thread(url: str, params: int, steps: int) -> dict:
     client = polyak.Client(url)
     for k in (1, 3):
         ema = cp.measure("ema", model, compute, steps, cp.ema_pytorch_update(model, k))
-        run = client.create_run(f"tt{k}", profiles=profiles[:k], persist_every_secs=0)
+        run = client.create_run(
+            f"tt{k}", profiles=profiles[:k], persist_every_secs=0, device=DEVICE
+        )
         mine = cp.measure("polyak", model, compute, steps, pushers=[run.pusher()])
         client.delete_run(f"tt{k}")
         out[f"ema_pytorch_{k}"] = ema.ema
@@ -236,7 +281,7 @@ def download(url: str, numel: int, tmp: Path) -> dict:
     # save_file does not), both do in the second.
     times: dict[str, list[float]] = {k: [] for k in ("dl", "save", "dl_fsync", "save_fsync")}
     size = 0
-    for _ in range(3):
+    for _ in range(5):
         for durable in (False, True):
             t = time.perf_counter()
             path = run.download_to(
@@ -255,8 +300,12 @@ def download(url: str, numel: int, tmp: Path) -> dict:
             baseline.unlink()
     med = {k: statistics.median(v) for k, v in times.items()}
     Client(url).delete_run("dl")
+    # The floor: the same bytes through one loopback TCP connection into a
+    # sink that discards them.
+    raw = statistics.median(raw_tcp_rate(body, 1) for _ in range(3))
     return {
         "bytes": size,
+        "raw_tcp_s": size / raw,
         "download_s": med["dl"],
         "save_file_s": med["save"],
         "download_fsync_s": med["dl_fsync"],
@@ -334,13 +383,22 @@ def main() -> int:
     )
     ap.add_argument("--concurrent-seconds", type=float, default=60)
     ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the runs keep their EMA (cuda: also host-to-device and _foreach_lerp_ rows)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="small sizes, short runs (checks the script)"
     )
     args = ap.parse_args()
     if args.quick:
         args.params, args.sizes, args.concurrent_seconds = 4e6, "1e6,2e6,4e6", 3
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {DEVICE}: torch sees no CUDA device here")
     params = int(args.params)
-    results: dict = {"machine": machine(), "params": params}
+    results: dict = {"machine": machine(), "params": params, "device": DEVICE}
     tmp = Path(tempfile.mkdtemp(prefix="polyak-bench-"))
     table = []
 
@@ -378,6 +436,26 @@ def main() -> int:
         b1 = apply_seconds(url, "b1", params, 1, torch.bfloat16, pushes)
         lerp = torch_lerp_seconds(params)
         results["apply"] = {"fp32_1": a1, "fp32_4": a4, "bf16_1": b1, "torch_lerp": lerp}
+        if DEVICE.startswith("cuda"):
+            gpu = gpu_baselines(params)
+            results["gpu"] = gpu
+            table.append(
+                (
+                    f"{DEVICE}: torch pinned host-to-device copy (GB/s)",
+                    f"{gpu['bytes'] / gpu['h2d_s'] / 1e9:.1f}",
+                    "reported",
+                    "-",
+                )
+            )
+            table.append(
+                (
+                    f"{DEVICE}: server apply (host-to-device + lerp) / "
+                    "torch copy + _foreach_lerp_ on the same GPU",
+                    f"{a1 / (gpu['h2d_s'] + gpu['foreach_lerp_s']):.2f}",
+                    "reported",
+                    "-",
+                )
+            )
         row("server apply time, 4 profiles / 1 profile", a4 / a1, "<= 1.5", False)
         row("bf16 body into fp32 EMA: apply rate / fp32 apply rate", a1 / b1, ">= 0.8", True)
         # The curve at a quarter of the size, every point measured alike.
@@ -416,6 +494,14 @@ def main() -> int:
             (
                 "same, both fsynced (download_to's default)",
                 f"{dl['save_file_fsync_s'] / dl['download_fsync_s']:.2f}",
+                "reported",
+                "-",
+            )
+        )
+        table.append(
+            (
+                "full download rate / raw loopback TCP of the same bytes into a sink (the floor)",
+                f"{dl['raw_tcp_s'] / dl['download_s']:.2f}",
                 "reported",
                 "-",
             )

@@ -23,6 +23,7 @@
 //!   `migrations/`.
 //! - [`monitor`]: series the server records (EMA drift, ingest rate).
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
+//! - [`hugepages`]: transparent huge pages for the large host buffers.
 //! - [`http`]: routes, handlers, the one error type that maps every failure
 //!   to a status and a JSON body, auth, OpenAPI.
 //! - [`state`]: what handlers share: the run registry, engines, event bus.
@@ -32,6 +33,7 @@
 pub mod config;
 pub mod engine;
 pub mod http;
+pub mod hugepages;
 pub mod monitor;
 pub mod run;
 pub mod server;

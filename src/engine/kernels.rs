@@ -2,9 +2,9 @@
 //! updates every profile's float32 EMA.
 //!
 //! The source is read once per cache-sized block (and converted from
-//! bf16/fp16 into a stack buffer on the way, with no temporary tensor),
-//! then each profile's block is lerped while the source block is still in
-//! L1. With P profiles the memory traffic is `src + P x (read + write)`
+//! bf16/fp16 into a block-sized buffer on the way, with no temporary
+//! tensor), then each profile's block is lerped while the source block is
+//! still in L2. With P profiles the memory traffic is `src + P x (read + write)`
 //! instead of `P x (src + read + write)`. The optional drift sums
 //! (`||ema - w||^2`, `||w||^2`) are accumulated in the same pass.
 //!
@@ -53,9 +53,14 @@ impl Src<'_> {
     }
 }
 
-/// Elements per block: 16 KiB of float32, so a block of source and one of
-/// each EMA stay in L1/L2 while every profile is updated.
-const BLOCK: usize = 4096;
+/// Elements per block: 256 KiB of float32. The source block stays in L2
+/// while every profile's block is updated, and each EMA is streamed in runs
+/// long enough for the hardware prefetchers (16 KiB blocks measured 8-15 %
+/// slower with 4 profiles, where five streams take turns).
+const BLOCK: usize = 64 << 10;
+
+/// Elements summed in f32 lanes before the drift sums go to f64.
+const DRIFT_CHUNK: usize = 4096;
 
 /// Segments smaller than this are updated on the calling thread alone.
 const PARALLEL_MIN: usize = 1 << 20;
@@ -131,7 +136,10 @@ unsafe fn update_range(
 ) -> Vec<(f64, f64)> {
     let fma = has_fma();
     let mut sums = vec![(0.0f64, 0.0f64); emas.len()];
-    let mut buf = [0f32; BLOCK];
+    let mut buf = match src {
+        Src::F32(_) => Vec::new(),
+        _ => vec![0f32; BLOCK.min(src.len())],
+    };
     let n = src.len();
     let mut i = 0;
     while i < n {
@@ -214,10 +222,17 @@ unsafe fn lerp_fma(dst: &mut [f32], w: &[f32], weight: f32) {
     }
 }
 
-/// `(sum (a - b)^2, sum b^2)` of a block, accumulated in f32 lanes and
-/// returned in f64 (blocks are small, so the f32 partial sums stay exact
-/// enough for a monitoring ratio).
+/// `(sum (a - b)^2, sum b^2)` of a block, in f64.
 fn drift_block(a: &[f32], b: &[f32]) -> (f64, f64) {
+    a.chunks(DRIFT_CHUNK)
+        .zip(b.chunks(DRIFT_CHUNK))
+        .map(|(a, b)| drift_chunk(a, b))
+        .fold((0.0, 0.0), |s, d| (s.0 + d.0, s.1 + d.1))
+}
+
+/// The same over a short chunk, accumulated in f32 lanes (the chunk is
+/// short, so the f32 partial sums stay exact enough for a monitoring ratio).
+fn drift_chunk(a: &[f32], b: &[f32]) -> (f64, f64) {
     let mut d = [0f32; 8];
     let mut o = [0f32; 8];
     let mut ca = a.chunks_exact(8);

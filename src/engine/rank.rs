@@ -22,6 +22,7 @@ use tch::{Device, Kind, Tensor};
 use super::kernels::{self, EmaPtr, Op, Src};
 use super::schedule::{decide, Action};
 use super::EngineError;
+use crate::hugepages;
 use crate::run::RunConfig;
 use crate::wire::{Chunk, DType, ParsedPush, PushKind, WireTensor};
 
@@ -458,19 +459,19 @@ impl RankState {
     ) -> Result<Self, EngineError> {
         let ema_kind = config.ema_dtype.kind();
         let ema = (0..config.profiles.len())
-            .map(|_| Tensor::f_zeros([layout.ema_numel], (ema_kind, device)))
+            .map(|_| hugepages::zeros(layout.ema_numel, ema_kind, device))
             .collect::<Result<Vec<_>, _>>()?;
         let copied = layout
             .copied_groups
             .iter()
-            .map(|g| Tensor::f_zeros([g.numel], (g.dtype.kind(), device)))
+            .map(|g| hugepages::zeros(g.numel, g.dtype.kind(), device))
             .collect::<Result<Vec<_>, _>>()?;
         let mirror = if config.mirror {
             Some(
                 layout
                     .mirror_groups
                     .iter()
-                    .map(|g| Tensor::f_zeros([g.numel], (g.dtype.kind(), device)))
+                    .map(|g| hugepages::zeros(g.numel, g.dtype.kind(), device))
                     .collect::<Result<Vec<_>, _>>()?,
             )
         } else {

@@ -44,7 +44,7 @@ impl BodyPool {
             best.map(|i| idle.swap_remove(i).0)
         };
         PooledBuf {
-            buf: reused.unwrap_or_else(|| Vec::with_capacity(len)),
+            buf: reused.unwrap_or_else(|| fresh(len)),
             pool: Arc::clone(self),
         }
     }
@@ -80,6 +80,14 @@ impl BodyPool {
             }
         }
     }
+}
+
+/// A new, untouched buffer, advised for huge pages before the body is
+/// copied in (see [`crate::hugepages`]).
+fn fresh(len: usize) -> Vec<u8> {
+    let buf = Vec::with_capacity(len);
+    crate::hugepages::advise(buf.as_ptr(), buf.capacity());
+    buf
 }
 
 /// A receive buffer that returns to its pool when dropped.

@@ -2,10 +2,12 @@
 //!
 //! - [`push`]: parse and validate a push body in place.
 //! - [`nonfinite`]: NaN/Inf scans on raw bytes.
+//! - [`check`]: a body's digest and NaN/Inf scan in one pass.
 //! - [`writer`]: safetensors headers for streamed responses.
 //! - [`dtype`]: the dtypes polyak keeps.
 
 pub mod bodies;
+pub mod check;
 pub mod dtype;
 pub mod nonfinite;
 pub mod push;

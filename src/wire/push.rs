@@ -14,7 +14,7 @@ use std::ops::Range;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::nonfinite::has_nonfinite;
+use super::check::{scan_and_digest, Span};
 use super::DType;
 use crate::run::NonfinitePolicy;
 
@@ -22,12 +22,6 @@ use crate::run::NonfinitePolicy;
 pub const SHARDS_KEY: &str = "polyak.shards";
 /// Metadata key selecting `full` or `delta`.
 pub const KIND_KEY: &str = "polyak.kind";
-
-/// Bytes scanned for NaN/Inf at a time.
-const SCAN_BLOCK: usize = 256 << 10;
-/// Bodies at least this large are digested on a second thread while the
-/// first scans them for NaN/Inf.
-const PARALLEL_SCAN_MIN: usize = 4 << 20;
 
 /// Where a tensor chunk sits in its whole (unsharded) tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,7 +66,8 @@ pub struct ParsedPush {
     /// Tensors in the order of their data in the body.
     pub tensors: Vec<WireTensor>,
     pub kind: PushKind,
-    /// xxh3-128 of the whole body: a repeated push is recognised by it.
+    /// The body's digest (see [`super::check`]): a repeated push is
+    /// recognised by it.
     pub digest: u128,
 }
 
@@ -192,34 +187,24 @@ pub fn parse_push(
             "chunk metadata for `{name}`, which is not in the push"
         )));
     }
-    // The digest (xxh3-128 of the whole body) and the NaN/Inf scan read the
-    // data once each; on a large body they run on two threads at once.
+    // The digest and the NaN/Inf scan, in one pass over the body.
     let scan = policy != NonfinitePolicy::Allow;
-    let scan_all = |tensors: &mut [WireTensor]| -> Result<(), WireError> {
-        for t in tensors.iter_mut() {
-            t.nonfinite = scan
-                && body[t.range.clone()]
-                    .chunks(SCAN_BLOCK)
-                    .any(|block| has_nonfinite(t.dtype, block));
-            if t.nonfinite && policy == NonfinitePolicy::Reject {
-                return Err(WireError::Nonfinite {
-                    tensor: t.name.clone(),
-                });
-            }
+    let spans: Vec<Span> = tensors
+        .iter()
+        .map(|t| Span {
+            dtype: t.dtype,
+            range: t.range.clone(),
+        })
+        .collect();
+    let (digest, flags) = scan_and_digest(&body, &spans, scan);
+    for (t, nonfinite) in tensors.iter_mut().zip(flags) {
+        t.nonfinite = nonfinite;
+        if nonfinite && policy == NonfinitePolicy::Reject {
+            return Err(WireError::Nonfinite {
+                tensor: t.name.clone(),
+            });
         }
-        Ok(())
-    };
-    let digest = if scan && body.len() >= PARALLEL_SCAN_MIN {
-        std::thread::scope(|s| {
-            let hash = s.spawn(|| xxhash_rust::xxh3::xxh3_128(&body));
-            let scanned = scan_all(&mut tensors);
-            let digest = hash.join().expect("digest thread");
-            scanned.map(|()| digest)
-        })?
-    } else {
-        scan_all(&mut tensors)?;
-        xxhash_rust::xxh3::xxh3_128(&body)
-    };
+    }
     Ok(ParsedPush {
         body,
         tensors,
@@ -369,8 +354,8 @@ mod tests {
         assert_eq!(push.kind, PushKind::Full);
         let w = push.tensors.iter().find(|t| t.name == "a.weight").unwrap();
         assert_eq!(push.bytes_of(w), &f32s(&[1.0, 2.0, 3.0, 4.0])[..]);
-        // The one-pass digest is xxh3-128 of the whole body.
-        assert_eq!(push.digest, xxhash_rust::xxh3::xxh3_128(&b));
+        // The digest is the one computed with the scan.
+        assert_eq!(push.digest, scan_and_digest(&b, &[], false).0);
         // Same bytes, same digest; other bytes, other digest.
         let again = parse_push(b, LIMITS, NonfinitePolicy::Reject).unwrap();
         assert_eq!(push.digest, again.digest);
@@ -512,11 +497,11 @@ mod tests {
         assert!(allow.tensors.iter().all(|t| !t.nonfinite));
     }
 
-    /// Large bodies are digested on a second thread while the first scans:
-    /// the same digest, the same flags and errors as the small-body path.
+    /// Large bodies are split between two threads: the same digest, flags
+    /// and errors as the one-thread path.
     #[test]
     fn large_bodies_scan_and_digest_in_parallel() {
-        let n = PARALLEL_SCAN_MIN / 4 + 1;
+        let n = crate::wire::check::PARALLEL_MIN / 4 + 1;
         let mut tail = vec![0.5f32; n];
         tail[n - 1] = f32::INFINITY;
         let b = body(
@@ -526,13 +511,13 @@ mod tests {
             ],
             &[],
         );
-        assert!(b.len() >= PARALLEL_SCAN_MIN);
+        assert!(b.len() >= crate::wire::check::PARALLEL_MIN);
         assert!(matches!(
             parse_push(b.clone(), LIMITS, NonfinitePolicy::Reject),
             Err(WireError::Nonfinite { tensor }) if tensor == "b"
         ));
         let skip = parse_push(b.clone(), LIMITS, NonfinitePolicy::SkipTensor).unwrap();
-        assert_eq!(skip.digest, xxhash_rust::xxh3::xxh3_128(&b));
+        assert_eq!(skip.digest, scan_and_digest(&b, &[], false).0);
         let flags: Vec<_> = skip.tensors.iter().map(|t| t.nonfinite).collect();
         assert_eq!(flags, [false, true]);
         let allow = parse_push(b.clone(), LIMITS, NonfinitePolicy::Allow).unwrap();

@@ -8,11 +8,14 @@ file renamed into place (or unpacked) for :meth:`Run.download_to`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import io
 import mmap
 import os
+import select
+import socket
 import stat
 import tarfile
 from collections.abc import Callable, Mapping
@@ -29,6 +32,9 @@ __all__ = ["download_to", "fetch_bytes", "snapshot_done", "snapshot_id"]
 
 #: Bytes read (and written) at a time.
 _CHUNK = 8 << 20
+#: Pipe size asked for when splicing (Linux caps it at
+#: /proc/sys/fs/pipe-max-size, 1 MiB by default).
+_PIPE_SIZE = 1 << 20
 _DONE = {"complete", "completed", "ready", "done"}
 _FAILED = {"failed", "error", "aborted"}
 
@@ -111,14 +117,29 @@ def _stream_into(
     params = {"profile": profile, "layout": layout, "dtype": dtype}
     r = _open(run, path, params)
     mapped: memoryview | None = None
+    spliced: _Splice | None = None
     try:
         total = int(r.getheader("content-length") or 0) or None
-        mapped = _map_file(out, total)
-        done = 0
-        buf = bytearray(0 if mapped is not None else _CHUNK)
+        spliced = _splice_into(r, out, total, run.client.timeout)
+        mapped = None if spliced is not None else _map_file(out, total)
+        done = 0 if spliced is None else (total or 0) - spliced.remaining
+        buf = bytearray(0 if mapped is not None or spliced is not None else _CHUNK)
         view = memoryview(buf)
+        reported = 0
+
+        def read_some() -> int:
+            if spliced is not None:
+                return spliced.step() if spliced.remaining else 0
+            if mapped is not None:
+                # Straight from the socket into the file's pages.
+                return r.readinto(mapped[done : min(done + _CHUNK, len(mapped))])
+            n = r.readinto(buf)
+            out.write(view[:n])
+            return n
+
         with tqdm(
             total=total,
+            initial=done,
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
@@ -128,13 +149,7 @@ def _stream_into(
         ) as bar:
             while True:
                 try:
-                    if mapped is not None:
-                        # Straight from the socket into the file's pages.
-                        n = r.readinto(mapped[done : min(done + _CHUNK, len(mapped))])
-                    else:
-                        n = r.readinto(buf)
-                        if n:
-                            out.write(view[:n])
+                    n = read_some()
                 except (OSError, http.client.HTTPException) as e:
                     raise PolyakError(
                         f"download of snapshot {sid} failed after {done} bytes: "
@@ -147,17 +162,115 @@ def _stream_into(
                 bar.update(n)
                 if on_progress is not None:
                     on_progress(done, total)
+                    reported = done
+        if on_progress is not None and reported != done:
+            on_progress(done, total)  # it all came with the headers
         if total is not None and done != total:
             raise PolyakError(
                 f"download of snapshot {sid} ended after {done} of {total} bytes",
                 code="incomplete_download",
             )
     finally:
+        if spliced is not None:
+            spliced.close()
         if mapped is not None:
             mm = mapped.obj
             mapped.release()
             mm.close()  # type: ignore[union-attr]
         r.close()
+
+
+class _Splice:
+    """Moves the rest of a response from its socket to a file through a
+    pipe (``splice(2)``): the socket's pages are handed to the pipe without
+    a copy, and the kernel copies them once, into the file's page cache.
+    Read into a buffer and written out, the same bytes cost two copies."""
+
+    def __init__(self, sock_fd: int, file_fd: int, remaining: int, timeout: float | None):
+        self.sock_fd, self.file_fd, self.remaining = sock_fd, file_fd, remaining
+        self.timeout = timeout
+        import fcntl  # Linux only, as splice is
+
+        self.pipe_r, self.pipe_w = os.pipe()
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)  # type: ignore[attr-defined]
+        self.poll = select.poll()
+        self.poll.register(sock_fd, select.POLLIN)
+
+    def step(self) -> int:
+        """Moves up to one pipe's worth; returns the bytes written to the file."""
+        while True:
+            try:
+                n = os.splice(self.sock_fd, self.pipe_w, min(self.remaining, _PIPE_SIZE))
+                break
+            except BlockingIOError:  # the socket has a timeout, so it is non-blocking
+                wait = None if self.timeout is None else int(self.timeout * 1000)
+                if not self.poll.poll(wait):
+                    raise TimeoutError(f"no data for {self.timeout} s") from None
+        if n == 0:
+            return 0
+        moved = 0
+        while moved < n:
+            moved += os.splice(self.pipe_r, self.file_fd, n - moved)
+        self.remaining -= n
+        return n
+
+    def close(self) -> None:
+        os.close(self.pipe_r)
+        os.close(self.pipe_w)
+
+
+def _splice_into(
+    r: http.client.HTTPResponse, out: BinaryIO, total: int | None, timeout: float | None
+) -> _Splice | None:
+    """Where the platform has ``splice`` (Linux), ``out`` is an empty regular
+    file and the length is known: the file's blocks reserved (a full disk
+    fails here, at once, not half way), what ``http.client`` has already
+    buffered written out, and a :class:`_Splice` for the rest. ``None``
+    otherwise (TLS, a pipe, another platform): the caller reads the body."""
+    sock = getattr(r.fp, "raw", None)
+    sock = getattr(sock, "_sock", None)
+    if not total or not hasattr(os, "splice") or not isinstance(sock, socket.socket):
+        return None
+    fd = _empty_file(out)
+    if fd is None:
+        return None
+    _reserve(fd, total)
+    # The bytes read past the headers wait in the response's buffer: peek
+    # hands them out without another read of the socket (it reads only when
+    # the buffer is empty, and then the bytes are the body's too).
+    head = r.fp.peek(1)[: min(total, _CHUNK)]
+    r.fp.read(len(head))
+    out.write(head)
+    out.flush()
+    return _Splice(sock.fileno(), fd, total - len(head), timeout)
+
+
+def _empty_file(out: BinaryIO) -> int | None:
+    """The descriptor of ``out`` when it is an empty regular file."""
+    try:
+        fd = out.fileno()
+        if out.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+    return fd
+
+
+def _reserve(fd: int, total: int) -> bool:
+    """``posix_fallocate``: a full disk fails here, at once, not half way.
+    ``False`` where the filesystem cannot reserve blocks."""
+    if not hasattr(os, "posix_fallocate"):
+        return False
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise PolyakError(
+                f"not enough disk space for a {total}-byte download", code="no_space"
+            ) from e
+        return False
+    return True
 
 
 def _map_file(out: BinaryIO, total: int | None) -> memoryview | None:
@@ -166,21 +279,10 @@ def _map_file(out: BinaryIO, total: int | None) -> memoryview | None:
     once, not half way) and mapped, so the response is read straight into
     the page cache, with no copy through a buffer and no ``write``.
     ``None`` (write in pieces) where that is not possible."""
-    if not total or not hasattr(os, "posix_fallocate"):
+    fd = _empty_file(out) if total and hasattr(os, "posix_fallocate") else None
+    if fd is None or not total:
         return None
-    try:
-        fd = out.fileno()
-        if out.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        return None
-    try:
-        os.posix_fallocate(fd, 0, total)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise PolyakError(
-                f"not enough disk space for a {total}-byte download", code="no_space"
-            ) from e
+    if not _reserve(fd, total):
         return None  # a filesystem without fallocate: plain writes
     out.flush()
     try:

@@ -387,3 +387,73 @@ def test_posthoc_from_power_profile_snapshots(client, run_name):
     with pytest.raises(polyak.PolyakError) as e:
         run.posthoc(0.5)
     assert e.value.status == 422 and "sigma_rel" in e.value.message
+
+
+def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_path, monkeypatch):
+    """``download_to`` writes a ``full`` download through ``splice`` where
+    it can (Linux, plain HTTP, a regular file), else into the mapped file,
+    else in pieces: all three give the bytes of an in-memory download. A
+    response cut short raises ``incomplete_download`` and leaves no file."""
+    import socket
+
+    from polyak import downloads
+
+    run = client.create_run(run_name, profiles=[constant("c", BETA)])
+    g = torch.Generator().manual_seed(5)
+    # Several MB: far more than http.client buffers past the headers.
+    sd = {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(8)}
+    pusher = run.pusher()
+    pusher.push(sd, 0)
+    pusher.flush()
+    snap = run.snapshot(step=0, timeout=60)
+    expected = run.download(snap, "c", progress=False)
+    for name, t in sd.items():
+        assert torch.equal(expected[name], t), name  # the first push copies
+    whole = httpx.get(
+        f"{client.url}/v1/runs/{run_name}/snapshots/{snap['id']}/download", params={"profile": "c"}
+    ).content
+
+    spliced: list[int] = []
+    real_splice = downloads._splice_into
+
+    def counting(*args):
+        sp = real_splice(*args)
+        spliced.append(sp.remaining if sp is not None else -1)
+        return sp
+
+    monkeypatch.setattr(downloads, "_splice_into", counting)
+    path = run.download_to(snap, tmp_path / "splice", "c", progress=False)
+    assert path.read_bytes() == whole
+    if hasattr(os, "splice"):
+        assert spliced and spliced[0] > len(whole) // 2, spliced
+    monkeypatch.setattr(downloads, "_splice_into", lambda *a: None)
+    assert run.download_to(snap, tmp_path / "mapped", "c", progress=False).read_bytes() == whole
+    monkeypatch.setattr(downloads, "_map_file", lambda *a: None)
+    assert run.download_to(snap, tmp_path / "pieces", "c", progress=False).read_bytes() == whole
+    monkeypatch.setattr(downloads, "_splice_into", counting)
+
+    # A peer that promises more bytes than it sends, then hangs up.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def cut_short() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                + f"Content-Length: {len(whole)}\r\n\r\n".encode()
+                + whole[: len(whole) // 3]
+            )
+
+    server = threading.Thread(target=cut_short)
+    server.start()
+    cut = polyak.Run(polyak.Client(f"http://127.0.0.1:{port}"), run.info)
+    with pytest.raises(polyak.PolyakError) as err:
+        cut.download_to(snap, tmp_path / "cut", "c", progress=False)
+    server.join(10)
+    listener.close()
+    assert err.value.code == "incomplete_download", err.value
+    assert not list((tmp_path / "cut").iterdir())
+    if hasattr(os, "splice"):
+        assert spliced[-1] > 0, "the cut stream went through splice"
