@@ -15,6 +15,7 @@ use tch::Tensor;
 use super::rank::{RankLayout, RankState};
 use super::{deep_copy, EngineError};
 use crate::run::RunConfig;
+use crate::wire::check::BodyDigest;
 
 /// A cut the engine is waiting on.
 #[derive(Debug, Clone)]
@@ -33,7 +34,8 @@ pub struct PendingCut {
 pub struct RankMeta {
     pub layout: RankLayout,
     pub last_step: Option<u64>,
-    /// xxh3-128 of the body applied at `last_step`, hex.
+    /// The digest of the body applied at `last_step` ([`BodyDigest`]'s
+    /// stored form).
     pub last_digest: Option<String>,
     /// Per profile name: pushes averaged (SWA).
     pub swa_n: BTreeMap<String, u64>,
@@ -110,7 +112,7 @@ pub fn meta_of(config: &RunConfig, state: &RankState) -> RankMeta {
     RankMeta {
         layout: (*state.layout).clone(),
         last_step: state.last_step,
-        last_digest: state.last_digest.map(|d| format!("{d:032x}")),
+        last_digest: state.last_digest.map(BodyDigest::to_stored),
         swa_n: config
             .profiles
             .iter()
@@ -159,7 +161,7 @@ impl RestoredRank {
                 .meta
                 .last_digest
                 .as_deref()
-                .and_then(|d| u128::from_str_radix(d, 16).ok()),
+                .and_then(BodyDigest::from_stored),
             has_keyframe: self.meta.has_keyframe,
             applied: 0,
         })

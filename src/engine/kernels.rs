@@ -55,7 +55,7 @@ impl Src<'_> {
 
 /// Elements per block: 256 KiB of float32. The source block stays in L2
 /// while every profile's block is updated, and each EMA is streamed in runs
-/// long enough for the hardware prefetchers (16 KiB blocks measured 8-15 %
+/// long enough for the hardware prefetchers (16 KiB blocks measured 8-20 %
 /// slower with 4 profiles, where five streams take turns).
 const BLOCK: usize = 64 << 10;
 

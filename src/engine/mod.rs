@@ -251,7 +251,10 @@ impl Engine {
                     )));
                 }
                 if step == last {
-                    if state.last_digest == Some(push.digest) {
+                    if state
+                        .last_digest
+                        .is_some_and(|d| d.matches(push.digest, &push.body))
+                    {
                         return Ok(PushOutcome {
                             applied: false,
                             duplicate: true,

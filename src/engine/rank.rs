@@ -24,6 +24,7 @@ use super::schedule::{decide, Action};
 use super::EngineError;
 use crate::hugepages;
 use crate::run::RunConfig;
+use crate::wire::check::BodyDigest;
 use crate::wire::{Chunk, DType, ParsedPush, PushKind, WireTensor};
 
 /// Whether a tensor is averaged or copied, and where it lives.
@@ -227,7 +228,7 @@ pub struct RankState {
     pub swa_n: Vec<u64>,
     /// The last applied step and the digest of its body.
     pub last_step: Option<u64>,
-    pub last_digest: Option<u128>,
+    pub last_digest: Option<BodyDigest>,
     /// A full push was applied, so deltas have a base.
     pub has_keyframe: bool,
     /// Applied pushes since this state was created (drift sampling).
@@ -670,7 +671,7 @@ impl RankState {
             self.has_keyframe = true;
         }
         self.last_step = Some(step);
-        self.last_digest = Some(push.digest);
+        self.last_digest = Some(BodyDigest::Blocks(push.digest));
         Ok(ApplyReport {
             skipped: skipped.into_iter().map(|t| t.name.clone()).collect(),
             drift: sample_drift.then(|| {

@@ -19,6 +19,49 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 use super::nonfinite::has_nonfinite;
 use super::DType;
 
+/// The digest of the body applied last, as a rank keeps it for the
+/// duplicate-push check and as its stored state holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyDigest {
+    /// [`scan_and_digest`]'s digest.
+    Blocks(u128),
+    /// xxh3-128 of the whole body, as states stored by earlier versions of
+    /// the server hold it. A push retried across an upgrade is checked
+    /// against it by hashing the retried body the old way.
+    Whole(u128),
+}
+
+/// How stored state marks a [`BodyDigest::Blocks`] digest (a bare hex
+/// digest is a [`BodyDigest::Whole`] one).
+const BLOCKS_TAG: &str = "xxh3-blocks:";
+
+impl BodyDigest {
+    /// Whether `body`, whose [`scan_and_digest`] digest is `digest`, is the
+    /// body this digest was taken of.
+    pub fn matches(self, digest: u128, body: &[u8]) -> bool {
+        match self {
+            BodyDigest::Blocks(d) => d == digest,
+            BodyDigest::Whole(d) => xxh3_128(body) == d,
+        }
+    }
+
+    /// The form kept in stored state.
+    pub fn to_stored(self) -> String {
+        match self {
+            BodyDigest::Blocks(d) => format!("{BLOCKS_TAG}{d:032x}"),
+            BodyDigest::Whole(d) => format!("{d:032x}"),
+        }
+    }
+
+    /// Reads [`Self::to_stored`]'s form; `None` if it is neither.
+    pub fn from_stored(s: &str) -> Option<Self> {
+        match s.strip_prefix(BLOCKS_TAG) {
+            Some(hex) => u128::from_str_radix(hex, 16).ok().map(BodyDigest::Blocks),
+            None => u128::from_str_radix(s, 16).ok().map(BodyDigest::Whole),
+        }
+    }
+}
+
 /// Bytes hashed and scanned at a time: the block is still in L2 when the
 /// scan reads it after the hash.
 pub const DIGEST_BLOCK: usize = 256 << 10;
@@ -182,6 +225,26 @@ mod tests {
                 assert_eq!(off, [false, false]);
             }
         }
+    }
+
+    /// Stored digests round-trip; one stored by an earlier version (xxh3-128
+    /// of the whole body, bare hex) still recognises a retried body.
+    #[test]
+    fn stored_digests_old_and_new() {
+        let body: Vec<u8> = (0..PARALLEL_MIN + 99).map(|i| (i % 253) as u8).collect();
+        let (digest, _) = scan_and_digest(&body, &[], false);
+        let mut other = body.clone();
+        other[5] ^= 1;
+        let (other_digest, _) = scan_and_digest(&other, &[], false);
+        let new = BodyDigest::Blocks(digest);
+        assert_eq!(BodyDigest::from_stored(&new.to_stored()), Some(new));
+        assert!(new.matches(digest, &body) && !new.matches(other_digest, &other));
+        let legacy = format!("{:032x}", xxh3_128(&body));
+        let old = BodyDigest::from_stored(&legacy).unwrap();
+        assert_eq!(old, BodyDigest::Whole(xxh3_128(&body)));
+        assert_eq!(old.to_stored(), legacy);
+        assert!(old.matches(digest, &body) && !old.matches(other_digest, &other));
+        assert_eq!(BodyDigest::from_stored("xxh3-blocks:zz"), None);
     }
 
     #[test]

@@ -503,8 +503,9 @@ class Run:
         fsync: bool = True,
     ) -> Path:
         """Streams a snapshot to ``directory``, through a temporary file
-        renamed into place (``fsync``: made durable before the rename, so
-        a crash leaves the old file or the whole new one). ``layout="full"`` writes one ``.safetensors``
+        (or directory) renamed into place (``fsync``: made durable before
+        the rename, so a crash leaves the old file or the whole new one).
+        ``layout="full"`` writes one ``.safetensors``
         file of whole tensors and returns its path; ``"sharded"`` unpacks
         one file per rank (``rank-0000k.safetensors`` with
         ``DCP_SHARDING_INFO``, for ``torch.distributed.checkpoint.load``

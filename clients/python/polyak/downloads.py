@@ -15,6 +15,7 @@ import io
 import mmap
 import os
 import select
+import shutil
 import socket
 import stat
 import tarfile
@@ -335,28 +336,69 @@ def download_to(
                 if fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, final)
+            if fsync:
+                _fsync_dir(directory)  # the rename itself
         finally:
             tmp.unlink(missing_ok=True)
         return final
     target = directory / (stem if layout == "sharded" else f"{stem}-hf")
     tmp_tar = directory / f"{target.name}.tar.part"
+    # Unpacked beside the target and renamed into place: a crash leaves the
+    # old directory or the whole new one, never a half-unpacked one.
+    staging = directory / f".{target.name}.part"
+    shutil.rmtree(staging, ignore_errors=True)
     try:
         with open(tmp_tar, "w+b") as f:
             _stream_into(run, snapshot, profile, layout, dtype, f, progress, on_progress)
         with tarfile.open(tmp_tar) as tar:
-            target.mkdir(parents=True, exist_ok=True)
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(target, filter="data")
-            else:  # Python without extraction filters: refuse paths that escape
-                for member in tar.getmembers():
-                    dest = (target / member.name).resolve()
-                    if not dest.is_relative_to(target.resolve()) or not (
-                        member.isfile() or member.isdir()
-                    ):
-                        raise PolyakError(
-                            f"unsafe tar entry {member.name!r}", code="invalid_download"
-                        )
-                tar.extractall(target)
+            staging.mkdir()
+            _extract(tar, staging)
+        if fsync:
+            _fsync_tree(staging)
+        if target.exists():
+            old = directory / f".{target.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+        if fsync:
+            _fsync_dir(directory)
     finally:
         tmp_tar.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _extract(tar: tarfile.TarFile, dest: Path) -> None:
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, filter="data")
+        return
+    # Python without extraction filters: refuse paths that escape.
+    for member in tar.getmembers():
+        path = (dest / member.name).resolve()
+        if not path.is_relative_to(dest.resolve()) or not (member.isfile() or member.isdir()):
+            raise PolyakError(f"unsafe tar entry {member.name!r}", code="invalid_download")
+    tar.extractall(dest)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file under ``root``, then every directory, made durable."""
+    for here, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(here))
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform opens directories
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -120,6 +120,17 @@ def test_fsdp2_snapshot_full_and_sharded_downloads(client, server, tmp_path, run
     assert [r["tok.weight"] for r in rows] == [(13, 12), (13, 12), (11, 12)]
     assert [r["gate"] for r in rows] == [(1,), (0,), (0,)]
 
+    # Downloaded again into the same place: unpacked beside it and renamed
+    # over it, so nothing is left half-written or behind.
+    first = {n: (shard_dir / n).read_bytes() for n in os.listdir(shard_dir)}
+    (shard_dir / "rank-00001.safetensors").write_bytes(b"stale")
+    again = run.download_to(snap, tmp_path / "dl", "c", layout="sharded", progress=False)
+    assert again == shard_dir
+    assert {n: (again / n).read_bytes() for n in os.listdir(again)} == first
+    assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == sorted(
+        [path.name, shard_dir.name]
+    )
+
 
 def _check_compare(result: dict, a: dict, b: dict) -> None:
     """The server's per-tensor numbers against torch's, to 1e-6 relative."""
