@@ -217,6 +217,61 @@ def test_bf16_pushes_and_delta_pushes(client):
     assert_state_close(got_delta, got_full, online, label="delta vs full")
 
 
+def test_ema_dtypes_bfloat16_and_float64(client):
+    """``ema_dtype``: the EMA kept in bfloat16 or float64 equals torch's own
+    ``lerp_`` in that dtype (the pushed float32 weights cast to it, as
+    ``AveragedModel`` over a model cast to that dtype would see them), and
+    stays within that dtype's round-off of the float32 ``AveragedModel``."""
+    beta = 0.9
+    dtypes = {"bfloat16": torch.bfloat16, "float64": torch.float64}
+    for name in dtypes:
+        create(
+            client,
+            {
+                "name": f"ref-ema-{name}",
+                "world_size": 1,
+                "ema_dtype": name,
+                "profiles": [{"name": "ema", "kind": "constant", "beta": beta}],
+            },
+        )
+    tr = Trainer(seed=4)
+    exact = AveragedModel(tr.model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
+    anchors: dict[str, dict[str, torch.Tensor]] = {name: {} for name in dtypes}
+    for step in range(50):
+        tr.step()
+        state = tr.state()
+        exact.update_parameters(tr.model)
+        for name, dtype in dtypes.items():
+            push(client, f"ref-ema-{name}", 0, step, state)
+            for k, v in state.items():
+                if not v.is_floating_point():
+                    continue
+                w = v.to(dtype)
+                if step == 0:
+                    anchors[name][k] = w.clone()
+                else:
+                    anchors[name][k].lerp_(w, 1 - beta)
+    online = tr.state()
+    want32 = averaged_state(exact)
+    for name, dtype in dtypes.items():
+        got = fetch_ema(client, f"ref-ema-{name}", 0, "ema")
+        assert set(got) == set(online)
+        for k, v in online.items():
+            if not v.is_floating_point():
+                assert torch.equal(got[k], v), (name, k)
+                continue
+            anchor = anchors[name][k]
+            assert got[k].dtype == dtype, (name, k, got[k].dtype)  # served as kept
+            if dtype == torch.bfloat16:
+                # Bit for bit what torch's bfloat16 lerp_ gives, ...
+                assert torch.equal(got[k], anchor), (name, k)
+                # ... which is a float32 EMA to within bfloat16 round-off.
+                assert rel_err(got[k].float(), want32[k]) <= 2e-2, (name, k)
+            else:
+                assert rel_err(got[k].double(), anchor) <= 1e-12, (name, k)
+                assert rel_err(got[k].double(), want32[k].double()) <= 1e-6, (name, k)
+
+
 def test_nonfinite_skip_tensor_and_allow(client):
     for policy in ("skip_tensor", "allow"):
         create(
