@@ -41,6 +41,19 @@ def create(client: httpx.Client, body: dict) -> dict:
     return r.json()
 
 
+def create_constant(client: httpx.Client, name: str, beta: float, **config) -> dict:
+    """A one-rank run with one ``constant`` profile named ``ema``."""
+    return create(
+        client,
+        {
+            "name": name,
+            "world_size": 1,
+            "profiles": [{"name": "ema", "kind": "constant", "beta": beta}],
+            **config,
+        },
+    )
+
+
 def test_all_profiles_match_their_anchors_update_every_1(client):
     """One stream of pushes, five profiles, five anchors."""
     warmup = dict(beta=0.99, update_after_step=5, inv_gamma=2.0, power=0.75, min_value=0.2)
@@ -161,15 +174,7 @@ def test_bf16_pushes_and_delta_pushes(client):
     full pushes do."""
     beta = 0.95
     for name, mirror in (("bf16", False), ("full", True), ("delta", True)):
-        create(
-            client,
-            {
-                "name": f"ref-{name}",
-                "world_size": 1,
-                "mirror": mirror,
-                "profiles": [{"name": "ema", "kind": "constant", "beta": beta}],
-            },
-        )
+        create_constant(client, f"ref-{name}", beta, mirror=mirror)
     tr = Trainer(seed=2)
     exact = AveragedModel(tr.model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
     shadow = Trainer(seed=2).model  # holds the bf16-rounded weights
@@ -225,15 +230,7 @@ def test_ema_dtypes_bfloat16_and_float64(client):
     beta = 0.9
     dtypes = {"bfloat16": torch.bfloat16, "float64": torch.float64}
     for name in dtypes:
-        create(
-            client,
-            {
-                "name": f"ref-ema-{name}",
-                "world_size": 1,
-                "ema_dtype": name,
-                "profiles": [{"name": "ema", "kind": "constant", "beta": beta}],
-            },
-        )
+        create_constant(client, f"ref-ema-{name}", beta, ema_dtype=name)
     tr = Trainer(seed=4)
     exact = AveragedModel(tr.model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
     anchors: dict[str, dict[str, torch.Tensor]] = {name: {} for name in dtypes}
