@@ -231,7 +231,8 @@ def _splice_into(
     otherwise (TLS, a pipe, another platform): the caller reads the body."""
     sock = getattr(r.fp, "raw", None)
     sock = getattr(sock, "_sock", None)
-    if not total or not hasattr(os, "splice") or not isinstance(sock, socket.socket):
+    # A plain socket only: an ssl.SSLSocket (a subclass) carries ciphertext.
+    if not total or not hasattr(os, "splice") or type(sock) is not socket.socket:
         return None
     fd = _empty_file(out)
     if fd is None:

@@ -443,6 +443,16 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     assert run.download_to(snap, tmp_path / "pieces", "c", progress=False).read_bytes() == whole
     monkeypatch.setattr(downloads, "_splice_into", counting)
 
+    # Over TLS the socket carries ciphertext: never spliced.
+    import ssl
+    import types
+
+    ctx = ssl.create_default_context()
+    with ctx.wrap_socket(socket.socket(), server_hostname="polyak.invalid") as tls:
+        fake = types.SimpleNamespace(fp=types.SimpleNamespace(raw=types.SimpleNamespace(_sock=tls)))
+        with open(tmp_path / "tls.part", "w+b") as f:
+            assert downloads._splice_into(fake, f, 1 << 20, 5.0) is None
+
     # A peer that promises more bytes than it sends, then hangs up.
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
