@@ -52,10 +52,16 @@ pub fn zeros(
     if device != tch::Device::Cpu {
         return tch::Tensor::f_zeros([numel], (kind, device));
     }
-    let mut t = tch::Tensor::f_empty([numel], (kind, device))?;
-    let bytes = numel as usize * t.kind().elt_size_in_bytes();
-    advise(t.data_ptr() as *const u8, bytes);
+    let mut t = empty(numel, kind)?;
     let _ = t.f_zero_()?;
+    Ok(t)
+}
+
+/// An uninitialised flat CPU tensor, advised for huge pages; the caller
+/// writes every element before reading any.
+pub fn empty(numel: i64, kind: tch::Kind) -> Result<tch::Tensor, tch::TchError> {
+    let t = tch::Tensor::f_empty([numel], (kind, tch::Device::Cpu))?;
+    advise(t.data_ptr() as *const u8, numel as usize * kind.elt_size_in_bytes());
     Ok(t)
 }
 

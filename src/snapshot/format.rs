@@ -158,7 +158,11 @@ pub enum FormatError {
 fn gather(file: &[u8], names: &[&str], dtype: DType, numel: i64) -> Result<Tensor, FormatError> {
     let st = safetensors::SafeTensors::deserialize(file)
         .map_err(|e| FormatError::Parse(e.to_string()))?;
-    let mut buf = Vec::with_capacity(numel as usize * dtype.size());
+    let bytes = numel as usize * dtype.size();
+    // Straight into the flat buffer the engine will keep (advised for huge
+    // pages before it is written, as a freshly registered rank's is).
+    let t = crate::hugepages::empty(numel, dtype.kind())?;
+    let mut at = 0usize;
     for name in names {
         let view = st
             .tensor(name)
@@ -169,15 +173,32 @@ fn gather(file: &[u8], names: &[&str], dtype: DType, numel: i64) -> Result<Tenso
                 view.dtype()
             )));
         }
-        buf.extend_from_slice(view.data());
+        let data = view.data();
+        if at + data.len() > bytes {
+            return Err(FormatError::Parse(format!(
+                "expected {numel} elements of {dtype}, found more at `{name}`"
+            )));
+        }
+        if !data.is_empty() {
+            // SAFETY: `t` is a fresh contiguous CPU tensor of `bytes` bytes
+            // that nothing else references yet, and `at + data.len()` is
+            // within it (checked above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr(),
+                    (t.data_ptr() as *mut u8).add(at),
+                    data.len(),
+                );
+            }
+        }
+        at += data.len();
     }
-    if buf.len() != numel as usize * dtype.size() {
+    if at != bytes {
         return Err(FormatError::Parse(format!(
-            "expected {numel} elements of {dtype}, found {} bytes",
-            buf.len()
+            "expected {numel} elements of {dtype}, found {at} bytes"
         )));
     }
-    Ok(Tensor::f_from_data_size(&buf, &[numel], dtype.kind())?)
+    Ok(t)
 }
 
 /// Rebuilds a rank from its part files: `profiles` in the run's profile
