@@ -61,7 +61,10 @@ pub fn zeros(
 /// writes every element before reading any.
 pub fn empty(numel: i64, kind: tch::Kind) -> Result<tch::Tensor, tch::TchError> {
     let t = tch::Tensor::f_empty([numel], (kind, tch::Device::Cpu))?;
-    advise(t.data_ptr() as *const u8, numel as usize * kind.elt_size_in_bytes());
+    advise(
+        t.data_ptr() as *const u8,
+        numel as usize * kind.elt_size_in_bytes(),
+    );
     Ok(t)
 }
 
