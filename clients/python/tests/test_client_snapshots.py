@@ -455,6 +455,7 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
 
     # A peer that promises more bytes than it sends, then hangs up.
     listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)  # never left waiting if the client fails first
     port = listener.getsockname()[1]
 
     def cut_short() -> None:
@@ -467,7 +468,7 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
                 + whole[: len(whole) // 3]
             )
 
-    server = threading.Thread(target=cut_short)
+    server = threading.Thread(target=cut_short, daemon=True)
     server.start()
     cut = polyak.Run(polyak.Client(f"http://127.0.0.1:{port}"), run.info)
     with pytest.raises(polyak.PolyakError) as err:
