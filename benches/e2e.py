@@ -407,6 +407,10 @@ def main() -> int:
             (figure, fmt.format(value), target, verdict(value, float(target.split()[-1]), higher))
         )
 
+    def reported(figure: str, value: str) -> None:
+        """A figure without a target: printed, not judged."""
+        table.append((figure, value, "reported", "-"))
+
     with PolyakServer(tmp / "data", binary=args.bin) as srv:
         url = srv.url
         # 1. ingest vs raw loopback TCP, 64 MB fp32 bodies
@@ -439,22 +443,14 @@ def main() -> int:
         if DEVICE.startswith("cuda"):
             gpu = gpu_baselines(params)
             results["gpu"] = gpu
-            table.append(
-                (
-                    f"{DEVICE}: torch pinned host-to-device copy (GB/s)",
-                    f"{gpu['bytes'] / gpu['h2d_s'] / 1e9:.1f}",
-                    "reported",
-                    "-",
-                )
+            reported(
+                f"{DEVICE}: torch pinned host-to-device copy (GB/s)",
+                f"{gpu['bytes'] / gpu['h2d_s'] / 1e9:.1f}",
             )
-            table.append(
-                (
-                    f"{DEVICE}: server apply (host-to-device + lerp) / "
-                    "torch copy + _foreach_lerp_ on the same GPU",
-                    f"{a1 / (gpu['h2d_s'] + gpu['foreach_lerp_s']):.2f}",
-                    "reported",
-                    "-",
-                )
+            reported(
+                f"{DEVICE}: server apply (host-to-device + lerp) / "
+                "torch copy + _foreach_lerp_ on the same GPU",
+                f"{a1 / (gpu['h2d_s'] + gpu['foreach_lerp_s']):.2f}",
             )
         row("server apply time, 4 profiles / 1 profile", a4 / a1, "<= 1.5", False)
         row("bf16 body into fp32 EMA: apply rate / fp32 apply rate", a1 / b1, ">= 0.8", True)
@@ -490,21 +486,13 @@ def main() -> int:
             ">= 1.0",
             True,
         )
-        table.append(
-            (
-                "same, both fsynced (download_to's default)",
-                f"{dl['save_file_fsync_s'] / dl['download_fsync_s']:.2f}",
-                "reported",
-                "-",
-            )
+        reported(
+            "same, both fsynced (download_to's default)",
+            f"{dl['save_file_fsync_s'] / dl['download_fsync_s']:.2f}",
         )
-        table.append(
-            (
-                "full download rate / raw loopback TCP of the same bytes into a sink (the floor)",
-                f"{dl['raw_tcp_s'] / dl['download_s']:.2f}",
-                "reported",
-                "-",
-            )
+        reported(
+            "full download rate / raw loopback TCP of the same bytes into a sink (the floor)",
+            f"{dl['raw_tcp_s'] / dl['download_s']:.2f}",
         )
 
         # 8. concurrency
@@ -530,13 +518,9 @@ def main() -> int:
             ">= 0.8",
             True,
         )
-        table.append(
-            (
-                "32 ranks: push latency p50 / p99 (s)",
-                f"{many['p50']:.3f} / {many['p99']:.3f}",
-                "reported",
-                "-",
-            )
+        reported(
+            "32 ranks: push latency p50 / p99 (s)",
+            f"{many['p50']:.3f} / {many['p99']:.3f}",
         )
 
     # 7. peak RSS, on a fresh server: EMA + mirror + 2 x the largest body

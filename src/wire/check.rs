@@ -158,6 +158,10 @@ mod tests {
         combine(&hashes, body.len())
     }
 
+    fn span(dtype: DType, range: Range<usize>) -> Span {
+        Span { dtype, range }
+    }
+
     fn f32_body(prefix: usize, values: &[f32]) -> Vec<u8> {
         let mut b = vec![7u8; prefix];
         b.extend(values.iter().flat_map(|v| v.to_le_bytes()));
@@ -209,16 +213,7 @@ mod tests {
                 let mut v = vec![0.25f32; n];
                 v[pos] = f32::NAN;
                 let body = f32_body(13, &v);
-                let spans = [
-                    Span {
-                        dtype: DType::I32,
-                        range: 0..12,
-                    },
-                    Span {
-                        dtype: DType::F32,
-                        range: 13..body.len(),
-                    },
-                ];
+                let spans = [span(DType::I32, 0..12), span(DType::F32, 13..body.len())];
                 let (_, flags) = scan_and_digest(&body, &spans, true);
                 assert_eq!(flags, [false, true], "NaN at {pos}, small {small}");
                 let (_, off) = scan_and_digest(&body, &spans, false);
@@ -251,24 +246,12 @@ mod tests {
     fn clean_bodies_and_integers_are_not_flagged() {
         let n = PARALLEL_MIN / 4 + 17;
         let body = f32_body(3, &vec![f32::MAX; n]);
-        let spans = [
-            Span {
-                dtype: DType::U8,
-                range: 0..3,
-            },
-            Span {
-                dtype: DType::F32,
-                range: 3..body.len(),
-            },
-        ];
+        let spans = [span(DType::U8, 0..3), span(DType::F32, 3..body.len())];
         let (_, flags) = scan_and_digest(&body, &spans, true);
         assert_eq!(flags, [false, false]);
         // All exponent bits set, but an integer tensor: never non-finite.
         let ints = vec![0xffu8; 64];
-        let spans = [Span {
-            dtype: DType::I32,
-            range: 0..64,
-        }];
+        let spans = [span(DType::I32, 0..64)];
         assert_eq!(scan_and_digest(&ints, &spans, true).1, [false]);
     }
 }

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from polyak.testing import compare_stats
+from polyak.testing import check_compare
 from refs import SmallNet, averaged_state, rel_err
 from shardsim import push_ranks
 from torch import nn
@@ -280,26 +280,6 @@ def test_consistent_cut_with_a_rank_ahead(client):
     assert s["status"] == "failed" and "did not reach" in s["reason"], s
     r = client.get(f"/v1/runs/{run}/snapshots/{late['id']}/download")
     assert r.status_code == 409 and r.json()["error"]["code"] == "snapshot_not_complete"
-
-
-def check_compare(resp, a, b):
-    want = compare_stats(a, b)
-    got = {t["name"]: t for t in resp["tensors"]}
-    assert set(got) == set(want)
-    for k, w in want.items():
-        for field, value in w.items():
-            if value is None:
-                assert got[k][field] is None, (k, field)
-            else:
-                assert abs(got[k][field] - value) <= 1e-6 * max(1.0, abs(value)), (
-                    k,
-                    field,
-                    got[k][field],
-                    value,
-                )
-    total_a = sum(v.double().pow(2).sum().item() for v in a.values()) ** 0.5
-    assert abs(resp["summary"]["norm_a"] - total_a) <= 1e-6 * total_a
-    assert resp["summary"]["tensors"] == len(a)
 
 
 def test_compare_matches_torch(client):

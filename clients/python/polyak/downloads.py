@@ -281,11 +281,11 @@ def _map_file(out: BinaryIO, total: int | None) -> memoryview | None:
     once, not half way) and mapped, so the response is read straight into
     the page cache, with no copy through a buffer and no ``write``.
     ``None`` (write in pieces) where that is not possible."""
-    fd = _empty_file(out) if total and hasattr(os, "posix_fallocate") else None
-    if fd is None or not total:
+    if not total:
         return None
-    if not _reserve(fd, total):
-        return None  # a filesystem without fallocate: plain writes
+    fd = _empty_file(out)
+    if fd is None or not _reserve(fd, total):
+        return None  # not a file, or a filesystem without fallocate: plain writes
     out.flush()
     try:
         return memoryview(mmap.mmap(fd, total, flags=mmap.MAP_SHARED))
@@ -388,18 +388,18 @@ def _fsync_tree(root: Path) -> None:
     """Every file under ``root``, then every directory, made durable."""
     for here, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(here, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(here, name))
         _fsync_dir(Path(here))
 
 
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not every platform opens directories
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
+
+
+def _fsync(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["PolyakServer", "compare_stats", "find_binary"]
+__all__ = ["PolyakServer", "check_compare", "compare_stats", "find_binary"]
 
 
 def find_binary() -> str:
@@ -156,3 +156,30 @@ def compare_stats(a: dict, b: dict) -> dict[str, dict]:
             "max_abs_diff": (x - y).abs().max().item() if x.numel() else 0.0,
         }
     return out
+
+
+def check_compare(result: dict, a: dict, b: dict) -> None:
+    """Asserts that a ``GET .../compare`` answer matches :func:`compare_stats`
+    of the same tensors to 1e-6 relative, tensor by tensor (shapes too),
+    and that its summary holds the count, the whole ``norm_a`` and the
+    largest ``max_abs_diff``."""
+    want = compare_stats(a, b)
+    got = {t["name"]: t for t in result["tensors"]}
+    assert set(got) == set(want), set(got) ^ set(want)
+    for name, fields in want.items():
+        assert got[name]["shape"] == list(a[name].shape), name
+        for field, value in fields.items():
+            if value is None:
+                assert got[name][field] is None, (name, field)
+                continue
+            assert abs(got[name][field] - value) <= 1e-6 * abs(value) + 1e-12, (
+                name,
+                field,
+                got[name][field],
+                value,
+            )
+    summary = result["summary"]
+    assert summary["tensors"] == len(a)
+    norm_a = sum(v.double().square().sum().item() for v in a.values()) ** 0.5
+    assert abs(summary["norm_a"] - norm_a) <= 1e-6 * norm_a
+    assert summary["max_abs_diff"] == max(t["max_abs_diff"] for t in result["tensors"])

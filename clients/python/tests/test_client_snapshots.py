@@ -23,7 +23,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-from polyak.testing import compare_stats
+from polyak.testing import check_compare
 from polyak_refs import (
     TinyTransformer,
     Trainer,
@@ -132,30 +132,6 @@ def test_fsdp2_snapshot_full_and_sharded_downloads(client, server, tmp_path, run
     )
 
 
-def _check_compare(result: dict, a: dict, b: dict) -> None:
-    """The server's per-tensor numbers against torch's, to 1e-6 relative."""
-    want = compare_stats(a, b)
-    got = {t["name"]: t for t in result["tensors"]}
-    assert set(got) == set(want)
-    for name, fields in want.items():
-        assert got[name]["shape"] == list(a[name].shape), name
-        for field, value in fields.items():
-            if value is None:
-                assert got[name][field] is None, (name, field)
-                continue
-            assert abs(got[name][field] - value) <= 1e-6 * abs(value) + 1e-12, (
-                name,
-                field,
-                got[name][field],
-                value,
-            )
-    summary = result["summary"]
-    assert summary["tensors"] == len(a)
-    norm_a = sum(v.double().square().sum().item() for v in a.values()) ** 0.5
-    assert abs(summary["norm_a"] - norm_a) <= 1e-6 * norm_a
-    assert summary["max_abs_diff"] == max(t["max_abs_diff"] for t in result["tensors"])
-
-
 def test_compare_matches_torch(client, run_name):
     """Two ranks pushed from one process (each pushes its half of every
     tensor); compare two snapshots, a snapshot and the live EMA, two
@@ -177,10 +153,10 @@ def test_compare_matches_torch(client, run_name):
         "ema",
         "ema",
     )
-    _check_compare(result, dl[(a["id"], "ema")], dl[(b["id"], "ema")])
-    _check_compare(run.compare(a, "live", "slow"), dl[(a["id"], "slow")], run.fetch_ema("slow"))
+    check_compare(result, dl[(a["id"], "ema")], dl[(b["id"], "ema")])
+    check_compare(run.compare(a, "live", "slow"), dl[(a["id"], "slow")], run.fetch_ema("slow"))
     both = run.compare(b["id"], b, "ema", profile_b="slow")
-    _check_compare(both, dl[(b["id"], "ema")], dl[(b["id"], "slow")])
+    check_compare(both, dl[(b["id"], "ema")], dl[(b["id"], "slow")])
     assert both["summary"]["rel_diff"] > 0
     assert run.compare(b, b, "slow")["summary"]["max_abs_diff"] == 0.0
     with pytest.raises(polyak.PolyakError) as e:
