@@ -69,6 +69,12 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_INFLIGHT_BYTES", default_value = "4GiB")]
     pub inflight_bytes: ByteSize,
 
+    /// Bytes a run's periodic snapshots may hold captured and not yet
+    /// written. A periodic snapshot that would pass it is skipped (and
+    /// reported as an event and in /metrics); one is always allowed.
+    #[arg(long, env = "POLYAK_PERIODIC_BACKLOG", default_value = "1GiB")]
+    pub periodic_backlog: ByteSize,
+
     /// Commands the engine queue holds before pushes are answered with 429.
     #[arg(long, env = "POLYAK_QUEUE_DEPTH", default_value_t = 16)]
     pub queue_depth: usize,

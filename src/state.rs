@@ -376,7 +376,12 @@ impl AppInner {
         if let Some(engine) = engines.get(&key) {
             return Ok(engine.clone());
         }
-        let engine = EngineHandle::start(device, self.args.queue_depth, self.captures.clone())?;
+        let engine = EngineHandle::start(
+            device,
+            self.args.queue_depth,
+            self.captures.clone(),
+            self.args.periodic_backlog.0,
+        )?;
         engines.insert(key, engine.clone());
         Ok(engine)
     }

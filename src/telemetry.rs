@@ -44,6 +44,8 @@ pub struct Metrics {
     pub drift: GaugeVec,
     /// Trainer metric points received, by run.
     pub metric_points: IntCounterVec,
+    /// Periodic snapshots skipped because the run's backlog was full, by run.
+    pub snapshots_skipped: IntCounterVec,
 }
 
 impl Metrics {
@@ -113,6 +115,14 @@ impl Metrics {
             &["run"],
         )
         .expect("metric");
+        let snapshots_skipped = IntCounterVec::new(
+            Opts::new(
+                "polyak_periodic_snapshots_skipped_total",
+                "Periodic snapshots skipped while earlier ones were still being written",
+            ),
+            &["run"],
+        )
+        .expect("metric");
         for m in [
             Box::new(pushes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(push_bytes.clone()),
@@ -124,6 +134,7 @@ impl Metrics {
             Box::new(inflight_bytes.clone()),
             Box::new(drift.clone()),
             Box::new(metric_points.clone()),
+            Box::new(snapshots_skipped.clone()),
         ] {
             registry.register(m).expect("unique metric");
         }
@@ -139,6 +150,7 @@ impl Metrics {
             inflight_bytes,
             drift,
             metric_points,
+            snapshots_skipped,
         }
     }
 
@@ -150,6 +162,7 @@ impl Metrics {
         let _ = self.push_bytes.remove_label_values(&[run]);
         let _ = self.resident_bytes.remove_label_values(&[run]);
         let _ = self.metric_points.remove_label_values(&[run]);
+        let _ = self.snapshots_skipped.remove_label_values(&[run]);
     }
 
     /// The Prometheus text exposition.

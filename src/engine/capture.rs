@@ -5,8 +5,14 @@
 //! ingestion waits for) and handed to the snapshot writer, which serialises
 //! and persists them elsewhere. A rank that is already past `S`, or that
 //! jumps over it, fails the cut with a reason.
+//!
+//! Periodic cuts are bounded: the bytes a run's periodic cuts have captured
+//! and not yet written (its [`Backlog`]) may not pass the server's budget.
+//! A cut that would pass it is skipped (one is always allowed), so a disk
+//! slower than `snapshot_every` cannot pile copies up in memory.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -62,13 +68,53 @@ pub enum CaptureEvent {
     Captured(Box<RankCapture>),
     /// A cut cannot complete.
     Failed { snapshot: String, reason: String },
-    /// The engine opened a periodic cut at `step` (the manager records it).
+    /// The engine opened a periodic cut at `step` (the manager records it
+    /// and holds `backlog` until the snapshot completes or fails).
     PeriodicOpened {
         snapshot: String,
         run: String,
         step: u64,
         profiles: Vec<String>,
+        backlog: Backlog,
     },
+    /// A periodic cut at `step` was not taken: the run's earlier periodic
+    /// cuts still held `held` captured bytes, and this one would add `bytes`
+    /// past `limit`.
+    PeriodicSkipped {
+        run: String,
+        step: u64,
+        held: u64,
+        bytes: u64,
+        limit: u64,
+    },
+}
+
+/// Bytes a run's periodic cuts hold between capture and the end of their
+/// snapshot. Each open cut owns one of these; dropping it (the snapshot
+/// completed, failed or was deleted) gives its bytes back.
+pub struct Backlog {
+    held: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Backlog {
+    /// Takes `bytes` of the run's backlog `held`, unless the run already
+    /// holds some and the sum would pass `limit` (then `Err(held now)`).
+    pub fn take(held: &Arc<AtomicU64>, bytes: u64, limit: u64) -> Result<Backlog, u64> {
+        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+            (now == 0 || now.saturating_add(bytes) <= limit).then(|| now + bytes)
+        })?;
+        Ok(Backlog {
+            held: held.clone(),
+            bytes,
+        })
+    }
+}
+
+impl Drop for Backlog {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 /// Copies a rank's buffers for the given profiles (and the mirror).
@@ -165,5 +211,30 @@ impl RestoredRank {
             has_keyframe: self.meta.has_keyframe,
             applied: 0,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One cut is always allowed, more only within the limit, and a
+    /// dropped share is given back.
+    #[test]
+    fn backlog_allows_one_cut_and_more_within_the_limit() {
+        let held = Arc::new(AtomicU64::new(0));
+        let big = Backlog::take(&held, 500, 100).expect("the first cut is always taken");
+        assert_eq!(held.load(Ordering::Acquire), 500);
+        assert_eq!(Backlog::take(&held, 1, 100).err(), Some(500));
+        drop(big);
+        assert_eq!(held.load(Ordering::Acquire), 0);
+        let a = Backlog::take(&held, 60, 100).expect("within the limit");
+        let b = Backlog::take(&held, 40, 100).expect("exactly at the limit");
+        assert_eq!(Backlog::take(&held, 1, 100).err(), Some(100));
+        drop(a);
+        let c = Backlog::take(&held, 60, 100).expect("room again");
+        assert_eq!(held.load(Ordering::Acquire), 100);
+        drop((b, c));
+        assert_eq!(held.load(Ordering::Acquire), 0);
     }
 }

@@ -20,6 +20,7 @@ pub mod schedule;
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,7 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::run::{EmaDtype, RunConfig};
 use crate::wire::ParsedPush;
-use capture::{capture_rank, CaptureEvent, PendingCut, RankCapture, RestoredRank};
+use capture::{capture_rank, Backlog, CaptureEvent, PendingCut, RankCapture, RestoredRank};
 use rank::{PushOutcome, RankLayout, RankState};
 
 /// Failures of engine work. The HTTP layer maps each to a status.
@@ -66,18 +67,20 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Starts the engine thread for `device`, with a queue of `depth` jobs;
-    /// captures for snapshots go to `captures`.
+    /// captures for snapshots go to `captures`, and a run's periodic cuts
+    /// hold at most `periodic_backlog_limit` captured bytes (one always).
     pub fn start(
         device: Device,
         depth: usize,
         captures: mpsc::UnboundedSender<CaptureEvent>,
+        periodic_backlog_limit: u64,
     ) -> std::io::Result<Self> {
         let (tx, mut rx) = mpsc::channel::<Job>(depth.max(1));
         std::thread::Builder::new()
             .name(format!("polyak-engine-{}", device::name(device)))
             .spawn(move || {
                 let _guard = tch::no_grad_guard();
-                let mut engine = Engine::new(device, captures);
+                let mut engine = Engine::new(device, captures, periodic_backlog_limit);
                 while let Some(job) = rx.blocking_recv() {
                     // A panicking job loses its reply (the caller sees
                     // `Stopped`), not the engine.
@@ -146,8 +149,10 @@ pub struct EngineRun {
     pub ranks: Vec<Option<RankState>>,
     /// Cuts waiting for ranks to reach their step.
     pending: Vec<PendingCut>,
-    /// The last step a periodic cut was opened for.
+    /// The last step a periodic cut was opened (or skipped) for.
     last_periodic: Option<u64>,
+    /// Bytes captured by open periodic cuts and not yet written.
+    periodic_backlog: Arc<AtomicU64>,
     /// Applied pushes since the last state snapshot.
     pub dirty: u64,
 }
@@ -167,6 +172,8 @@ pub struct Engine {
     device: Device,
     runs: HashMap<String, EngineRun>,
     captures: mpsc::UnboundedSender<CaptureEvent>,
+    /// Captured bytes a run's periodic cuts may hold before one is skipped.
+    periodic_backlog_limit: u64,
 }
 
 /// How scheduling a cut went.
@@ -179,11 +186,16 @@ pub enum CutScheduled {
 }
 
 impl Engine {
-    fn new(device: Device, captures: mpsc::UnboundedSender<CaptureEvent>) -> Self {
+    fn new(
+        device: Device,
+        captures: mpsc::UnboundedSender<CaptureEvent>,
+        periodic_backlog_limit: u64,
+    ) -> Self {
         Engine {
             device,
             runs: HashMap::new(),
             captures,
+            periodic_backlog_limit,
         }
     }
 
@@ -203,6 +215,7 @@ impl Engine {
                 ranks,
                 pending: Vec::new(),
                 last_periodic: None,
+                periodic_backlog: Arc::new(AtomicU64::new(0)),
                 dirty: 0,
             },
         );
@@ -326,6 +339,7 @@ impl Engine {
     /// jumped over, and opens a periodic cut when `step` is one.
     fn after_apply(&mut self, run: &str, rank: u32, step: u64) {
         let captures = self.captures.clone();
+        let limit = self.periodic_backlog_limit;
         let Some(entry) = self.runs.get_mut(run) else {
             return;
         };
@@ -335,25 +349,48 @@ impl Engine {
             && entry.last_periodic.is_none_or(|s| s < step)
             && !entry.pending.iter().any(|c| c.step == step)
         {
+            // Decided once per step, taken or skipped: a rank that applies
+            // the step later must not open a cut others are already past.
             entry.last_periodic = Some(step);
-            let snapshot = snapshot_id("periodic", step);
-            let profiles: Vec<usize> = (0..config.profiles.len()).collect();
-            let _ = captures.send(CaptureEvent::PeriodicOpened {
-                snapshot: snapshot.clone(),
-                run: run.to_string(),
-                step,
-                profiles: config
-                    .profiles
-                    .iter()
-                    .map(|p| p.name().to_string())
-                    .collect(),
-            });
-            entry.pending.push(PendingCut {
-                snapshot,
-                step,
-                profiles,
-                remaining: (0..config.world_size).collect(),
-            });
+            // Every profile, copied tensor and mirror of every rank.
+            let bytes: u64 = entry
+                .ranks
+                .iter()
+                .flatten()
+                .map(|r| r.resident_bytes(&config))
+                .sum();
+            match Backlog::take(&entry.periodic_backlog, bytes, limit) {
+                Ok(backlog) => {
+                    let snapshot = snapshot_id("periodic", step);
+                    let profiles: Vec<usize> = (0..config.profiles.len()).collect();
+                    let _ = captures.send(CaptureEvent::PeriodicOpened {
+                        snapshot: snapshot.clone(),
+                        run: run.to_string(),
+                        step,
+                        profiles: config
+                            .profiles
+                            .iter()
+                            .map(|p| p.name().to_string())
+                            .collect(),
+                        backlog,
+                    });
+                    entry.pending.push(PendingCut {
+                        snapshot,
+                        step,
+                        profiles,
+                        remaining: (0..config.world_size).collect(),
+                    });
+                }
+                Err(held) => {
+                    let _ = captures.send(CaptureEvent::PeriodicSkipped {
+                        run: run.to_string(),
+                        step,
+                        held,
+                        bytes,
+                        limit,
+                    });
+                }
+            }
         }
         let state = entry.ranks[rank as usize]
             .as_ref()

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::capture::{CaptureEvent, RankCapture, RankMeta, RestoredRank};
+use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RankMeta, RestoredRank};
 use crate::engine::{snapshot_id, EngineError, EngineHandle};
 use crate::run::RunConfig;
 use crate::state::{now_ms, AppState, RunHandle};
@@ -80,6 +80,9 @@ struct Pending {
     writing: BTreeSet<u32>,
     deadline: Option<Instant>,
     waiters: Vec<oneshot::Sender<Finished>>,
+    /// A periodic cut's share of its run's backlog, given back when this
+    /// entry is dropped (complete, failed or deleted).
+    _backlog: Option<Backlog>,
 }
 
 /// The snapshot side of the server.
@@ -111,6 +114,7 @@ impl Snapshots {
         kind: &str,
         expected: BTreeSet<u32>,
         deadline: Option<Instant>,
+        backlog: Option<Backlog>,
     ) {
         self.pending.lock().expect("pending lock").insert(
             id.to_string(),
@@ -122,6 +126,7 @@ impl Snapshots {
                 writing: BTreeSet::new(),
                 deadline,
                 waiters: Vec::new(),
+                _backlog: backlog,
             },
         );
     }
@@ -226,6 +231,7 @@ pub async fn create(
         MANUAL,
         (0..config.world_size).collect(),
         Some(Instant::now() + timeout),
+        None,
     );
     let (run_name, sid) = (config.name.clone(), id.clone());
     let scheduled = run
@@ -309,6 +315,7 @@ async fn on_event(state: &AppState, event: CaptureEvent) {
             run,
             step,
             profiles,
+            backlog,
         } => {
             let Some(handle) = state.run(&run) else {
                 return;
@@ -320,6 +327,7 @@ async fn on_event(state: &AppState, event: CaptureEvent) {
                 PERIODIC,
                 (0..handle.config.world_size).collect(),
                 Some(Instant::now() + timeout),
+                Some(backlog),
             );
             let row = SnapshotRow {
                 id: snapshot.clone(),
@@ -345,6 +353,31 @@ async fn on_event(state: &AppState, event: CaptureEvent) {
                 None,
                 Some(step),
                 serde_json::json!({"id": snapshot, "status": "pending", "kind": PERIODIC}),
+            );
+        }
+        CaptureEvent::PeriodicSkipped {
+            run,
+            step,
+            held,
+            bytes,
+            limit,
+        } => {
+            let reason = format!(
+                "earlier periodic snapshots still hold {held} captured bytes not yet written; \
+                 this one ({bytes} bytes) would pass the backlog of {limit} bytes"
+            );
+            tracing::warn!(run = %run, step, "periodic snapshot skipped: {reason}");
+            state
+                .metrics
+                .snapshots_skipped
+                .with_label_values(&[&run])
+                .inc();
+            state.events.emit(
+                &run,
+                "snapshot",
+                None,
+                Some(step),
+                serde_json::json!({"status": "skipped", "kind": PERIODIC, "reason": reason}),
             );
         }
         CaptureEvent::Captured(capture) => write_capture(state.clone(), *capture),
@@ -672,6 +705,7 @@ pub async fn persist_state(
         &run.config.name,
         STATE,
         captures.iter().map(|c| c.rank).collect(),
+        None,
         None,
     );
     let (tx, rx) = oneshot::channel();

@@ -1,9 +1,10 @@
-"""The end-to-end benchmark in quick mode, so that it never rots.
+"""The end-to-end benchmark in quick mode and a short soak, so that neither rots.
 
-Nothing is timed here: the test checks that `benches/e2e.py --quick` runs
+Nothing is timed here. The tests check that `benches/e2e.py --quick` runs
 against the real server, prints every figure of the suite with a target and
 a verdict, that its 32 concurrent ranks got no error, and that quick mode
-leaves the recorded results alone.
+leaves the recorded results alone; and that `benches/soak.py` runs a short
+soak with snapshots, state and downloads and no error.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ REPORTED = [
 ]
 
 
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``benches/NAME`` against the server binary; it must succeed."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / name), *args, "--bin", find_binary()],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
@@ -48,15 +63,7 @@ def digest(path: Path) -> str:
 def test_e2e_quick_prints_every_figure_and_writes_nothing():
     recorded = ["README.md", "results.json", "e2e.png"]
     before = {name: digest(BENCHES / name) for name in recorded}
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "e2e.py"), "--quick", "--bin", find_binary()],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_script("e2e.py", "--quick")
     lines = proc.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("figure "))
     table = [line for line in lines[start + 1 :] if line.strip() and not line.startswith("(")]
@@ -80,3 +87,19 @@ def test_e2e_quick_prints_every_figure_and_writes_nothing():
     assert errors[-4] == "0" and errors[-1] == "PASS", errors
     assert "left as they are" in proc.stdout
     assert {name: digest(BENCHES / name) for name in recorded} == before
+
+
+@pytest.mark.slow
+def test_soak_short_run_reports_resources_without_errors():
+    proc = run_script(
+        "soak.py",
+        *("--seconds", "12", "--interval", "3", "--ranks", "2", "--shard-mb", "1", "--no-plot"),
+    )
+    samples = [line for line in proc.stdout.splitlines() if line.startswith("t=")]
+    assert len(samples) >= 3, proc.stdout
+    # The run advanced from sample to sample, and snapshots completed.
+    steps = [int(line.split("step=")[1].split()[0]) for line in samples]
+    assert steps == sorted(steps) and steps[-1] > steps[0], samples
+    assert int(samples[-1].split("snapshots=")[1]) >= 1, samples
+    assert ", 0 errors;" in proc.stdout and ", 0 failed" in proc.stdout, proc.stdout
+    assert "anonymous RSS median: first half" in proc.stdout, proc.stdout

@@ -453,3 +453,88 @@ def test_delete_and_retention(client):
     assert r.status_code == 204
     assert client.get(f"/v1/runs/{run}/snapshots/{victim['id']}").status_code == 404
     assert client.get(f"/v1/runs/{run}/snapshots/{victim['id']}/download").status_code == 404
+
+
+def test_periodic_snapshots_skip_past_the_backlog(fresh_server):
+    """With a backlog of one byte, one periodic cut at a time may hold
+    captured state. While the cut at step 0 waits for rank 1, the cuts due
+    at 2, 4, 6 and 8 are skipped: an event and a metric each, no catalog
+    row, and no cut opened later for those steps when rank 1 reaches them.
+    Once the cut at 0 is written, the next due cut (10) is taken again."""
+    srv = fresh_server.start("--periodic-backlog", "1")
+    run = "backlog"
+    w = safetensors.torch.save({"w": torch.arange(1024, dtype=torch.float32)})
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.post("/v1/runs", json={"name": run, "world_size": 2, "snapshot_every": 2})
+        assert r.status_code == 201, r.text
+
+        def push(rank, steps):
+            for s in steps:
+                r = c.put(f"/v1/runs/{run}/ranks/{rank}/steps/{s}", content=w)
+                assert r.status_code == 200 and r.json()["applied"], r.text
+
+        def periodic():
+            return c.get(f"/v1/runs/{run}/snapshots", params={"kind": "periodic"}).json()[
+                "snapshots"
+            ]
+
+        def until_complete(steps):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                snaps = periodic()
+                if {s["step"] for s in snaps if s["status"] == "complete"} == steps:
+                    return snaps
+                time.sleep(0.05)
+            raise AssertionError(periodic())
+
+        push(0, range(9))
+        deadline = time.monotonic() + 10  # the catalog row is written off the push path
+        while not periodic() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(s["step"], s["status"]) for s in periodic()] == [(0, "pending")]
+        push(1, range(9))
+        assert len(until_complete({0})) == 1
+        skipped = c.get(
+            f"/v1/runs/{run}/events",
+            headers={"Accept": "application/json"},
+            params={"kinds": "snapshot"},
+        ).json()
+        skipped = [e for e in skipped if e["detail"].get("status") == "skipped"]
+        assert [e["step"] for e in skipped] == [2, 4, 6, 8], skipped
+        assert all("backlog" in e["detail"]["reason"] for e in skipped), skipped
+        metrics = c.get("/metrics").text
+        assert f'polyak_periodic_snapshots_skipped_total{{run="{run}"}} 4' in metrics
+
+        push(0, [9, 10])
+        push(1, [9, 10])
+        snaps = until_complete({0, 10})
+        assert sorted(s["step"] for s in snaps) == [0, 10], snaps
+
+
+def test_periodic_snapshots_default_backlog_takes_every_cut(fresh_server):
+    """The default backlog (1 GiB) holds many small cuts: the same pushes
+    take every periodic snapshot, and none is skipped."""
+    srv = fresh_server.start()
+    run = "no-backlog"
+    w = safetensors.torch.save({"w": torch.arange(1024, dtype=torch.float32)})
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.post("/v1/runs", json={"name": run, "world_size": 2, "snapshot_every": 2})
+        assert r.status_code == 201, r.text
+        for rank in (0, 1):
+            for s in range(9):
+                r = c.put(f"/v1/runs/{run}/ranks/{rank}/steps/{s}", content=w)
+                assert r.status_code == 200 and r.json()["applied"], r.text
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            snaps = c.get(f"/v1/runs/{run}/snapshots", params={"kind": "periodic"}).json()[
+                "snapshots"
+            ]
+            if all(s["status"] == "complete" for s in snaps) and len(snaps) == 5:
+                break
+            time.sleep(0.05)
+        assert sorted((s["step"], s["status"]) for s in snaps) == [
+            (s, "complete") for s in (0, 2, 4, 6, 8)
+        ], snaps
+        assert (
+            f'polyak_periodic_snapshots_skipped_total{{run="{run}"}}' not in c.get("/metrics").text
+        )
