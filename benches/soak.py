@@ -160,6 +160,11 @@ def main() -> int:
                 )
             for t in threads:
                 t.join()
+            skipped = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in client.request("GET", "/metrics").text.splitlines()
+                if line.startswith('polyak_periodic_snapshots_skipped_total{run="soak"}')
+            )
             client.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -172,7 +177,8 @@ def main() -> int:
     second = statistics.median(s["anon_mib"] for s in samples[half:] or samples[-1:])
     print(
         f"\n{sum(state['steps'])} pushes from {args.ranks} ranks, {len(state['errors'])} errors; "
-        f"{downloads} downloads, {len(download_errors)} failed"
+        f"{downloads} downloads, {len(download_errors)} failed; "
+        f"{skipped:.0f} periodic snapshots skipped (backlog full)"
     )
     print(
         f"anonymous RSS median: first half {first:.0f} MiB, second half {second:.0f} MiB "
