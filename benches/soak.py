@@ -32,11 +32,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "clients" / "python"))
 sys.path.insert(0, str(HERE))
 
-from e2e import Http, safetensors_body  # noqa: E402
+from e2e import MB, Http, safetensors_body  # noqa: E402
 from polyak import Client  # noqa: E402
 from polyak.testing import PolyakServer  # noqa: E402
-
-MB = 1 << 20
 
 
 def resources(pid: int, data: Path) -> dict[str, int]:

@@ -79,13 +79,12 @@ pub enum CaptureEvent {
     },
     /// A periodic cut at `step` was not taken: the run's earlier periodic
     /// cuts still held `held` captured bytes, and this one would add `bytes`
-    /// past `limit`.
+    /// past the server's backlog.
     PeriodicSkipped {
         run: String,
         step: u64,
         held: u64,
         bytes: u64,
-        limit: u64,
     },
 }
 

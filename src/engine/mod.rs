@@ -387,7 +387,6 @@ impl Engine {
                         step,
                         held,
                         bytes,
-                        limit,
                     });
                 }
             }

@@ -360,8 +360,8 @@ async fn on_event(state: &AppState, event: CaptureEvent) {
             step,
             held,
             bytes,
-            limit,
         } => {
+            let limit = state.args.periodic_backlog.0;
             let reason = format!(
                 "earlier periodic snapshots still hold {held} captured bytes not yet written; \
                  this one ({bytes} bytes) would pass the backlog of {limit} bytes"
