@@ -6,11 +6,13 @@
 //! - [`runs`]: runs and ranks, a rank's live EMA.
 //! - [`push`]: the push endpoint.
 //! - [`snapshots`]: snapshots, downloads, compare, resume.
+//! - [`derived`]: post-hoc EMA (plan, sweep) and checkpoint merging.
 //! - [`metrics`]: trainer scalars and the server's own series.
 //! - [`events`]: Server-Sent Events.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
 
 pub mod auth;
+pub mod derived;
 pub mod error;
 pub mod events;
 pub mod extract;
@@ -38,7 +40,7 @@ use crate::state::AppState;
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
-        snapshots::posthoc,
+        derived::posthoc, derived::plan, derived::merge,
         events::events, metrics::post, metrics::get,
     ),
     components(schemas(
@@ -52,7 +54,11 @@ use crate::state::AppState;
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
         snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
-        snapshots::PersistResponse, snapshots::PosthocRequest, crate::store::snapshots::SnapshotRow,
+        snapshots::PersistResponse, derived::PosthocRequest, derived::SigmaRel,
+        derived::PosthocSweep, derived::MergeRequest, crate::snapshot::derived::Plan,
+        crate::snapshot::derived::PlannedTarget, crate::snapshot::derived::PowerSource,
+        crate::snapshot::derived::MergeWeights, crate::snapshot::derived::Progress,
+        crate::store::snapshots::SnapshotRow,
         crate::store::snapshots::FileRow, crate::snapshot::compare::TensorStats,
         crate::snapshot::compare::CompareSummary, crate::snapshot::compare::CompareResult,
     )),
@@ -114,8 +120,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/runs/{run}/posthoc",
-            axum::routing::post(snapshots::posthoc),
+            axum::routing::post(derived::posthoc),
         )
+        .route("/v1/runs/{run}/posthoc/plan", get(derived::plan))
+        .route("/v1/runs/{run}/merge", axum::routing::post(derived::merge))
         .layer(DefaultBodyLimit::max(body_limit));
     Router::new()
         .route("/livez", get(ops::livez))

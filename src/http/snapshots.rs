@@ -71,6 +71,10 @@ pub struct SnapshotView {
     #[serde(flatten)]
     pub snapshot: SnapshotRow,
     pub files: Vec<FileRow>,
+    /// While a derived (post-hoc or merged) snapshot is being written:
+    /// source bytes read of the total.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub progress: Option<snap::derived::Progress>,
 }
 
 /// Schedule a consistent snapshot.
@@ -91,7 +95,7 @@ pub async fn create(
 
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct ListQuery {
-    /// Only this kind (`manual`, `periodic`, `state`, `posthoc`).
+    /// Only this kind (`manual`, `periodic`, `state`, `posthoc`, `merge`).
     pub kind: Option<String>,
     /// Only this status (`pending`, `complete`, `failed`).
     pub status: Option<String>,
@@ -141,7 +145,12 @@ pub async fn get(
     caller.require_read(&run)?;
     let snapshot = row_of(&state, &name, &id).await?;
     let files = state.store.snapshot_files(&id).await?;
-    Ok(Json(SnapshotView { snapshot, files }))
+    let progress = snap::derived::progress_of(&state, &id);
+    Ok(Json(SnapshotView {
+        snapshot,
+        files,
+        progress,
+    }))
 }
 
 /// Delete a snapshot and free its files.
@@ -606,42 +615,4 @@ mod tests {
         assert_eq!(parse_range("bytes=0-1,5-6", 100), Ok(None));
         assert_eq!(parse_range("items=0-1", 100), Ok(None));
     }
-}
-
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct PosthocRequest {
-    /// The target EMA length (EDM2 `sigma_rel`).
-    pub sigma_rel: f64,
-    /// The step to synthesise at; default the newest snapshot's step.
-    pub step: Option<u64>,
-    /// The profile name the result is stored under (default `posthoc`).
-    pub name: Option<String>,
-    /// The power profiles to combine (default: every power profile).
-    pub profiles: Option<Vec<String>>,
-}
-
-/// Synthesise a post-hoc EMA (EDM2) from the complete snapshots of the
-/// run's `power` profiles; answers the pending derived snapshot.
-#[utoipa::path(post, path = "/v1/runs/{run}/posthoc", tag = "snapshots",
-    params(("run" = String, Path)), request_body = PosthocRequest,
-    responses((status = 202, body = SnapshotRow), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
-pub async fn posthoc(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(name): Path<String>,
-    ApiJson(req): ApiJson<PosthocRequest>,
-) -> Result<(StatusCode, Json<SnapshotRow>), ApiError> {
-    let run = run_named(&state, &name)?;
-    caller.require_write(&run)?;
-    let row = snap::posthoc(
-        &state,
-        &run,
-        req.sigma_rel,
-        req.step,
-        req.name,
-        req.profiles,
-    )
-    .await?;
-    Ok((StatusCode::ACCEPTED, Json(row)))
 }

@@ -52,39 +52,74 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-/// Writes `part` to `data_dir/rel` durably (the directory itself is synced
-/// by [`sync_dir`] once all of its files are in place).
-pub fn write_part(data_dir: &Path, rel: &Path, part: &PartFile) -> io::Result<WrittenFile> {
-    let path = data_dir.join(rel);
-    if let Some(parent) = path.parent() {
-        fs::create_dir_all(parent)?;
+/// A part file being written under its temporary name: bytes go through a
+/// sha256 on their way; [`PartWriter::finish`] fsyncs and renames it.
+pub struct PartWriter {
+    path: PathBuf,
+    rel: PathBuf,
+    tmp: PathBuf,
+    w: HashingWriter<io::BufWriter<File>>,
+}
+
+impl PartWriter {
+    pub fn create(data_dir: &Path, rel: &Path) -> io::Result<Self> {
+        Self::with_buffer(data_dir, rel, 4 << 20)
     }
-    let tmp = tmp_path(&path);
-    let file = File::create(&tmp)?;
-    let mut w = HashingWriter {
-        inner: io::BufWriter::with_capacity(4 << 20, file),
-        hasher: Sha256::new(),
-        bytes: 0,
-    };
+
+    /// With a write buffer of `capacity` bytes (writers that hold many
+    /// files open at once take a small one).
+    pub fn with_buffer(data_dir: &Path, rel: &Path, capacity: usize) -> io::Result<Self> {
+        let path = data_dir.join(rel);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        let tmp = tmp_path(&path);
+        let file = File::create(&tmp)?;
+        Ok(PartWriter {
+            path,
+            rel: rel.to_path_buf(),
+            tmp,
+            w: HashingWriter {
+                inner: io::BufWriter::with_capacity(capacity, file),
+                hasher: Sha256::new(),
+                bytes: 0,
+            },
+        })
+    }
+
+    pub fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        self.w.write_all(buf)
+    }
+
+    /// Flushes, fsyncs and renames the file into place (the directory is
+    /// synced by [`sync_dir`] once all of its files are in place).
+    pub fn finish(mut self) -> io::Result<WrittenFile> {
+        self.w.flush()?;
+        let HashingWriter {
+            inner,
+            hasher,
+            bytes,
+        } = self.w;
+        let file = inner.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&self.tmp, &self.path)?;
+        Ok(WrittenFile {
+            path: self.rel.to_string_lossy().into_owned(),
+            sha256: hex::encode(hasher.finalize()),
+            bytes,
+        })
+    }
+}
+
+/// Writes `part` to `data_dir/rel` durably.
+pub fn write_part(data_dir: &Path, rel: &Path, part: &PartFile) -> io::Result<WrittenFile> {
+    let mut w = PartWriter::create(data_dir, rel)?;
     w.write_all(part.header.bytes())?;
     for block in &part.blocks {
         w.write_all(block)?;
     }
-    w.flush()?;
-    let HashingWriter {
-        inner,
-        hasher,
-        bytes,
-    } = w;
-    let file = inner.into_inner().map_err(|e| e.into_error())?;
-    file.sync_all()?;
-    drop(file);
-    fs::rename(&tmp, &path)?;
-    Ok(WrittenFile {
-        path: rel.to_string_lossy().into_owned(),
-        sha256: hex::encode(hasher.finalize()),
-        bytes,
-    })
+    w.finish()
 }
 
 fn tmp_path(path: &Path) -> PathBuf {

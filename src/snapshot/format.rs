@@ -70,12 +70,13 @@ fn shards_metadata(layout: &RankLayout, meta: &mut BTreeMap<String, String>) {
     }
 }
 
-/// Lays out `blocks` (dtype, member tensor indices, bytes) as one file.
-fn assemble(
+/// Lays out `blocks` (dtype, member tensor indices, payload) as one file:
+/// the header, and the payloads in file order.
+fn assemble<T>(
     layout: &RankLayout,
-    mut blocks: Vec<(DType, Vec<usize>, Bytes)>,
+    mut blocks: Vec<(DType, Vec<usize>, T)>,
     mut meta: BTreeMap<String, String>,
-) -> PartFile {
+) -> (SafetensorsHeader, Vec<T>) {
     blocks.sort_by_key(|(d, _, _)| std::cmp::Reverse(d.size()));
     let mut entries = Vec::new();
     for (dtype, members, _) in &blocks {
@@ -90,19 +91,43 @@ fn assemble(
         }
     }
     shards_metadata(layout, &mut meta);
-    PartFile {
-        header: SafetensorsHeader::new(entries, meta),
-        blocks: blocks.into_iter().map(|(_, _, b)| b).collect(),
-    }
+    let header = SafetensorsHeader::new(entries, meta);
+    (header, blocks.into_iter().map(|(_, _, b)| b).collect())
 }
 
-fn averaged_members(layout: &RankLayout) -> Vec<usize> {
+/// What fills one data block of a profile part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockFill {
+    /// The averaged tensors, end to end in layout order.
+    Averaged,
+    /// The members of this copied group, in layout order.
+    Copied(usize),
+}
+
+/// The header of a profile part whose averaged tensors are stored as
+/// `ema_dtype`, and what fills each of its blocks in file order: the same
+/// file [`profile_part`] writes, for writers that stream the data.
+pub fn profile_header(
+    layout: &RankLayout,
+    ema_dtype: DType,
+    meta: BTreeMap<String, String>,
+) -> (SafetensorsHeader, Vec<BlockFill>) {
+    let mut blocks = vec![(ema_dtype, averaged_members(layout), BlockFill::Averaged)];
+    for (g, group) in layout.copied_groups.iter().enumerate() {
+        blocks.push((group.dtype, copied_members(layout, g), BlockFill::Copied(g)));
+    }
+    assemble(layout, blocks, meta)
+}
+
+/// The averaged tensors, in the order of their EMA offsets.
+pub fn averaged_members(layout: &RankLayout) -> Vec<usize> {
     (0..layout.tensors.len())
         .filter(|&i| matches!(layout.tensors[i].slot, Slot::Averaged { .. }))
         .collect()
 }
 
-fn copied_members(layout: &RankLayout, group: usize) -> Vec<usize> {
+/// The members of a copied group, in the order of their offsets.
+pub fn copied_members(layout: &RankLayout, group: usize) -> Vec<usize> {
     (0..layout.tensors.len())
         .filter(|&i| matches!(layout.tensors[i].slot, Slot::Copied { group: g, .. } if g == group))
         .collect()
@@ -124,7 +149,8 @@ pub fn profile_part(
             host_bytes(tensor),
         ));
     }
-    assemble(layout, blocks, meta)
+    let (header, blocks) = assemble(layout, blocks, meta);
+    PartFile { header, blocks }
 }
 
 /// The mirror part: one block per pushed dtype.
@@ -143,7 +169,76 @@ pub fn mirror_part(
             (layout.mirror_groups[g].dtype, members, host_bytes(tensor))
         })
         .collect();
-    assemble(layout, blocks, meta)
+    let (header, blocks) = assemble(layout, blocks, meta);
+    PartFile { header, blocks }
+}
+
+/// Where one tensor's data lies in a stored file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredRange {
+    pub dtype: DType,
+    /// Absolute byte offset of the data in the file.
+    pub offset: u64,
+    pub numel: i64,
+}
+
+/// The largest header a stored part may have.
+const MAX_STORED_HEADER: u64 = 256 << 20;
+
+/// Reads the tensor table of a stored safetensors file (its header only).
+pub fn read_tensor_table(
+    file: &mut std::fs::File,
+) -> Result<std::collections::HashMap<String, StoredRange>, FormatError> {
+    use std::io::Read;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_STORED_HEADER {
+        return Err(FormatError::Parse(format!("header of {n} bytes")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| FormatError::Parse(e.to_string()))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| FormatError::Parse("the header is not an object".into()))?;
+    let data_start = 8 + n;
+    let mut out = std::collections::HashMap::with_capacity(object.len());
+    for (name, info) in object {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = || FormatError::Parse(format!("`{name}`: malformed entry"));
+        let dtype = info["dtype"]
+            .as_str()
+            .and_then(DType::from_name)
+            .ok_or_else(bad)?;
+        let shape = info["shape"].as_array().ok_or_else(bad)?;
+        let mut numel = 1i64;
+        for d in shape {
+            numel = numel
+                .checked_mul(d.as_i64().ok_or_else(bad)?)
+                .ok_or_else(bad)?;
+        }
+        let offsets = info["data_offsets"].as_array().ok_or_else(bad)?;
+        let (start, end) = match offsets.as_slice() {
+            [a, b] => (a.as_u64().ok_or_else(bad)?, b.as_u64().ok_or_else(bad)?),
+            _ => return Err(bad()),
+        };
+        if end < start || end - start != numel as u64 * dtype.size() as u64 {
+            return Err(bad());
+        }
+        out.insert(
+            name.clone(),
+            StoredRange {
+                dtype,
+                offset: data_start + start,
+                numel,
+            },
+        );
+    }
+    Ok(out)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +247,8 @@ pub enum FormatError {
     Parse(String),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
+    #[error("reading a stored part: {0}")]
+    Io(#[from] std::io::Error),
 }
 
 /// Concatenates the named tensors' bytes into one flat host tensor.

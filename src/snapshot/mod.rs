@@ -7,7 +7,11 @@
 //! - [`vfile`]: downloads as recipes of pieces, streamed with `Range`.
 //! - [`assemble`]: `full`, `hf`, `sharded` and `rank` downloads.
 //! - [`compare`]: per-tensor statistics over whole tensors.
-//! - [`posthoc`]: EDM2 post-hoc EMA synthesis from power-profile snapshots.
+//! - [`posthoc`]: EDM2 post-hoc EMA: the weights of the stored power
+//!   profiles that synthesise another length.
+//! - [`combine`]: weighted sums of stored parts, streamed in one pass.
+//! - [`derived`]: post-hoc and merged-checkpoint snapshots (plan, catalog,
+//!   background job, progress).
 //!
 //! Life of a snapshot: a catalog row is inserted `pending`; the engine
 //! captures each rank right after it applies the step (a device-side copy)
@@ -17,7 +21,9 @@
 //! that does not arrive before the deadline fails it.
 
 pub mod assemble;
+pub mod combine;
 pub mod compare;
+pub mod derived;
 pub mod files;
 pub mod format;
 pub mod posthoc;
@@ -31,7 +37,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RankMeta, RestoredRank};
-use crate::engine::{snapshot_id, EngineError, EngineHandle};
+use crate::engine::{snapshot_id, EngineError};
 use crate::run::RunConfig;
 use crate::state::{now_ms, AppState, RunHandle};
 use crate::store::snapshots::{FileRow, SnapshotRow};
@@ -91,6 +97,8 @@ pub struct Snapshots {
     pending: Mutex<HashMap<String, Pending>>,
     compare_cache: Mutex<HashMap<String, Arc<CompareResult>>>,
     last_state: Mutex<HashMap<String, Instant>>,
+    /// Derived snapshots being written: how far along.
+    progress: Mutex<HashMap<String, derived::Progress>>,
 }
 
 impl Snapshots {
@@ -100,6 +108,7 @@ impl Snapshots {
             pending: Mutex::new(HashMap::new()),
             compare_cache: Mutex::new(HashMap::new()),
             last_state: Mutex::new(HashMap::new()),
+            progress: Mutex::new(HashMap::new()),
         }
     }
 
@@ -850,8 +859,9 @@ fn load_restorable(
 
 /// Whether a complete snapshot can restore the run: every profile present.
 fn restorable(config: &RunConfig, row: &SnapshotRow) -> bool {
+    // Derived snapshots (post-hoc, merged) hold weights no run ever had.
     row.status == "complete"
-        && row.kind != "posthoc"
+        && matches!(row.kind.as_str(), MANUAL | PERIODIC | STATE)
         && config
             .profiles
             .iter()
@@ -982,247 +992,4 @@ pub async fn recover(state: &AppState) -> Result<(), SnapshotError> {
         }
     }
     Ok(())
-}
-
-/// The engine of a run (for the compare of live data).
-pub fn engine_of(run: &RunHandle) -> EngineHandle {
-    run.engine.clone()
-}
-
-/// Kind of synthesised snapshots.
-pub const POSTHOC: &str = "posthoc";
-
-/// `POST /posthoc`: synthesises the EMA of `sigma_rel` at `step` (default:
-/// the newest snapshot's step) from the complete snapshots of `power`
-/// profiles (all of them, or those in `profiles`) at or before it, as a new
-/// snapshot of kind `posthoc` holding one profile named `name`. Returns the pending row; the files are
-/// written in the background.
-pub async fn posthoc(
-    state: &AppState,
-    run: &RunHandle,
-    sigma_rel: f64,
-    step: Option<u64>,
-    name: Option<String>,
-    profiles: Option<Vec<String>>,
-) -> Result<SnapshotRow, SnapshotError> {
-    use crate::run::ProfileSpec;
-    let config = run.config.clone();
-    let name = name.unwrap_or_else(|| "posthoc".to_string());
-    if !crate::run::valid_name(&name) {
-        return Err(SnapshotError::Invalid(format!(
-            "name: `{name}` is not a valid profile name"
-        )));
-    }
-    if crate::engine::schedule::sigma_rel_to_gamma(sigma_rel).is_none() {
-        return Err(SnapshotError::Invalid(format!(
-            "sigma_rel: {sigma_rel} is out of range (0, {:.4}]",
-            crate::engine::schedule::MAX_SIGMA_REL
-        )));
-    }
-    let rows: Vec<SnapshotRow> = state
-        .store
-        .snapshots(&config.name)
-        .await?
-        .into_iter()
-        .filter(|r| r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC))
-        .collect();
-    let target = match step {
-        Some(s) => s,
-        None => rows.iter().map(|r| r.step).max().ok_or_else(|| {
-            SnapshotError::NotFound("no complete snapshot to synthesise from".into())
-        })?,
-    };
-    let gammas: HashMap<&str, f64> = config
-        .profiles
-        .iter()
-        .filter_map(|p| match p {
-            ProfileSpec::Power { name, gamma, .. } => gamma.map(|g| (name.as_str(), g)),
-            _ => None,
-        })
-        .filter(|(n, _)| {
-            profiles
-                .as_ref()
-                .is_none_or(|list| list.iter().any(|p| p == n))
-        })
-        .collect();
-    if let Some(list) = &profiles {
-        for p in list {
-            if !gammas.contains_key(p.as_str()) {
-                return Err(SnapshotError::Invalid(format!(
-                    "profiles: `{p}` is not a power profile of this run"
-                )));
-            }
-        }
-    }
-    let mut sources: Vec<(SnapshotRow, String, posthoc::Source)> = Vec::new();
-    for row in rows.iter().filter(|r| r.step <= target) {
-        for profile in &row.profiles {
-            if let Some(&gamma) = gammas.get(profile.as_str()) {
-                sources.push((
-                    row.clone(),
-                    profile.clone(),
-                    posthoc::Source {
-                        t: (row.step + 1) as f64,
-                        gamma,
-                    },
-                ));
-            }
-        }
-    }
-    if sources.is_empty() {
-        return Err(SnapshotError::NotFound(format!(
-            "no complete snapshot of a power profile at or before step {target}"
-        )));
-    }
-    let inputs: Vec<posthoc::Source> = sources.iter().map(|(_, _, s)| *s).collect();
-    let weights = tokio::task::spawn_blocking(move || {
-        posthoc::coefficients(&inputs, (target + 1) as f64, sigma_rel)
-    })
-    .await
-    .map_err(|e| SnapshotError::Invalid(e.to_string()))??;
-    let id = snapshot_id(POSTHOC, target);
-    let detail = serde_json::json!({
-        "sigma_rel": sigma_rel,
-        "gamma": crate::engine::schedule::sigma_rel_to_gamma(sigma_rel),
-        "sources": sources.iter().zip(&weights).map(|((row, profile, s), w)| serde_json::json!({
-            "snapshot": row.id, "profile": profile, "step": row.step, "gamma": s.gamma, "weight": w,
-        })).collect::<Vec<_>>(),
-    });
-    let row = SnapshotRow {
-        id: id.clone(),
-        run: config.name.clone(),
-        step: target,
-        kind: POSTHOC.into(),
-        label: Some(format!("sigma_rel={sigma_rel}")),
-        profiles: vec![name.clone()],
-        status: "pending".into(),
-        reason: None,
-        created_at_ms: now_ms(),
-        completed_at_ms: None,
-        deadline_ms: None,
-        bytes: 0,
-        detail,
-    };
-    state.store.insert_snapshot(&row).await?;
-    let (state2, run_name, sid) = (state.clone(), config.name.clone(), id.clone());
-    tokio::spawn(async move {
-        let data_dir = state2.snapshots.data_dir.clone();
-        let mut plan: Vec<(Vec<FileRow>, f64, u64)> = Vec::new();
-        for ((row, profile, _), w) in sources.iter().zip(&weights) {
-            match state2.store.snapshot_files(&row.id).await {
-                Ok(files) => plan.push((
-                    files.into_iter().filter(|f| &f.part == profile).collect(),
-                    *w,
-                    row.step,
-                )),
-                Err(e) => {
-                    let _ = state2
-                        .store
-                        .fail_snapshot(&sid, &e.to_string(), now_ms())
-                        .await;
-                    return;
-                }
-            }
-        }
-        let (rn, id2, nm) = (run_name.clone(), sid.clone(), name.clone());
-        let result = tokio::task::spawn_blocking(move || {
-            synthesise(&data_dir, &rn, &id2, &nm, target, plan)
-        })
-        .await;
-        let outcome = match result {
-            Ok(Ok(files)) => state2
-                .store
-                .complete_snapshot(&sid, target, &files, now_ms())
-                .await
-                .map_err(|e| e.to_string()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        match outcome {
-            Ok(_) => {
-                tracing::info!(run = %run_name, snapshot = %sid, "post-hoc EMA synthesised");
-                state2.events.emit(
-                    &run_name,
-                    "snapshot",
-                    None,
-                    Some(target),
-                    serde_json::json!({"id": sid, "status": "complete", "kind": POSTHOC}),
-                );
-            }
-            Err(reason) => {
-                tracing::warn!(run = %run_name, snapshot = %sid, "post-hoc synthesis failed: {reason}");
-                let _ = state2.store.fail_snapshot(&sid, &reason, now_ms()).await;
-                remove_files(&state2, &run_name, &sid);
-                state2.events.emit(
-                    &run_name,
-                    "snapshot",
-                    None,
-                    Some(target),
-                    serde_json::json!({"id": sid, "status": "failed", "reason": reason}),
-                );
-            }
-        }
-    });
-    Ok(row)
-}
-
-/// Per rank: the weighted sum of the sources' flat EMAs, written as one
-/// profile part (copied tensors from the newest source).
-fn synthesise(
-    data_dir: &Path,
-    run: &str,
-    id: &str,
-    name: &str,
-    target: u64,
-    plan: Vec<(Vec<FileRow>, f64, u64)>,
-) -> Result<Vec<FileRow>, SnapshotError> {
-    let ranks: BTreeSet<u32> = plan
-        .iter()
-        .flat_map(|(files, _, _)| files.iter().map(|f| f.rank))
-        .collect();
-    let newest = plan.iter().map(|(_, _, step)| *step).max().unwrap_or(0);
-    let dir = files::snapshot_rel_dir(run, id);
-    let mut out = Vec::new();
-    for rank in ranks {
-        let mut combo = posthoc::Combination::new();
-        let mut base: Option<RestoredRank> = None;
-        for (files, weight, step) in &plan {
-            let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
-                SnapshotError::Invalid(format!("rank {rank} is missing from a source snapshot"))
-            })?;
-            let meta: RankMeta = serde_json::from_str(&f.state)
-                .map_err(|e| SnapshotError::Invalid(e.to_string()))?;
-            let bytes = std::fs::read(data_dir.join(&f.path))?;
-            let restored = format::restore_rank(meta, &[bytes], None, tch::Kind::Float)
-                .map_err(|e| SnapshotError::Invalid(e.to_string()))?;
-            combo.add(&restored.ema[0], *weight)?;
-            if *step == newest && base.is_none() {
-                base = Some(restored);
-            }
-        }
-        let base = base.ok_or_else(|| SnapshotError::Invalid("no newest source".into()))?;
-        let ema = combo.finish(tch::Kind::Float)?;
-        let mut meta = base.meta.clone();
-        meta.layout.rebuild_index();
-        let part = format::profile_part(
-            &meta.layout,
-            ema,
-            base.copied,
-            format::part_metadata(run, id, rank, target, name),
-        );
-        let rel = dir.join(files::part_file_name(rank, name));
-        let w = files::write_part(data_dir, &rel, &part)?;
-        out.push(FileRow {
-            rank,
-            part: name.to_string(),
-            path: w.path,
-            sha256: w.sha256,
-            bytes: w.bytes,
-            step: target,
-            state: serde_json::to_string(&meta)
-                .map_err(|e| SnapshotError::Invalid(e.to_string()))?,
-        });
-    }
-    files::sync_dir(&data_dir.join(&dir))?;
-    Ok(out)
 }

@@ -1,18 +1,20 @@
-//! Post-hoc EMA (EDM2, Karras et al. 2024, section 3.2 and appendix C):
+//! Post-hoc EMA (EDM2, Karras et al. 2024, section 3.2 and appendix C.3):
 //! an EMA profile that was never tracked, synthesised as a linear
 //! combination of stored snapshots of `power` profiles.
 //!
-//! Each stored (snapshot, power profile) pair is an EMA of the weights with
-//! a known averaging profile `p(t) ∝ t^gamma` up to its step. The weights
-//! `x` of the combination minimise the L2 distance between the combined
-//! profile and the target one; with the closed-form inner products of
-//! power profiles (`p_dot_p`) that is the least-squares problem `A x = b`
-//! (EDM2 `solve_posthoc_coefficients`).
+//! A power EMA with exponent `gamma` stored at time `t` (`step + 1`) is the
+//! average of the weights under the averaging profile
+//! `p(tau) = (gamma + 1) tau^gamma / t^(gamma + 1)` on `[0, t]` (paper
+//! eq. 126). The combination `sum_i x_i p_i` that is nearest the target
+//! profile in L2 solves `A x = b` with the closed-form inner products
+//! `A_ij = <p_i, p_j>`, `b_i = <p_i, p_target>` (`p_dot_p`, eq. 128);
+//! EDM2's `solve_posthoc_coefficients` then scales `x` to sum to 1, so a
+//! constant weight stays that constant whatever the fit. The target time
+//! must be one of the sources' times (`reconstruct_phema.py` refuses any
+//! other): past the newest source, no combination of the stored profiles
+//! can put weight there, and the fit degenerates.
 
-use tch::{Device, Kind, Tensor};
-
-use super::SnapshotError;
-use crate::engine::schedule::sigma_rel_to_gamma;
+use tch::{Kind, Tensor};
 
 /// One stored EMA that takes part: its time (`step + 1`) and exponent.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,7 +23,31 @@ pub struct Source {
     pub gamma: f64,
 }
 
-/// EDM2 `p_dot_p`: the inner product of two normalised power-function
+/// The synthesis of one target profile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    /// The weight of each source, summing to 1 (EDM2's normalised `X`).
+    pub weights: Vec<f64>,
+    /// `|sum_i x_i p_i - p_target| / |p_target|` (L2 over `[0, t]`), from
+    /// the closed-form inner products: how far the synthesised averaging
+    /// profile is from the one asked for. Near 0 when the sources are dense
+    /// enough for that length; large when they are too sparse.
+    pub residual: f64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PosthocError {
+    #[error("no source snapshot to combine")]
+    NoSources,
+    #[error("solving for the post-hoc weights failed: {0}")]
+    Solve(String),
+    #[error(
+        "the post-hoc weights sum to {0:e}: the snapshots cannot express this length at this step"
+    )]
+    Degenerate(f64),
+}
+
+/// EDM2 `p_dot_p` (paper eq. 128): the inner product of two power-function
 /// averaging profiles ending at `t_a` and `t_b`.
 pub fn p_dot_p(a: Source, b: Source) -> f64 {
     let t_ratio = a.t / b.t;
@@ -32,126 +58,199 @@ pub fn p_dot_p(a: Source, b: Source) -> f64 {
     num / den
 }
 
-/// EDM2 `solve_posthoc_coefficients` for one target: the weight of each
-/// source in the combination (least squares, SVD-based like `np.linalg.lstsq`).
-pub fn coefficients(
+/// EDM2 `solve_posthoc_coefficients` for several target exponents at one
+/// time `target_t`: `A X = B` solved by LU with partial pivoting (LAPACK
+/// `gesv`, as `np.linalg.solve`), each column of `X` scaled to sum to 1,
+/// and each fit's residual. Sources must be distinct (same `t` and `gamma`
+/// twice makes `A` singular); a numerically singular `A` falls back to the
+/// minimum-norm least-squares solution before the scaling.
+pub fn solve(
     sources: &[Source],
     target_t: f64,
-    target_sigma_rel: f64,
-) -> Result<Vec<f64>, SnapshotError> {
-    let gamma = sigma_rel_to_gamma(target_sigma_rel).ok_or_else(|| {
-        SnapshotError::Invalid(format!("sigma_rel {target_sigma_rel} is out of range"))
-    })?;
-    let target = Source { t: target_t, gamma };
+    target_gammas: &[f64],
+) -> Result<Vec<Fit>, PosthocError> {
     let n = sources.len();
     if n == 0 {
-        return Err(SnapshotError::Invalid(
-            "no complete snapshot of a power profile at or before the step".into(),
-        ));
+        return Err(PosthocError::NoSources);
     }
+    let m = target_gammas.len();
+    let targets: Vec<Source> = target_gammas
+        .iter()
+        .map(|&gamma| Source { t: target_t, gamma })
+        .collect();
     let mut a = Vec::with_capacity(n * n);
     for &si in sources {
         for &sj in sources {
             a.push(p_dot_p(si, sj));
         }
     }
-    let b: Vec<f64> = sources.iter().map(|&s| p_dot_p(s, target)).collect();
-    let torch_err =
-        |e: tch::TchError| SnapshotError::Invalid(format!("solving the post-hoc weights: {e}"));
-    let a = Tensor::from_slice(&a)
-        .f_reshape([n as i64, n as i64])
-        .map_err(torch_err)?;
-    let b = Tensor::from_slice(&b)
-        .f_reshape([n as i64, 1])
-        .map_err(torch_err)?;
-    let (x, _, _, _) = a.f_linalg_lstsq(&b, None, "gelsd").map_err(torch_err)?;
-    let x = x.f_reshape([n as i64]).map_err(torch_err)?;
-    Vec::<f64>::try_from(&x).map_err(torch_err)
-}
-
-/// `sum_i w_i * flat_i` accumulated in float64, returned as float32.
-pub struct Combination {
-    acc: Option<Tensor>,
-}
-
-impl Combination {
-    pub fn new() -> Self {
-        Combination { acc: None }
-    }
-
-    pub fn add(&mut self, flat: &Tensor, weight: f64) -> Result<(), SnapshotError> {
-        let err = |e: tch::TchError| SnapshotError::Invalid(format!("combining snapshots: {e}"));
-        let term = flat
-            .f_to_kind(Kind::Double)
-            .and_then(|t| t.f_mul_scalar(weight))
-            .map_err(err)?;
-        match &mut self.acc {
-            None => self.acc = Some(term),
-            Some(acc) => {
-                if acc.size() != term.size() {
-                    return Err(SnapshotError::Invalid(
-                        "the snapshots combined hold different layouts for a rank".into(),
-                    ));
-                }
-                let _ = acc.f_add_(&term).map_err(err)?;
-            }
+    let mut b = Vec::with_capacity(n * m);
+    for &si in sources {
+        for &tj in &targets {
+            b.push(p_dot_p(si, tj));
         }
-        Ok(())
     }
-
-    pub fn finish(self, kind: Kind) -> Result<Tensor, SnapshotError> {
-        let acc = self
-            .acc
-            .ok_or_else(|| SnapshotError::Invalid("nothing to combine".into()))?;
-        acc.f_to_kind(kind)
-            .and_then(|t| t.f_to_device(Device::Cpu))
-            .map_err(|e| SnapshotError::Invalid(e.to_string()))
+    let x = lapack_solve(&a, &b, n, m)?;
+    let mut fits = Vec::with_capacity(m);
+    for (j, &target) in targets.iter().enumerate() {
+        let raw: Vec<f64> = (0..n).map(|i| x[i * m + j]).collect();
+        let sum: f64 = raw.iter().sum();
+        if !(sum.is_finite() && sum.abs() > 1e-300) {
+            return Err(PosthocError::Degenerate(sum));
+        }
+        let weights: Vec<f64> = raw.iter().map(|v| v / sum).collect();
+        let b_j: Vec<f64> = (0..n).map(|i| b[i * m + j]).collect();
+        fits.push(Fit {
+            residual: residual(&a, &b_j, p_dot_p(target, target), &weights),
+            weights,
+        });
     }
+    Ok(fits)
 }
 
-impl Default for Combination {
-    fn default() -> Self {
-        Self::new()
+/// `|sum_i w_i p_i - p_T| / |p_T|` expanded as
+/// `sqrt(w'Aw - 2 w'b + <p_T, p_T>) / sqrt(<p_T, p_T>)`.
+fn residual(a: &[f64], b: &[f64], target_sq: f64, w: &[f64]) -> f64 {
+    let n = w.len();
+    let mut quad = 0.0;
+    for i in 0..n {
+        let row: f64 = (0..n).map(|j| a[i * n + j] * w[j]).sum();
+        quad += w[i] * row;
     }
+    let cross: f64 = w.iter().zip(b).map(|(wi, bi)| wi * bi).sum();
+    let sq = (quad - 2.0 * cross + target_sq).max(0.0);
+    (sq / target_sq).sqrt()
+}
+
+/// `A X = B` (`A` n×n, `B` n×m, row-major) in float64 on libtorch's LAPACK.
+fn lapack_solve(a: &[f64], b: &[f64], n: usize, m: usize) -> Result<Vec<f64>, PosthocError> {
+    let err = |e: tch::TchError| PosthocError::Solve(e.to_string());
+    let (n, m) = (n as i64, m as i64);
+    let at = Tensor::from_slice(a).f_reshape([n, n]).map_err(err)?;
+    let bt = Tensor::from_slice(b).f_reshape([n, m]).map_err(err)?;
+    let solved = Tensor::f_linalg_solve(&at, &bt, true)
+        .ok()
+        .filter(all_finite);
+    let x = match solved {
+        Some(x) => x,
+        None => {
+            let (x, _, _, _) = at.f_linalg_lstsq(&bt, None, "gelsd").map_err(err)?;
+            x
+        }
+    };
+    let x = x
+        .f_to_kind(Kind::Double)
+        .and_then(|x| x.f_contiguous())
+        .and_then(|x| x.f_reshape([n * m]))
+        .map_err(err)?;
+    Vec::<f64>::try_from(&x).map_err(err)
+}
+
+fn all_finite(x: &Tensor) -> bool {
+    x.f_isfinite()
+        .and_then(|f| f.f_all())
+        .ok()
+        .and_then(|t| bool::try_from(&t).ok())
+        .unwrap_or(false)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::schedule::sigma_rel_to_gamma;
 
-    /// Values from EDM2's `p_dot_p` (numpy) for the same arguments.
-    #[test]
-    fn p_dot_p_matches_edm2() {
-        let s = |t, gamma| Source { t, gamma };
-        // Same profile, same time: (g+1)^2 / ((2g+1) t).
-        let g = 6.94;
-        assert!(
-            (p_dot_p(s(100.0, g), s(100.0, g)) - (g + 1.0).powi(2) / ((2.0 * g + 1.0) * 100.0))
-                .abs()
-                < 1e-15
-        );
-        // Symmetric.
-        let (a, b) = (s(50.0, 3.0), s(120.0, 10.0));
-        assert!((p_dot_p(a, b) - p_dot_p(b, a)).abs() < 1e-15);
+    fn s(t: f64, gamma: f64) -> Source {
+        Source { t, gamma }
+    }
+
+    /// `<p_a, p_b>` by numerical quadrature of the profiles themselves
+    /// (eq. 126), independent of the closed form.
+    fn quad_dot(a: Source, b: Source) -> f64 {
+        let p = |x: Source, tau: f64| {
+            if tau > x.t {
+                0.0
+            } else {
+                (x.gamma + 1.0) * tau.powf(x.gamma) / x.t.powf(x.gamma + 1.0)
+            }
+        };
+        // Midpoint rule on a fine grid of [0, min t] (the product is 0
+        // past the shorter profile's end, and its kink there would cost
+        // the rule its accuracy).
+        let n = 400_000;
+        let top = a.t.min(b.t);
+        let h = top / n as f64;
+        (0..n)
+            .map(|k| {
+                let tau = (k as f64 + 0.5) * h;
+                p(a, tau) * p(b, tau)
+            })
+            .sum::<f64>()
+            * h
     }
 
     #[test]
-    fn a_stored_profile_is_recovered_exactly() {
-        // Asking for a profile that is one of the sources gives weight 1 on
-        // it and 0 elsewhere.
-        let sigma = 0.1;
-        let gamma = sigma_rel_to_gamma(sigma).unwrap();
-        let other = sigma_rel_to_gamma(0.05).unwrap();
-        let sources = [
-            Source { t: 51.0, gamma },
-            Source { t: 101.0, gamma },
-            Source {
-                t: 101.0,
-                gamma: other,
-            },
-        ];
-        let x = coefficients(&sources, 101.0, sigma).unwrap();
-        assert!((x[1] - 1.0).abs() < 1e-6, "{x:?}");
-        assert!(x[0].abs() < 1e-6 && x[2].abs() < 1e-6, "{x:?}");
+    fn p_dot_p_is_the_inner_product_of_the_profiles() {
+        for (a, b) in [
+            (s(100.0, 6.94), s(100.0, 6.94)),
+            (s(50.0, 3.0), s(120.0, 10.0)),
+            (s(120.0, 10.0), s(50.0, 3.0)),
+            (s(11.0, 16.97), s(61.0, 6.94)),
+        ] {
+            let closed = p_dot_p(a, b);
+            let numeric = quad_dot(a, b);
+            assert!(
+                (closed - numeric).abs() <= 1e-6 * closed,
+                "{a:?} {b:?}: {closed} vs {numeric}"
+            );
+        }
+    }
+
+    #[test]
+    fn weights_sum_to_one_and_a_source_is_recovered() {
+        let g10 = sigma_rel_to_gamma(0.10).unwrap();
+        let g05 = sigma_rel_to_gamma(0.05).unwrap();
+        let sources = [s(51.0, g10), s(101.0, g10), s(101.0, g05)];
+        let fits = solve(&sources, 101.0, &[g10, g05]).unwrap();
+        for fit in &fits {
+            assert!((fit.weights.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        }
+        assert!((fits[0].weights[1] - 1.0).abs() < 1e-9, "{fits:?}");
+        assert!(fits[0].residual < 1e-6, "{fits:?}");
+        assert!((fits[1].weights[2] - 1.0).abs() < 1e-9, "{fits:?}");
+    }
+
+    #[test]
+    fn the_residual_is_the_distance_of_the_profiles() {
+        // One source: the synthesis is that source, so the residual is
+        // |p_s - p_T| / |p_T|, checked by quadrature.
+        let src = s(61.0, 6.94);
+        let target = s(61.0, 16.97);
+        let fit = &solve(&[src], 61.0, &[target.gamma]).unwrap()[0];
+        assert_eq!(fit.weights, vec![1.0]);
+        let d2 = quad_dot(src, src) - 2.0 * quad_dot(src, target) + quad_dot(target, target);
+        let want = (d2 / quad_dot(target, target)).sqrt();
+        assert!(
+            (fit.residual - want).abs() < 1e-4,
+            "{} {want}",
+            fit.residual
+        );
+        // Denser sources fit better.
+        let g05 = sigma_rel_to_gamma(0.05).unwrap();
+        let g10 = sigma_rel_to_gamma(0.10).unwrap();
+        let g07 = sigma_rel_to_gamma(0.07).unwrap();
+        let every = |k: usize| -> Vec<Source> {
+            (0..=60)
+                .step_by(k)
+                .flat_map(|st| [s(st as f64 + 1.0, g05), s(st as f64 + 1.0, g10)])
+                .collect()
+        };
+        let sparse = solve(&every(30), 61.0, &[g07]).unwrap()[0].residual;
+        let dense = solve(&every(5), 61.0, &[g07]).unwrap()[0].residual;
+        assert!(dense < sparse, "{dense} {sparse}");
+    }
+
+    #[test]
+    fn no_sources_is_an_error() {
+        assert_eq!(solve(&[], 10.0, &[6.94]), Err(PosthocError::NoSources));
     }
 }

@@ -99,6 +99,23 @@ impl DType {
         matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
     }
 
+    /// The dtype a safetensors header names (`F32`, `BF16`, ...).
+    pub fn from_name(name: &str) -> Option<Self> {
+        const ALL: [DType; 10] = [
+            DType::F64,
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::I64,
+            DType::I32,
+            DType::I16,
+            DType::I8,
+            DType::U8,
+            DType::BOOL,
+        ];
+        ALL.into_iter().find(|d| d.safetensors_name() == name)
+    }
+
     /// Parses the names clients use in query strings (`bf16`, `bfloat16`,
     /// `fp32`, `float32`, `F32`, ...). Only floating point dtypes.
     pub fn parse_float(name: &str) -> Option<Self> {

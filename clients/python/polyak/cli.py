@@ -206,16 +206,67 @@ def cmd_resume(client: Client, args: argparse.Namespace) -> None:
         print(f"resumed from snapshot {answer['snapshot']} at step {answer['step']}")
 
 
+def _sigma_list(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from e
+
+
 def cmd_posthoc(client: Client, args: argparse.Namespace) -> None:
     profiles = args.profiles.split(",") if args.profiles else None
-    snap = client.run(args.run).posthoc(
-        args.sigma_rel, step=args.step, profiles=profiles, name=args.name, wait=not args.no_wait
+    run = client.run(args.run)
+    sigmas = args.sigma_rel
+    if args.plan:
+        plan = run.posthoc_plan(sigmas, step=args.step, profiles=profiles)
+        if args.json:
+            _print_json(plan)
+            return
+        print(f"step {plan['step']}; {len(plan['sources'])} sources")
+        for t in plan["targets"]:
+            print(f"sigma_rel {t['sigma_rel']:g}: residual {t['residual']:.3g}")
+            for src, w in zip(plan["sources"], t["weights"], strict=True):
+                print(
+                    f"  {src['snapshot']:>24} {src['profile']:>12} step {src['step']:>8} {w:+.6f}"
+                )
+        return
+    snaps = run.posthoc(
+        sigmas if len(sigmas) > 1 else sigmas[0],
+        step=args.step,
+        profiles=profiles,
+        name=args.name,
+        wait=not args.no_wait,
+        progress=not args.no_wait and not args.json,
+    )
+    snaps = snaps if isinstance(snaps, list) else [snaps]
+    if args.json:
+        _print_json(snaps if len(snaps) > 1 else snaps[0])
+        return
+    for snap in snaps:
+        detail = snap.get("detail") or {}
+        residual = detail.get("residual")
+        print(
+            f"snapshot {snap.get('id')} (posthoc, sigma_rel {detail.get('sigma_rel', 0):g}) at "
+            f"step {_dash(snap.get('step'))}: {snap.get('status')}"
+            + (f", fit residual {residual:.3g}" if residual is not None else "")
+        )
+
+
+def cmd_merge(client: Client, args: argparse.Namespace) -> None:
+    snap = client.run(args.run).merge(
+        args.snapshots.split(",") if args.snapshots else None,
+        last=args.last,
+        weights=args.weights,
+        alpha=args.alpha,
+        name=args.name,
+        wait=not args.no_wait,
+        progress=not args.no_wait and not args.json,
     )
     if args.json:
         _print_json(snap)
     else:
         print(
-            f"snapshot {snap.get('id')} (posthoc, sigma_rel {args.sigma_rel:g}) at step "
+            f"snapshot {snap.get('id')} (merge, {args.weights}) at step "
             f"{_dash(snap.get('step'))}: {snap.get('status')}"
         )
 
@@ -294,14 +345,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=int)
     p.set_defaults(func=cmd_resume)
 
-    p = sub.add_parser("posthoc", help="synthesise a post-hoc EMA (EDM2) as a snapshot")
+    p = sub.add_parser("posthoc", help="synthesise post-hoc EMAs (EDM2) as snapshots")
     p.add_argument("run")
-    p.add_argument("--sigma-rel", type=float, required=True)
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument(
+        "--sigma-rel",
+        type=_sigma_list,
+        required=True,
+        help="target EMA length(s): one value, or a comma-separated sweep of up to 32",
+    )
+    p.add_argument(
+        "--step", type=int, default=None, help="a step with a stored power-profile snapshot"
+    )
     p.add_argument("--profiles", default=None, help="comma-separated power profiles to combine")
     p.add_argument("--name", default=None, help="profile name of the result (default posthoc)")
-    p.add_argument("--no-wait", action="store_true")
+    p.add_argument("--plan", action="store_true", help="only print the weights and fit residual")
+    p.add_argument("--no-wait", action="store_true", help="return while it is being written")
     p.set_defaults(func=cmd_posthoc)
+
+    p = sub.add_parser("merge", help="average the online weights of stored snapshots")
+    p.add_argument("run")
+    p.add_argument("--snapshots", default=None, help="comma-separated snapshot ids")
+    p.add_argument("--last", type=int, default=None, help="or: the newest N snapshots")
+    p.add_argument("--weights", choices=["uniform", "linear", "exp"], default="uniform")
+    p.add_argument("--alpha", type=float, default=None, help="exp: ratio per step of age")
+    p.add_argument("--name", default=None, help="profile name of the result (default merged)")
+    p.add_argument("--no-wait", action="store_true", help="return while it is being written")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("log", help="send trainer scalars: log RUN STEP loss=0.1 lr=3e-4")
     p.add_argument("run")

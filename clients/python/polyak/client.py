@@ -450,7 +450,8 @@ class Run:
         self, *, kind: str | None = None, status: str | None = None
     ) -> list[dict[str, Any]]:
         """The run's snapshots, oldest first (optionally one ``kind``:
-        ``manual``, ``periodic``, ``state``, ``posthoc``; or one ``status``)."""
+        ``manual``, ``periodic``, ``state``, ``posthoc``, ``merge``; or one
+        ``status``)."""
         data = self._get("/snapshots", kind=kind, status=status)
         return list(data["snapshots"] if isinstance(data, dict) else data)
 
@@ -560,9 +561,33 @@ class Run:
             ).json()
         )
 
+    def posthoc_plan(
+        self,
+        sigma_rel: float | Sequence[float],
+        *,
+        step: int | None = None,
+        profiles: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """What a post-hoc synthesis would use, without writing anything
+        (``GET .../posthoc/plan``): ``step``, ``usable_steps`` (the steps a
+        synthesis can target: those with a stored power-profile snapshot),
+        ``sources`` (oldest first) and per ``sigma_rel`` its ``weights``
+        (one per source, summing to 1) and the fit ``residual`` (the
+        relative L2 distance between the synthesised and the requested
+        averaging profile: large when the snapshots are too sparse)."""
+        sigmas = [sigma_rel] if isinstance(sigma_rel, (int, float)) else list(sigma_rel)
+        return dict(
+            self._get(
+                "/posthoc/plan",
+                sigma_rel=",".join(repr(float(s)) for s in sigmas),
+                step=step,
+                profiles=",".join(profiles) if profiles is not None else None,
+            )
+        )
+
     def posthoc(
         self,
-        sigma_rel: float,
+        sigma_rel: float | Sequence[float],
         *,
         step: int | None = None,
         profiles: Sequence[str] | None = None,
@@ -570,22 +595,127 @@ class Run:
         wait: bool = True,
         timeout: float = 600.0,
         poll: float = 0.5,
-    ) -> dict[str, Any]:
+        progress: bool | IO[str] = False,
+    ) -> Any:
         """Synthesises the EMA of another length after training (EDM2
         post-hoc EMA, ``POST .../posthoc``) from the stored snapshots of the
         run's ``power`` profiles (``profiles``: which; default all), at
-        ``step`` (default the newest snapshot's). The result is a snapshot
-        of kind ``posthoc`` holding one profile, ``name`` (default
-        ``posthoc``), downloadable like any other. With ``wait`` polls it
-        until it is complete."""
-        body: dict[str, Any] = {"sigma_rel": float(sigma_rel)}
+        ``step``: a step where such a snapshot was stored (default the
+        newest; any other is refused with the usable steps). The result is a
+        snapshot of kind ``posthoc`` holding one profile, ``name`` (default
+        ``posthoc``), whose ``detail`` has the sources, their weights and
+        the fit ``residual``.
+
+        ``sigma_rel`` may be a list (up to 32): one snapshot per value, all
+        written in one pass over the sources; a list is answered with a
+        list. With ``wait`` polls until every result is complete
+        (``progress``: a tqdm bar of the source bytes read)."""
+        sweep = not isinstance(sigma_rel, (int, float))
+        body: dict[str, Any] = {
+            "sigma_rel": [float(s) for s in sigma_rel] if sweep else float(sigma_rel)  # type: ignore[union-attr]
+        }
         if step is not None:
             body["step"] = int(step)
         if profiles is not None:
             body["profiles"] = list(profiles)
         if name is not None:
             body["name"] = name
-        return self._start_snapshot("posthoc", body, wait=wait, timeout=timeout, poll=poll)
+        answer = self.client.request(
+            "POST", f"{self.path}/posthoc", json=body, token=self.write_token
+        ).json()
+        rows = list(answer["snapshots"]) if sweep else [dict(answer)]
+        if wait:
+            rows = self._wait_derived(rows, timeout=timeout, poll=poll, progress=progress)
+        return rows if sweep else rows[0]
+
+    def merge(
+        self,
+        snapshots: Sequence[str | int | Mapping[str, Any]] | None = None,
+        *,
+        last: int | None = None,
+        weights: str = "uniform",
+        alpha: float | None = None,
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float = 600.0,
+        poll: float = 0.5,
+        progress: bool | IO[str] = False,
+    ) -> dict[str, Any]:
+        """Averages the online weights of stored snapshots (checkpoint
+        merging, ``POST .../merge``; the run needs ``mirror: true``):
+        ``snapshots`` (ids or rows) or the ``last`` K complete ones, with
+        ``weights`` ``"uniform"``, ``"linear"`` (1, 2, ..., K, newest
+        heaviest) or ``"exp"`` (``alpha ** age``, newest age 0; default
+        ``alpha`` 0.5). The result is a snapshot of kind ``merge`` holding
+        one profile, ``name`` (default ``merged``), downloadable like any
+        other."""
+        body: dict[str, Any] = {"weights": weights}
+        if snapshots is not None:
+            body["snapshots"] = [downloads.snapshot_id(s) for s in snapshots]
+        if last is not None:
+            body["last"] = int(last)
+        if alpha is not None:
+            body["alpha"] = float(alpha)
+        if name is not None:
+            body["name"] = name
+        row = dict(
+            self.client.request(
+                "POST", f"{self.path}/merge", json=body, token=self.write_token
+            ).json()
+        )
+        if not wait:
+            return row
+        return self._wait_derived([row], timeout=timeout, poll=poll, progress=progress)[0]
+
+    def _wait_derived(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        timeout: float,
+        poll: float,
+        progress: bool | IO[str],
+    ) -> list[dict[str, Any]]:
+        """Polls derived snapshots (written together) until all are complete,
+        showing the server's progress (source bytes read) on a tqdm bar."""
+        from tqdm.auto import tqdm
+
+        ids = [downloads.snapshot_id(r) for r in rows]
+        deadline = time.monotonic() + timeout
+        delay = min(0.05, poll)
+        done: dict[str, dict[str, Any]] = {}
+        with tqdm(
+            total=None,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"{self.name} {rows[0].get('kind', 'derived')} x{len(ids)}",
+            disable=progress is False,
+            file=None if isinstance(progress, bool) else progress,
+        ) as bar:
+            while True:
+                for sid in ids:
+                    if sid in done:
+                        continue
+                    snap = self.get_snapshot(sid)
+                    if downloads.snapshot_done(snap):
+                        done[sid] = snap
+                    elif snap.get("progress"):
+                        p = snap["progress"]
+                        bar.total = p["total"]
+                        bar.n = p["done"]
+                        bar.refresh()
+                if len(done) == len(ids):
+                    if bar.total:
+                        bar.n = bar.total
+                        bar.refresh()
+                    return [done[sid] for sid in ids]
+                if time.monotonic() > deadline:
+                    raise PolyakError(
+                        f"snapshots {ids} not complete after {timeout:g}s",
+                        code="snapshot_timeout",
+                    )
+                time.sleep(delay)
+                delay = min(poll, delay * 2)
 
     def _start_snapshot(
         self, endpoint: str, body: dict[str, Any], *, wait: bool, timeout: float, poll: float

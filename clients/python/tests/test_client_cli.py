@@ -138,9 +138,26 @@ def test_cli_snapshots_downloads_compare_resume_posthoc(server, client, run_name
 
     assert main(["--url", url, "posthoc", run_name, "--sigma-rel", "0.1", "--step", "4"]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.endswith("at step 4: complete") and "sigma_rel 0.1" in line
+    assert "at step 4: complete, fit residual" in line and "sigma_rel 0.1" in line, line
     (made,) = run.snapshots(kind="posthoc")
     assert (made["profiles"], made["status"]) == (["posthoc"], "complete")
+    # A sweep: one snapshot per length.
+    args = ["--url", url, "posthoc", run_name, "--sigma-rel", "0.06,0.08", "--step", "4"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "sigma_rel 0.06" in lines[0] and "sigma_rel 0.08" in lines[1]
+    assert len(run.snapshots(kind="posthoc")) == 3
+    # The plan: weights per source, nothing written.
+    assert main([*args[:-2], "--step", "2", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("step 2; 4 sources") and out.count("residual") == 2, out
+    assert len(run.snapshots(kind="posthoc")) == 3
+    # A step without a snapshot: refused with the usable steps.
+    assert main(["--url", url, "posthoc", run_name, "--sigma-rel", "0.1", "--step", "3"]) == 1
+    assert "usable steps: [0, 2, 4, 5]" in capsys.readouterr().err
+    # Merging needs the online weights (mirror).
+    assert main(["--url", url, "merge", run_name, "--last", "2"]) == 1
+    assert "mirror" in capsys.readouterr().err
 
     assert main(["--url", url, "resume", run_name, "4"]) == 0
     line = capsys.readouterr().out.strip()

@@ -376,6 +376,61 @@ def test_posthoc_from_power_profile_snapshots(client, run_name):
     assert e.value.status == 422 and "sigma_rel" in e.value.message
 
 
+def test_posthoc_sweep_plan_and_merge(client, run_name):
+    """``run.posthoc_plan`` previews the weights; ``run.posthoc([...])``
+    writes one snapshot per length (a progress bar on a stream), each equal
+    to the single-length call; ``run.merge`` averages the online weights
+    of the newest snapshots."""
+    run = client.create_run(
+        run_name,
+        world_size=2,
+        snapshot_every=5,
+        mirror=True,
+        profiles=[
+            {"name": "p05", "kind": "power", "sigma_rel": 0.05},
+            {"name": "p10", "kind": "power", "sigma_rel": 0.10},
+        ],
+    )
+    tr = Trainer(seed=31)
+    train_and_push(tr, [run.pusher(rank=r) for r in (0, 1)], 21)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        periodic = run.snapshots(kind="periodic", status="complete")
+        if len(periodic) == 5:
+            break
+        time.sleep(0.05)
+    plan = run.posthoc_plan([0.06, 0.08], step=15)
+    assert plan["step"] == 15 and plan["usable_steps"] == [0, 5, 10, 15, 20]
+    assert [s["step"] for s in plan["sources"]] == [0, 0, 5, 5, 10, 10, 15, 15]
+    for target in plan["targets"]:
+        assert abs(sum(target["weights"]) - 1) < 1e-12 and target["residual"] > 0
+    bar = io.StringIO()
+    swept = run.posthoc([0.06, 0.08], step=15, progress=bar)
+    assert [s["status"] for s in swept] == ["complete", "complete"]
+    assert "100%" in bar.getvalue()
+    for snap, target in zip(swept, plan["targets"], strict=True):
+        assert [s["weight"] for s in snap["detail"]["sources"]] == target["weights"]
+        single = run.posthoc(target["sigma_rel"], step=15)
+        a = run.download(snap, "posthoc", progress=False)
+        b = run.download(single, "posthoc", progress=False)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(polyak.PolyakError) as e:
+        run.posthoc(0.07, step=12)
+    assert e.value.status == 422 and "usable steps: [0, 5, 10, 15, 20]" in e.value.message
+
+    last = run.snapshots(kind="periodic", status="complete")[-2:]
+    online = [run.download(s, "online", progress=False) for s in last]
+    merged_row = run.merge(last=2, weights="exp", alpha=0.25)
+    assert merged_row["kind"] == "merge" and merged_row["step"] == 20
+    merged = run.download(merged_row, "merged", progress=False)
+    for k, v in merged.items():
+        if v.is_floating_point():
+            want = (0.25 * online[0][k].double() + online[1][k].double()) / 1.25
+            assert rel_err(v, want) <= 1e-6, k
+        else:
+            assert torch.equal(v, online[1][k]), k
+
+
 def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_path, monkeypatch):
     """``download_to`` writes a ``full`` download through ``splice`` where
     it can (Linux, plain HTTP, a regular file), else into the mapped file,

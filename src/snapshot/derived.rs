@@ -1,0 +1,857 @@
+//! Derived snapshots: weights the server computes from stored snapshots
+//! rather than captures.
+//!
+//! - `posthoc`: EDM2 post-hoc EMA. [`plan`] finds the run's stored power
+//!   profiles and solves for the weights ([`super::posthoc`]); [`posthoc`]
+//!   writes one derived snapshot per requested `sigma_rel`, all in one pass
+//!   over the sources.
+//! - `merge`: checkpoint averaging of the online weights (the mirror) of
+//!   stored snapshots, uniform, linear or exponential in their age.
+//!
+//! Both are catalog rows inserted `pending`, filled by one background job
+//! ([`spawn_job`]) that streams the sources through [`super::combine`] rank
+//! by rank and completes every output together. Progress (source bytes read
+//! of the total) is kept in memory for `GET .../snapshots/{id}` and sent as
+//! transient `snapshot` events.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::combine::{self, OutputSpec};
+use super::format::MIRROR_PART;
+use super::posthoc::{self, PosthocError, Source};
+use super::{files, format, remove_files, SnapshotError, MANUAL, PERIODIC};
+use crate::engine::capture::RankMeta;
+use crate::engine::schedule::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
+use crate::engine::snapshot_id;
+use crate::run::{ProfileSpec, RunConfig};
+use crate::state::{now_ms, AppState, RunHandle};
+use crate::store::snapshots::{FileRow, SnapshotRow};
+use crate::wire::DType;
+
+/// Kind of synthesised post-hoc snapshots.
+pub const POSTHOC: &str = "posthoc";
+/// Kind of merged-checkpoint snapshots.
+pub const MERGE: &str = "merge";
+/// The most lengths one post-hoc request may ask for.
+pub const MAX_SWEEP: usize = 32;
+/// The most snapshots one merge may average.
+pub const MAX_MERGE: usize = 256;
+
+/// A stored power-profile EMA that can take part in a synthesis.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PowerSource {
+    pub snapshot: String,
+    pub profile: String,
+    pub step: u64,
+    pub gamma: f64,
+    pub sigma_rel: f64,
+}
+
+/// The synthesis of one length.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PlannedTarget {
+    pub sigma_rel: f64,
+    pub gamma: f64,
+    /// The weight of each source (in `sources` order); they sum to 1.
+    pub weights: Vec<f64>,
+    /// L2 distance between the synthesised and the requested averaging
+    /// profile, relative to the requested one's norm.
+    pub residual: f64,
+}
+
+/// What a post-hoc request would compute (`GET .../posthoc/plan`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Plan {
+    /// The target step (a step with a stored power-profile snapshot).
+    pub step: u64,
+    /// Every step a synthesis can target (with the chosen profiles).
+    pub usable_steps: Vec<u64>,
+    /// The stored EMAs combined, oldest first.
+    pub sources: Vec<PowerSource>,
+    /// One per requested `sigma_rel`, in request order.
+    pub targets: Vec<PlannedTarget>,
+}
+
+/// The power profiles of a run (`name -> gamma`), restricted to `only`.
+fn power_profiles(
+    config: &RunConfig,
+    only: Option<&[String]>,
+) -> Result<HashMap<String, f64>, SnapshotError> {
+    let all: HashMap<String, f64> = config
+        .profiles
+        .iter()
+        .filter_map(|p| match p {
+            ProfileSpec::Power { name, gamma, .. } => gamma.map(|g| (name.clone(), g)),
+            _ => None,
+        })
+        .collect();
+    match only {
+        None => {
+            if all.is_empty() {
+                return Err(SnapshotError::Invalid(format!(
+                    "run `{}` has no power profile to synthesise from",
+                    config.name
+                )));
+            }
+            Ok(all)
+        }
+        Some([]) => Err(SnapshotError::Invalid(
+            "profiles: give at least one power profile".into(),
+        )),
+        Some(list) => list
+            .iter()
+            .map(|p| {
+                all.get(p).map(|g| (p.clone(), *g)).ok_or_else(|| {
+                    SnapshotError::Invalid(format!(
+                        "profiles: `{p}` is not a power profile of this run"
+                    ))
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Every complete captured snapshot's EMA of a chosen power profile, one
+/// per (step, profile) (the newest when several snapshots share a step),
+/// oldest first.
+async fn power_sources(
+    state: &AppState,
+    config: &RunConfig,
+    gammas: &HashMap<String, f64>,
+) -> Result<Vec<PowerSource>, SnapshotError> {
+    let rows = state.store.snapshots(&config.name).await?;
+    let mut best: BTreeMap<(u64, String), (&SnapshotRow, f64)> = BTreeMap::new();
+    for row in rows
+        .iter()
+        .filter(|r| r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC))
+    {
+        for profile in &row.profiles {
+            let Some(&gamma) = gammas.get(profile) else {
+                continue;
+            };
+            let key = (row.step, profile.clone());
+            let newer = best
+                .get(&key)
+                .is_none_or(|(b, _)| row.completed_at_ms > b.completed_at_ms);
+            if newer {
+                best.insert(key, (row, gamma));
+            }
+        }
+    }
+    Ok(best
+        .into_iter()
+        .map(|((step, profile), (row, gamma))| PowerSource {
+            snapshot: row.id.clone(),
+            profile,
+            step,
+            gamma,
+            sigma_rel: gamma_to_sigma_rel(gamma),
+        })
+        .collect())
+}
+
+fn check_sigmas(sigma_rels: &[f64]) -> Result<Vec<f64>, SnapshotError> {
+    if sigma_rels.is_empty() {
+        return Err(SnapshotError::Invalid(
+            "sigma_rel: give at least one value".into(),
+        ));
+    }
+    if sigma_rels.len() > MAX_SWEEP {
+        return Err(SnapshotError::Invalid(format!(
+            "sigma_rel: at most {MAX_SWEEP} values in one request, got {}",
+            sigma_rels.len()
+        )));
+    }
+    sigma_rels
+        .iter()
+        .map(|&s| {
+            sigma_rel_to_gamma(s).ok_or_else(|| {
+                SnapshotError::Invalid(format!(
+                    "sigma_rel: {s} is out of range (0, {MAX_SIGMA_REL:.4}]"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Lists steps for a message: all of them when few, else the ends.
+fn steps_text(steps: &[u64]) -> String {
+    const SHOWN: usize = 40;
+    if steps.len() <= SHOWN {
+        return format!("{steps:?}");
+    }
+    let head: Vec<String> = steps[..SHOWN / 2].iter().map(u64::to_string).collect();
+    let tail: Vec<String> = steps[steps.len() - SHOWN / 2..]
+        .iter()
+        .map(u64::to_string)
+        .collect();
+    format!(
+        "[{}, ... ({} more) ..., {}]",
+        head.join(", "),
+        steps.len() - SHOWN,
+        tail.join(", ")
+    )
+}
+
+/// Solves for the weights of each `sigma_rel` at `step` (default: the
+/// newest usable step), from the stored snapshots of `profiles` (default:
+/// every power profile) at or before it.
+pub async fn plan(
+    state: &AppState,
+    run: &RunHandle,
+    sigma_rels: &[f64],
+    step: Option<u64>,
+    profiles: Option<&[String]>,
+) -> Result<Plan, SnapshotError> {
+    let config = &run.config;
+    let target_gammas = check_sigmas(sigma_rels)?;
+    let gammas = power_profiles(config, profiles)?;
+    let all = power_sources(state, config, &gammas).await?;
+    let mut usable_steps: Vec<u64> = all.iter().map(|s| s.step).collect();
+    usable_steps.dedup();
+    let step = match step {
+        None => *usable_steps.last().ok_or_else(|| {
+            SnapshotError::NotFound(format!(
+                "run `{}` has no complete snapshot of a power profile yet",
+                config.name
+            ))
+        })?,
+        Some(s) if usable_steps.binary_search(&s).is_ok() => s,
+        Some(s) => {
+            return Err(SnapshotError::Invalid(format!(
+                "step: {s} has no complete snapshot of the power profiles {:?}; a post-hoc EMA \
+                 can only be synthesised at a step where one was stored (EDM2 reconstructs at \
+                 an input snapshot's time); usable steps: {}",
+                sorted_names(&gammas),
+                steps_text(&usable_steps)
+            )))
+        }
+    };
+    let sources: Vec<PowerSource> = all.into_iter().filter(|s| s.step <= step).collect();
+    let inputs: Vec<Source> = sources
+        .iter()
+        .map(|s| Source {
+            t: (s.step + 1) as f64,
+            gamma: s.gamma,
+        })
+        .collect();
+    let gs = target_gammas.clone();
+    let fits = tokio::task::spawn_blocking(move || posthoc::solve(&inputs, (step + 1) as f64, &gs))
+        .await
+        .map_err(|e| SnapshotError::Invalid(format!("solving the post-hoc weights: {e}")))?
+        .map_err(|e| match e {
+            PosthocError::Solve(m) => SnapshotError::Invalid(m),
+            other => SnapshotError::Invalid(other.to_string()),
+        })?;
+    let targets = sigma_rels
+        .iter()
+        .zip(target_gammas)
+        .zip(fits)
+        .map(|((&sigma_rel, gamma), fit)| PlannedTarget {
+            sigma_rel,
+            gamma,
+            weights: fit.weights,
+            residual: fit.residual,
+        })
+        .collect();
+    Ok(Plan {
+        step,
+        usable_steps,
+        sources,
+        targets,
+    })
+}
+
+fn sorted_names(gammas: &HashMap<String, f64>) -> Vec<&str> {
+    let mut names: Vec<&str> = gammas.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    names
+}
+
+/// One part of one stored snapshot that a job reads.
+#[derive(Debug, Clone)]
+struct JobSource {
+    snapshot: String,
+    part: String,
+}
+
+/// One derived snapshot a job writes.
+#[derive(Debug, Clone)]
+struct JobOutput {
+    id: String,
+    /// The profile name it is stored under.
+    profile: String,
+    weights: Vec<f64>,
+}
+
+/// `POST /posthoc`: one derived snapshot per `sigma_rel` (kind `posthoc`,
+/// one profile `name`), written in one pass over the sources. Returns the
+/// pending rows, in request order.
+pub async fn posthoc(
+    state: &AppState,
+    run: &RunHandle,
+    sigma_rels: &[f64],
+    step: Option<u64>,
+    name: Option<String>,
+    profiles: Option<&[String]>,
+) -> Result<Vec<SnapshotRow>, SnapshotError> {
+    let name = profile_name(name, POSTHOC)?;
+    let plan = plan(state, run, sigma_rels, step, profiles).await?;
+    let sweep_ids: Vec<String> = plan
+        .targets
+        .iter()
+        .map(|_| snapshot_id(POSTHOC, plan.step))
+        .collect();
+    let mut rows = Vec::with_capacity(plan.targets.len());
+    let mut outputs = Vec::with_capacity(plan.targets.len());
+    for (target, id) in plan.targets.iter().zip(&sweep_ids) {
+        let detail = serde_json::json!({
+            "sigma_rel": target.sigma_rel,
+            "gamma": target.gamma,
+            "residual": target.residual,
+            "sources": plan.sources.iter().zip(&target.weights).map(|(s, w)| serde_json::json!({
+                "snapshot": s.snapshot, "profile": s.profile, "step": s.step,
+                "gamma": s.gamma, "sigma_rel": s.sigma_rel, "weight": w,
+            })).collect::<Vec<_>>(),
+            "sweep": sweep_ids,
+        });
+        rows.push(derived_row(
+            run,
+            id,
+            POSTHOC,
+            plan.step,
+            format!("sigma_rel={}", target.sigma_rel),
+            &name,
+            detail,
+        ));
+        outputs.push(JobOutput {
+            id: id.clone(),
+            profile: name.clone(),
+            weights: target.weights.clone(),
+        });
+    }
+    let sources = plan
+        .sources
+        .iter()
+        .map(|s| JobSource {
+            snapshot: s.snapshot.clone(),
+            part: s.profile.clone(),
+        })
+        .collect::<Vec<_>>();
+    // The newest source carries the copied tensors (EDM2 copies buffers
+    // from its inputs in order, so the last one's stay).
+    let base = sources.len() - 1;
+    start(state, run, rows, sources, base, outputs).await
+}
+
+/// How a merge weighs its snapshots, oldest to newest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MergeWeights {
+    /// `1/K` each.
+    Uniform,
+    /// Proportional to `1, 2, ..., K` (the newest counts most).
+    Linear,
+    /// Proportional to `alpha^age`, `age` = 0 for the newest.
+    Exp,
+}
+
+/// The normalised weights of `k` snapshots, oldest first.
+pub fn merge_weights(scheme: MergeWeights, k: usize, alpha: f64) -> Vec<f64> {
+    let raw: Vec<f64> = (0..k)
+        .map(|i| match scheme {
+            MergeWeights::Uniform => 1.0,
+            MergeWeights::Linear => (i + 1) as f64,
+            MergeWeights::Exp => alpha.powi((k - 1 - i) as i32),
+        })
+        .collect();
+    let sum: f64 = raw.iter().sum();
+    raw.into_iter().map(|w| w / sum).collect()
+}
+
+/// Which snapshots a merge averages.
+pub enum MergeSelection {
+    Ids(Vec<String>),
+    Last(usize),
+}
+
+/// `POST /merge`: the weighted average of the online weights (mirror) of
+/// stored snapshots, as a derived snapshot of kind `merge` holding one
+/// profile `name` at the newest source's step.
+pub async fn merge(
+    state: &AppState,
+    run: &RunHandle,
+    selection: MergeSelection,
+    scheme: MergeWeights,
+    alpha: Option<f64>,
+    name: Option<String>,
+) -> Result<SnapshotRow, SnapshotError> {
+    let config = &run.config;
+    if !config.mirror {
+        return Err(SnapshotError::Invalid(format!(
+            "run `{}` keeps no online weights (create it with mirror: true to merge checkpoints)",
+            config.name
+        )));
+    }
+    let name = profile_name(name, "merged")?;
+    let alpha = match (scheme, alpha) {
+        (MergeWeights::Exp, None) => 0.5,
+        (MergeWeights::Exp, Some(a)) if a.is_finite() && a > 0.0 && a <= 1.0 => a,
+        (MergeWeights::Exp, Some(a)) => {
+            return Err(SnapshotError::Invalid(format!(
+                "alpha: {a} is out of range (0, 1]"
+            )))
+        }
+        (_, Some(_)) => {
+            return Err(SnapshotError::Invalid(
+                "alpha: only the exp weights take an alpha".into(),
+            ))
+        }
+        (_, None) => 1.0,
+    };
+    let rows = state.store.snapshots(&config.name).await?;
+    let mergeable =
+        |r: &SnapshotRow| r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC);
+    let mut chosen: Vec<SnapshotRow> = match selection {
+        MergeSelection::Last(k) => {
+            if k == 0 || k > MAX_MERGE {
+                return Err(SnapshotError::Invalid(format!(
+                    "last: between 1 and {MAX_MERGE} snapshots"
+                )));
+            }
+            let mut all: Vec<SnapshotRow> = rows.into_iter().filter(|r| mergeable(r)).collect();
+            all.sort_by_key(|r| (r.step, r.created_at_ms));
+            // One snapshot per step: the online weights of a step are the same.
+            all.dedup_by_key(|r| r.step);
+            if all.len() < k {
+                return Err(SnapshotError::Invalid(format!(
+                    "last: {k} snapshots asked for, the run has {} complete ones",
+                    all.len()
+                )));
+            }
+            all.split_off(all.len() - k)
+        }
+        MergeSelection::Ids(ids) => {
+            if ids.is_empty() || ids.len() > MAX_MERGE {
+                return Err(SnapshotError::Invalid(format!(
+                    "snapshots: between 1 and {MAX_MERGE} ids"
+                )));
+            }
+            let mut seen = HashSet::new();
+            let mut out = Vec::with_capacity(ids.len());
+            for id in ids {
+                if !seen.insert(id.clone()) {
+                    return Err(SnapshotError::Invalid(format!(
+                        "snapshots: `{id}` is listed twice"
+                    )));
+                }
+                let row = rows.iter().find(|r| r.id == id).ok_or_else(|| {
+                    SnapshotError::NotFound(format!("no snapshot `{id}` in run `{}`", config.name))
+                })?;
+                if !mergeable(row) {
+                    return Err(SnapshotError::Invalid(format!(
+                        "snapshots: `{id}` is a {} snapshot that is {}; only complete manual or \
+                         periodic snapshots hold a consistent cut of the online weights",
+                        row.kind, row.status
+                    )));
+                }
+                out.push(row.clone());
+            }
+            out.sort_by_key(|r| (r.step, r.created_at_ms));
+            out
+        }
+    };
+    for row in &chosen {
+        let files = state.store.snapshot_files(&row.id).await?;
+        if !files.iter().any(|f| f.part == MIRROR_PART) {
+            return Err(SnapshotError::Invalid(format!(
+                "snapshot `{}` holds no online weights",
+                row.id
+            )));
+        }
+    }
+    let weights = merge_weights(scheme, chosen.len(), alpha);
+    let newest = chosen.last_mut().map(|r| r.step).unwrap_or(0);
+    let id = snapshot_id(MERGE, newest);
+    let detail = serde_json::json!({
+        "weights": scheme,
+        "alpha": (scheme == MergeWeights::Exp).then_some(alpha),
+        "sources": chosen.iter().zip(&weights).map(|(r, w)| serde_json::json!({
+            "snapshot": r.id, "step": r.step, "weight": w,
+        })).collect::<Vec<_>>(),
+    });
+    let label = format!(
+        "merge of {} ({})",
+        chosen.len(),
+        serde_json::to_value(scheme)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default()
+    );
+    let row = derived_row(run, &id, MERGE, newest, label, &name, detail);
+    let sources: Vec<JobSource> = chosen
+        .iter()
+        .map(|r| JobSource {
+            snapshot: r.id.clone(),
+            part: MIRROR_PART.to_string(),
+        })
+        .collect();
+    let base = sources.len() - 1;
+    let output = JobOutput {
+        id,
+        profile: name,
+        weights,
+    };
+    let mut rows = start(state, run, vec![row], sources, base, vec![output]).await?;
+    Ok(rows.remove(0))
+}
+
+fn profile_name(name: Option<String>, default: &str) -> Result<String, SnapshotError> {
+    let name = name.unwrap_or_else(|| default.to_string());
+    if !crate::run::valid_name(&name) || name == MIRROR_PART {
+        return Err(SnapshotError::Invalid(format!(
+            "name: `{name}` is not a valid profile name"
+        )));
+    }
+    Ok(name)
+}
+
+fn derived_row(
+    run: &RunHandle,
+    id: &str,
+    kind: &str,
+    step: u64,
+    label: String,
+    profile: &str,
+    detail: serde_json::Value,
+) -> SnapshotRow {
+    SnapshotRow {
+        id: id.to_string(),
+        run: run.config.name.clone(),
+        step,
+        kind: kind.into(),
+        label: Some(label),
+        profiles: vec![profile.to_string()],
+        status: "pending".into(),
+        reason: None,
+        created_at_ms: now_ms(),
+        completed_at_ms: None,
+        deadline_ms: None,
+        bytes: 0,
+        detail,
+    }
+}
+
+/// Progress of a derived snapshot being written.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+pub struct Progress {
+    /// Source bytes read so far.
+    pub done: u64,
+    /// Source bytes to read in all.
+    pub total: u64,
+}
+
+/// Inserts the pending rows and starts the job that fills them.
+async fn start(
+    state: &AppState,
+    run: &RunHandle,
+    rows: Vec<SnapshotRow>,
+    sources: Vec<JobSource>,
+    base: usize,
+    outputs: Vec<JobOutput>,
+) -> Result<Vec<SnapshotRow>, SnapshotError> {
+    // Every source's files are looked up before anything is recorded, so a
+    // request that cannot run changes nothing.
+    let mut files = Vec::with_capacity(sources.len());
+    for s in &sources {
+        let rows: Vec<FileRow> = state
+            .store
+            .snapshot_files(&s.snapshot)
+            .await?
+            .into_iter()
+            .filter(|f| f.part == s.part)
+            .collect();
+        if rows.is_empty() {
+            return Err(SnapshotError::Invalid(format!(
+                "snapshot `{}` holds no `{}` part",
+                s.snapshot, s.part
+            )));
+        }
+        files.push(rows);
+    }
+    let total: u64 = files.iter().flatten().map(|f| f.bytes).sum();
+    for row in &rows {
+        state.store.insert_snapshot(row).await?;
+    }
+    {
+        let mut progress = state.snapshots.progress.lock().expect("progress lock");
+        for o in &outputs {
+            progress.insert(o.id.clone(), Progress { done: 0, total });
+        }
+    }
+    for row in &rows {
+        state.events.emit(
+            &run.config.name,
+            "snapshot",
+            None,
+            Some(row.step),
+            serde_json::json!({"id": row.id, "status": "pending", "kind": row.kind}),
+        );
+    }
+    let job = Job {
+        run: run.config.name.clone(),
+        kind: rows.first().map(|r| r.kind.clone()).unwrap_or_default(),
+        step: rows.first().map(|r| r.step).unwrap_or(0),
+        out_dtype: if run.config.ema_dtype.kind() == tch::Kind::Double {
+            DType::F64
+        } else {
+            DType::F32
+        },
+        files,
+        base,
+        outputs,
+        total,
+    };
+    spawn_job(state.clone(), job);
+    Ok(rows)
+}
+
+struct Job {
+    run: String,
+    kind: String,
+    step: u64,
+    out_dtype: DType,
+    /// Per source: its files of the part read (one per rank).
+    files: Vec<Vec<FileRow>>,
+    base: usize,
+    outputs: Vec<JobOutput>,
+    total: u64,
+}
+
+/// Runs a job on a blocking thread and records how it ended.
+fn spawn_job(state: AppState, job: Job) {
+    tokio::spawn(async move {
+        let started = Instant::now();
+        let ids: Vec<String> = job.outputs.iter().map(|o| o.id.clone()).collect();
+        let (run, kind, step) = (job.run.clone(), job.kind.clone(), job.step);
+        let data_dir = state.snapshots.data_dir().to_path_buf();
+        let st = state.clone();
+        let written = tokio::task::spawn_blocking(move || {
+            write_outputs(&data_dir, &job, &mut |done| report(&st, &job, done))
+        })
+        .await;
+        let result = match written {
+            Ok(Ok(per_output)) => complete(&state, &ids, step, per_output).await,
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("the job panicked: {e}")),
+        };
+        {
+            let mut progress = state.snapshots.progress.lock().expect("progress lock");
+            for id in &ids {
+                progress.remove(id);
+            }
+        }
+        match result {
+            Ok(bytes) => {
+                tracing::info!(run = %run, kind = %kind, snapshots = ?ids, secs = started.elapsed().as_secs_f64(), "derived snapshots written");
+                for (id, b) in ids.iter().zip(bytes) {
+                    state.events.emit(
+                        &run,
+                        "snapshot",
+                        None,
+                        Some(step),
+                        serde_json::json!({"id": id, "status": "complete", "kind": kind, "bytes": b}),
+                    );
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(run = %run, kind = %kind, snapshots = ?ids, "derived snapshots failed: {reason}");
+                for id in &ids {
+                    if let Err(e) = state.store.fail_snapshot(id, &reason, now_ms()).await {
+                        tracing::error!(snapshot = %id, error = %e, "recording the failure failed");
+                    }
+                    remove_files(&state, &run, id);
+                    state.events.emit(
+                        &run,
+                        "snapshot",
+                        None,
+                        Some(step),
+                        serde_json::json!({"id": id, "status": "failed", "kind": kind, "reason": reason}),
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// Records progress (at most a few times a second) and tells SSE readers.
+fn report(state: &AppState, job: &Job, done: u64) {
+    {
+        let mut progress = state.snapshots.progress.lock().expect("progress lock");
+        for o in &job.outputs {
+            if let Some(p) = progress.get_mut(&o.id) {
+                p.done = done;
+            }
+        }
+    }
+    state.events.emit_transient(
+        &job.run,
+        "snapshot",
+        None,
+        Some(job.step),
+        serde_json::json!({
+            "ids": job.outputs.iter().map(|o| &o.id).collect::<Vec<_>>(),
+            "status": "running", "kind": job.kind, "done": done, "total": job.total,
+        }),
+    );
+}
+
+/// Marks every output complete; returns their sizes.
+async fn complete(
+    state: &AppState,
+    ids: &[String],
+    step: u64,
+    per_output: Vec<Vec<FileRow>>,
+) -> Result<Vec<u64>, String> {
+    let mut sizes = Vec::with_capacity(ids.len());
+    for (id, files) in ids.iter().zip(per_output) {
+        sizes.push(files.iter().map(|f| f.bytes).sum());
+        let recorded = state
+            .store
+            .complete_snapshot(id, step, &files, now_ms())
+            .await
+            .map_err(|e| e.to_string())?;
+        if !recorded {
+            return Err(format!("snapshot `{id}` was deleted while it was written"));
+        }
+    }
+    Ok(sizes)
+}
+
+/// How often progress is reported, at most.
+const REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Writes every output, rank by rank; returns each output's file rows.
+fn write_outputs(
+    data_dir: &std::path::Path,
+    job: &Job,
+    report: &mut dyn FnMut(u64),
+) -> Result<Vec<Vec<FileRow>>, SnapshotError> {
+    let ranks: Vec<u32> = {
+        let mut r: Vec<u32> = job.files[job.base].iter().map(|f| f.rank).collect();
+        r.sort_unstable();
+        r
+    };
+    let mut out: Vec<Vec<FileRow>> = vec![Vec::new(); job.outputs.len()];
+    let mut done = 0u64;
+    let mut last_report = Instant::now();
+    for rank in ranks {
+        let mut paths = Vec::with_capacity(job.files.len());
+        for files in &job.files {
+            let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
+                SnapshotError::Invalid(format!("rank {rank} is missing from a source snapshot"))
+            })?;
+            paths.push(data_dir.join(&f.path));
+        }
+        let base_file = job.files[job.base]
+            .iter()
+            .find(|f| f.rank == rank)
+            .expect("ranks come from the base");
+        let mut meta: RankMeta = serde_json::from_str(&base_file.state)
+            .map_err(|e| SnapshotError::Invalid(format!("stored rank metadata: {e}")))?;
+        meta.layout.rebuild_index();
+        let specs = job
+            .outputs
+            .iter()
+            .map(|o| OutputSpec {
+                rel: files::snapshot_rel_dir(&job.run, &o.id)
+                    .join(files::part_file_name(rank, &o.profile)),
+                weights: o.weights.clone(),
+                meta: format::part_metadata(&job.run, &o.id, rank, job.step, &o.profile),
+            })
+            .collect();
+        let written = combine::combine_rank(
+            data_dir,
+            &meta.layout,
+            &paths,
+            job.base,
+            job.out_dtype,
+            specs,
+            &mut |bytes| {
+                done += bytes;
+                if last_report.elapsed() >= REPORT_EVERY {
+                    last_report = Instant::now();
+                    report(done);
+                }
+            },
+        )
+        .map_err(|e| match e {
+            combine::CombineError::Io(e) => SnapshotError::Io(e),
+            other => SnapshotError::Invalid(other.to_string()),
+        })?;
+        let state_json =
+            serde_json::to_string(&meta).map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+        for ((o, w), rows) in job.outputs.iter().zip(written).zip(out.iter_mut()) {
+            rows.push(FileRow {
+                rank,
+                part: o.profile.clone(),
+                path: w.path,
+                sha256: w.sha256,
+                bytes: w.bytes,
+                step: job.step,
+                state: state_json.clone(),
+            });
+        }
+    }
+    for o in &job.outputs {
+        let dir = data_dir.join(files::snapshot_rel_dir(&job.run, &o.id));
+        if dir.exists() {
+            files::sync_dir(&dir)?;
+        }
+    }
+    report(done);
+    Ok(out)
+}
+
+/// The progress of a derived snapshot still being written.
+pub fn progress_of(state: &AppState, id: &str) -> Option<Progress> {
+    state
+        .snapshots
+        .progress
+        .lock()
+        .expect("progress lock")
+        .get(id)
+        .copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_weights_are_normalised_and_ordered() {
+        assert_eq!(merge_weights(MergeWeights::Uniform, 4, 1.0), vec![0.25; 4]);
+        let lin = merge_weights(MergeWeights::Linear, 3, 1.0);
+        assert!((lin[0] - 1.0 / 6.0).abs() < 1e-15 && (lin[2] - 0.5).abs() < 1e-15);
+        let exp = merge_weights(MergeWeights::Exp, 3, 0.5);
+        // 0.25 : 0.5 : 1, oldest first.
+        assert!((exp[0] - 0.25 / 1.75).abs() < 1e-15 && (exp[2] - 1.0 / 1.75).abs() < 1e-15);
+    }
+
+    #[test]
+    fn long_step_lists_are_shortened() {
+        let few: Vec<u64> = (0..5).collect();
+        assert_eq!(steps_text(&few), "[0, 1, 2, 3, 4]");
+        let many: Vec<u64> = (0..100).map(|s| s * 10).collect();
+        let text = steps_text(&many);
+        assert!(
+            text.starts_with("[0, 10,") && text.ends_with("980, 990]"),
+            "{text}"
+        );
+        assert!(text.contains("(60 more)"), "{text}");
+    }
+}
