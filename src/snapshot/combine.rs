@@ -93,6 +93,16 @@ pub fn combine_rank(
         }
     }
     let segments = averaged_segments(layout, &opened)?;
+    // Progress counts every byte of every source file: what is not read
+    // (headers, the other sources' copied tensors) counts as done now, so
+    // the total is the sum of the file sizes.
+    for (s, src) in opened.iter().enumerate() {
+        let averaged: u64 = segments
+            .iter()
+            .map(|seg| (seg.numel * seg.at[s].0.size()) as u64)
+            .sum();
+        progress(src.file.metadata()?.len().saturating_sub(averaged));
+    }
     let mut writers = Vec::with_capacity(outputs.len());
     let mut fills = Vec::new();
     for o in &outputs {
@@ -348,14 +358,18 @@ mod tests {
         let written = combine_rank(
             dir.path(),
             &layout,
-            &[s0, s1],
+            &[s0.clone(), s1.clone()],
             0,
             DType::F32,
             outputs,
             &mut |b| read += b,
         )
         .unwrap();
-        assert_eq!(read, 2 * (n as u64 + 3) * 4);
+        let files: u64 = [&s0, &s1]
+            .iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum();
+        assert_eq!(read, files);
         let want = |w0: f64, w1: f64| -> (Vec<f32>, Vec<f32>) {
             let a = a0
                 .iter()
