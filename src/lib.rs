@@ -21,7 +21,8 @@
 //!   sharded, HF shards), compare, resume and crash recovery.
 //! - [`store`]: the SQLite catalog (runs, ranks, events), migrations under
 //!   `migrations/`.
-//! - [`monitor`]: series the server records (EMA drift, ingest rate).
+//! - [`monitor`]: series the server records (EMA drift, per tensor too, ingest rate).
+//! - [`alerts`]: per-run alert rules evaluated on the server, webhooks.
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
 //! - [`hugepages`]: transparent huge pages for the large host buffers.
 //! - [`http`]: routes, handlers, the one error type that maps every failure
@@ -30,6 +31,7 @@
 //! - [`server`]: wires everything together; `run(listener, state, shutdown)` is
 //!   what `main` and the integration tests call.
 
+pub mod alerts;
 pub mod config;
 pub mod engine;
 pub mod http;

@@ -5,7 +5,9 @@
 //! Series names: `ema_drift/<profile>` (per rank, and run-level combining
 //! the ranks' latest samples by sums of squares), `ingest/bytes_per_second`,
 //! `ingest/pushes_per_second`, `ingest/push_seconds` (run-level, sampled
-//! while pushes arrive).
+//! while pushes arrive), `ingest/rank_step` (per rank, the step each rank
+//! had reached at the same moments). Per-tensor drift goes to its own table
+//! (one row per rank, profile and sample).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -80,6 +82,7 @@ pub fn record_drift(
         }
     }
     store_points(state, &run.config.name, points);
+    record_tensor_drift(state, &run.config.name, rank, step, samples);
 }
 
 /// Writes points in the background (the push answer does not wait).
@@ -107,19 +110,28 @@ pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
 /// Turns each run's ingest window into points (called every few seconds).
 pub fn sample_ingest(state: &AppState, since: Instant) {
     let elapsed = since.elapsed().as_secs_f64().max(1e-3);
-    let runs: Vec<Arc<RunHandle>> = state
-        .runs
-        .read()
-        .expect("runs lock")
-        .values()
-        .cloned()
-        .collect();
+    let runs = state.all_runs();
     let at_ms = now_ms();
     for run in runs {
         let w = std::mem::take(&mut *run.ingest.lock().expect("ingest lock"));
         if w.pushes == 0 {
             continue;
         }
+        // Each rank's step at this moment: drawn over wall time, a rank
+        // that falls behind stands out as the lower line.
+        let rank_steps: Vec<MetricPoint> = (0..run.config.world_size)
+            .filter_map(|r| {
+                let s = run.rank(r)?;
+                Some(MetricPoint {
+                    name: "ingest/rank_step".into(),
+                    step: s.last_step?,
+                    rank: Some(r),
+                    value: s.last_step? as f64,
+                    at_ms,
+                })
+            })
+            .collect();
+        store_points(state, &run.config.name, rank_steps);
         let step = (0..run.config.world_size)
             .filter_map(|r| run.rank(r).and_then(|s| s.last_step))
             .max()
@@ -143,6 +155,79 @@ pub fn sample_ingest(state: &AppState, since: Instant) {
     }
 }
 
+/// The averaging window a profile applies at `step` when pushes come every
+/// `update_every` steps: its `beta` for that update and the implied
+/// half-life in steps, `delta * ln(1/2) / ln(beta)` (the number of steps
+/// after which a weight's share has halved). `None` for the half-life of a
+/// frozen EMA (`beta == 1`).
+pub fn effective_window(
+    profile: &crate::run::ProfileSpec,
+    step: u64,
+    update_every: u64,
+) -> (f64, Option<f64>) {
+    use crate::engine::schedule::{decide, Action};
+    use crate::run::ProfileSpec;
+    let u = update_every.max(1);
+    let prev = step.checked_sub(u);
+    let swa_n = match (profile, prev) {
+        (ProfileSpec::Swa { start_step, .. }, Some(p)) if p >= *start_step => {
+            p / u - start_step.div_ceil(u) + 1
+        }
+        _ => 0,
+    };
+    let beta = match decide(profile, step, prev, swa_n).action {
+        Action::Copy => 0.0,
+        Action::Lerp { weight } => 1.0 - weight,
+        Action::Hold => 1.0,
+    };
+    let half_life = if beta <= 0.0 {
+        Some(0.0)
+    } else if beta >= 1.0 {
+        None
+    } else {
+        Some(u as f64 * 0.5f64.ln() / beta.ln())
+    };
+    (beta, half_life)
+}
+
+/// Records the per-tensor sums of a drift sample (one row per profile).
+pub fn record_tensor_drift(
+    state: &AppState,
+    run: &str,
+    rank: u32,
+    step: u64,
+    samples: &[DriftSample],
+) {
+    let rows: Vec<(String, crate::store::meta::TensorDriftRow)> = samples
+        .iter()
+        .filter(|d| !d.tensors.is_empty())
+        .map(|d| {
+            (
+                d.profile.clone(),
+                crate::store::meta::TensorDriftRow {
+                    rank,
+                    step,
+                    names: d.tensor_names.as_ref().clone(),
+                    diff_sq: d.tensors.iter().map(|t| t.0).collect(),
+                    online_sq: d.tensors.iter().map(|t| t.1).collect(),
+                },
+            )
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let store = state.store.clone();
+    let run = run.to_string();
+    tokio::spawn(async move {
+        for (profile, row) in rows {
+            if let Err(e) = store.insert_tensor_drift(&run, &profile, &row).await {
+                tracing::warn!(run = %run, error = %e, "storing tensor drift failed");
+            }
+        }
+    });
+}
+
 /// Checks a metric name: 1..=128 printable characters.
 pub fn valid_metric_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 128 && name.chars().all(|c| !c.is_control())
@@ -151,6 +236,27 @@ pub fn valid_metric_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn effective_window_matches_the_schedules() {
+        use crate::run::ProfileSpec;
+        let constant = ProfileSpec::Constant {
+            name: "ema".into(),
+            beta: 0.5,
+        };
+        // beta 0.5 per update of 2 steps: a weight's share halves in 2 steps.
+        assert_eq!(effective_window(&constant, 0, 2), (0.0, Some(0.0)));
+        let (beta, h) = effective_window(&constant, 10, 2);
+        assert_eq!(beta, 0.5);
+        assert!((h.unwrap() - 2.0).abs() < 1e-12);
+        let swa = ProfileSpec::Swa {
+            name: "swa".into(),
+            start_step: 0,
+        };
+        // The fifth applied push (step 4) averages with weight 1/5.
+        let (beta, _) = effective_window(&swa, 4, 1);
+        assert!((beta - 0.8).abs() < 1e-12);
+    }
 
     #[test]
     fn drift_ratio_is_relative_norm() {

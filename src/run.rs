@@ -317,6 +317,15 @@ pub struct RunSpec {
     /// pushes of a rank (0 = never).
     #[serde(default = "defaults::drift_every")]
     pub drift_every: u64,
+    /// Labels to find the run by; editable later (`PATCH /v1/runs/{run}`).
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// A free-text note; editable later.
+    #[serde(default)]
+    pub note: String,
+    /// Alert rules (defaults apply when absent); editable later.
+    #[serde(default)]
+    pub alerts: Option<crate::alerts::AlertRules>,
 }
 
 /// A validated run configuration, as stored in the catalog.

@@ -36,6 +36,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("recovering from the last run's snapshots")?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let alert_task = crate::alerts::spawn(state.clone(), stop_rx.clone());
     let snapshot_tasks = crate::snapshot::spawn_tasks(state.clone(), captures, stop_rx);
     tracing::info!(
         %addr,
@@ -52,6 +53,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     crate::snapshot::persist_all(&state).await;
     let _ = stop_tx.send(true);
     let _ = snapshot_tasks.await;
+    let _ = alert_task.await;
     drop(state);
     // Every catalog sender is gone once the state is dropped; the writer
     // flushes what it holds and ends.

@@ -172,6 +172,10 @@ pub struct RunHandle {
     pub ranks: Vec<Mutex<RankSummary>>,
     /// Ingest since the last sample (see `monitor`).
     pub ingest: Mutex<IngestWindow>,
+    /// Tags, note and alert rules (editable while the run lives).
+    pub meta: Mutex<crate::store::meta::RunMeta>,
+    /// Alerts firing now (kept by `alerts`).
+    pub alerts_firing: std::sync::atomic::AtomicUsize,
 }
 
 impl RunHandle {
@@ -299,6 +303,8 @@ pub struct AppInner {
     pub metrics: Metrics,
     pub events: EventBus,
     pub snapshots: Snapshots,
+    /// Alert rules' state and the webhook sender.
+    pub alerts: crate::alerts::Alerts,
     /// Where engines send their captures.
     captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
     /// Push bytes that may be held in memory at once, in KiB permits.
@@ -331,6 +337,7 @@ impl AppInner {
             default_device: device::name(default_device),
             events: EventBus::new(last_event, catalog.clone()),
             snapshots: Snapshots::new(args.data_dir.clone()),
+            alerts: crate::alerts::Alerts::new(),
             captures,
             catalog,
             store,
@@ -362,6 +369,11 @@ impl AppInner {
                 .await;
             if handle.is_err() {
                 tracing::error!(run = %name, "the engine refused the run");
+            }
+        }
+        for (name, meta) in state.store.run_metas().await? {
+            if let Some(run) = state.run(&name) {
+                *run.meta.lock().expect("meta lock") = meta;
             }
         }
         Ok((state, captures_rx))
@@ -423,6 +435,8 @@ impl AppInner {
             tokens,
             ranks: ranks.into_iter().map(Mutex::new).collect(),
             ingest: Mutex::new(IngestWindow::default()),
+            meta: Mutex::new(crate::store::meta::RunMeta::default()),
+            alerts_firing: Default::default(),
         });
         self.runs
             .write()
@@ -432,6 +446,16 @@ impl AppInner {
             .runs
             .set(self.runs.read().expect("runs lock").len() as i64);
         Ok(handle)
+    }
+
+    /// Every run, for the periodic jobs that visit them all.
+    pub fn all_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.runs
+            .read()
+            .expect("runs lock")
+            .values()
+            .cloned()
+            .collect()
     }
 
     pub fn run(&self, name: &str) -> Option<Arc<RunHandle>> {

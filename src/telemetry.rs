@@ -46,6 +46,8 @@ pub struct Metrics {
     pub metric_points: IntCounterVec,
     /// Periodic snapshots skipped because the run's backlog was full, by run.
     pub snapshots_skipped: IntCounterVec,
+    /// Alerts firing now, per run and kind (see `alerts`).
+    pub alerts_firing: IntGaugeVec,
 }
 
 impl Metrics {
@@ -123,8 +125,17 @@ impl Metrics {
             &["run"],
         )
         .expect("metric");
+        let alerts_firing = IntGaugeVec::new(
+            Opts::new(
+                "polyak_alerts_firing",
+                "Alerts firing now, per run and kind",
+            ),
+            &["run", "kind"],
+        )
+        .expect("metric");
         for m in [
-            Box::new(pushes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(alerts_firing.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pushes.clone()),
             Box::new(push_bytes.clone()),
             Box::new(push_seconds.clone()),
             Box::new(rejections.clone()),
@@ -151,6 +162,7 @@ impl Metrics {
             drift,
             metric_points,
             snapshots_skipped,
+            alerts_firing,
         }
     }
 
@@ -163,6 +175,9 @@ impl Metrics {
         let _ = self.resident_bytes.remove_label_values(&[run]);
         let _ = self.metric_points.remove_label_values(&[run]);
         let _ = self.snapshots_skipped.remove_label_values(&[run]);
+        for kind in crate::alerts::KINDS {
+            let _ = self.alerts_firing.remove_label_values(&[run, kind]);
+        }
     }
 
     /// The Prometheus text exposition.

@@ -242,6 +242,12 @@ pub struct DriftSample {
     pub profile: String,
     pub diff_sq: f64,
     pub online_sq: f64,
+    /// The same sums per averaged tensor, in the order of `tensor_names`
+    /// (taken in the same pass as the totals).
+    #[serde(skip)]
+    pub tensors: Vec<(f64, f64)>,
+    #[serde(skip)]
+    pub tensor_names: Arc<Vec<String>>,
 }
 
 /// What applying a push reports besides success.
@@ -588,8 +594,16 @@ impl RankState {
         //    and update every profile.
         let mut averaged = Vec::new();
         let mut copied: Vec<Vec<Segment>> = vec![Vec::new(); self.copied.len()];
+        self.applied += 1;
+        let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
+        // On drift samples the segments stay one per tensor (not coalesced)
+        // so the same pass yields each tensor's sums.
+        let mut tensor_names = Vec::new();
         for (t, l) in pairs() {
             let src = source_of(t, l);
+            if sample_drift && matches!(l.slot, Slot::Averaged { .. }) {
+                tensor_names.push(l.name.clone());
+            }
             match l.slot {
                 Slot::Averaged { offset } => averaged.push(Segment {
                     src,
@@ -606,12 +620,20 @@ impl RankState {
             }
         }
         let ema_kind = config.ema_dtype.kind();
-        self.applied += 1;
-        let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
         let mut drift = vec![(0.0, 0.0); self.ema.len()];
+        let mut per_tensor: Vec<Vec<(f64, f64)>> = if sample_drift {
+            vec![vec![(0.0, 0.0); averaged.len()]; self.ema.len()]
+        } else {
+            Vec::new()
+        };
+        let segments = if sample_drift {
+            averaged
+        } else {
+            coalesce(averaged)
+        };
         let fused = device == Device::Cpu && ema_kind == Kind::Float;
         let threads = tch::get_num_threads().max(1) as usize;
-        for s in coalesce(averaged) {
+        for (si, s) in segments.into_iter().enumerate() {
             if fused {
                 if let Some(src) = self.host_source(&s, push) {
                     let ops: Vec<Op> = decisions
@@ -633,9 +655,12 @@ impl RankState {
                     // float tensor owned by this rank; the source is the body
                     // or the mirror, neither of which aliases them.
                     let sums = unsafe { kernels::update(&ptrs, &ops, src, threads, sample_drift) };
-                    for (acc, (d, o)) in drift.iter_mut().zip(sums) {
+                    for (p, (acc, (d, o))) in drift.iter_mut().zip(sums).enumerate() {
                         acc.0 += d;
                         acc.1 += o;
+                        if let Some(t) = per_tensor.get_mut(p) {
+                            t[si] = (d, o);
+                        }
                     }
                     continue;
                 }
@@ -644,7 +669,13 @@ impl RankState {
             if src.kind() != ema_kind {
                 src = src.f_to_kind(ema_kind)?;
             }
-            for ((ema, d), acc) in self.ema.iter_mut().zip(&decisions).zip(&mut drift) {
+            for (p, ((ema, d), acc)) in self
+                .ema
+                .iter_mut()
+                .zip(&decisions)
+                .zip(&mut drift)
+                .enumerate()
+            {
                 let mut dst = ema.f_narrow(0, s.dst, s.numel)?;
                 match d.action {
                     Action::Copy => dst.f_copy_(&src)?,
@@ -654,7 +685,11 @@ impl RankState {
                     Action::Hold => {}
                 }
                 if sample_drift {
-                    drift_sums(&dst, &src, acc)?;
+                    let mut one = (0.0, 0.0);
+                    drift_sums(&dst, &src, &mut one)?;
+                    acc.0 += one.0;
+                    acc.1 += one.1;
+                    per_tensor[p][si] = one;
                 }
             }
         }
@@ -675,6 +710,8 @@ impl RankState {
         Ok(ApplyReport {
             skipped: skipped.into_iter().map(|t| t.name.clone()).collect(),
             drift: sample_drift.then(|| {
+                let names = Arc::new(tensor_names);
+                let mut per_tensor = per_tensor.into_iter();
                 config
                     .profiles
                     .iter()
@@ -683,6 +720,8 @@ impl RankState {
                         profile: p.name().to_string(),
                         diff_sq,
                         online_sq,
+                        tensors: per_tensor.next().unwrap_or_default(),
+                        tensor_names: names.clone(),
                     })
                     .collect()
             }),

@@ -9,6 +9,8 @@
 //! - [`derived`]: post-hoc EMA (plan, sweep) and checkpoint merging.
 //! - [`metrics`]: trainer scalars and the server's own series.
 //! - [`events`]: Server-Sent Events.
+//! - [`insight`]: tags, notes, alert rules and alerts, per-tensor drift,
+//!   effective averaging windows.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
 
 pub mod auth;
@@ -16,6 +18,7 @@ pub mod derived;
 pub mod error;
 pub mod events;
 pub mod extract;
+pub mod insight;
 pub mod metrics;
 pub mod ops;
 pub mod push;
@@ -42,6 +45,8 @@ use crate::state::AppState;
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
         derived::posthoc, derived::plan, derived::merge,
         events::events, metrics::post, metrics::get,
+        insight::patch_run, insight::list_alerts, insight::ack_alert,
+        insight::tensor_drift, insight::window,
     ),
     components(schemas(
         error::ErrorBody, error::ErrorDetail,
@@ -61,6 +66,9 @@ use crate::state::AppState;
         crate::store::snapshots::SnapshotRow,
         crate::store::snapshots::FileRow, crate::snapshot::compare::TensorStats,
         crate::snapshot::compare::CompareSummary, crate::snapshot::compare::CompareResult,
+        insight::MetaPatch, insight::AlertList, insight::TensorDrift, insight::ProfileWindow,
+        insight::WindowResponse, crate::store::meta::RunMeta, crate::alerts::AlertRules,
+        crate::alerts::MetricRule, crate::alerts::Goal, crate::alerts::Alert,
     )),
     tags(
         (name = "runs", description = "Create, list and delete runs"),
@@ -87,8 +95,17 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs", get(runs::list_runs).post(runs::create_run))
         .route(
             "/v1/runs/{run}",
-            get(runs::get_run).delete(runs::delete_run),
+            get(runs::get_run)
+                .delete(runs::delete_run)
+                .patch(insight::patch_run),
         )
+        .route("/v1/runs/{run}/alerts", get(insight::list_alerts))
+        .route(
+            "/v1/runs/{run}/alerts/{id}/ack",
+            axum::routing::post(insight::ack_alert),
+        )
+        .route("/v1/runs/{run}/drift/tensors", get(insight::tensor_drift))
+        .route("/v1/runs/{run}/window", get(insight::window))
         .route("/v1/runs/{run}/ranks", get(runs::list_ranks))
         .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))
         .route("/v1/runs/{run}/ranks/{rank}/ema", get(runs::get_rank_ema))

@@ -40,6 +40,11 @@ pub struct RunView {
     pub health: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ranks: Option<Vec<RankView>>,
+    /// Labels and a free-text note (`PATCH /v1/runs/{run}` edits them).
+    pub tags: Vec<String>,
+    pub note: String,
+    /// Alerts firing now.
+    pub alerts_firing: usize,
 }
 
 /// The answer to run creation; tokens only when auth is on.
@@ -78,6 +83,10 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
     } else {
         "healthy"
     };
+    let (tags, note) = {
+        let meta = run.meta.lock().expect("meta lock");
+        (meta.tags.clone(), meta.note.clone())
+    };
     RunView {
         name: run.config.name.clone(),
         created_at: rfc3339(run.created_at_ms),
@@ -89,6 +98,9 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         resident_bytes: ranks.iter().map(|r| r.resident_bytes).sum(),
         health: health.into(),
         ranks: with_ranks.then_some(ranks),
+        tags,
+        note,
+        alerts_firing: run.alerts_firing.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -106,6 +118,7 @@ pub async fn create_run(
     ApiJson(spec): ApiJson<RunSpec>,
 ) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
     caller.require_admin()?;
+    let meta = super::insight::meta_of_spec(&spec)?;
     let config = spec.validate(&state.default_device, |d| {
         device::resolve(d).map(device::name)
     })?;
@@ -139,6 +152,7 @@ pub async fn create_run(
             Vec::new(),
         )
         .await?;
+    super::insight::store_meta(&state, &handle, meta).await?;
     state.events.emit(
         &config.name,
         "run_created",
@@ -217,6 +231,7 @@ pub async fn delete_run(
     state.store.delete_run(&name).await?;
     let _ = run.engine.call(move |e| e.drop_run(&name)).await;
     state.metrics.forget_run(&run.config.name);
+    state.alerts.forget(&run.config.name);
     tracing::info!(run = %run.config.name, "run deleted");
     Ok(StatusCode::NO_CONTENT)
 }

@@ -306,6 +306,9 @@ pub fn spawn_tasks(
                         if let Err(e) = state.store.prune_metrics(state.args.metrics_retained).await {
                             tracing::warn!(error = %e, "pruning metrics failed");
                         }
+                        if let Err(e) = state.store.prune_tensor_drift(state.args.metrics_retained).await {
+                            tracing::warn!(error = %e, "pruning tensor drift failed");
+                        }
                         if let Err(e) = state.store.prune_events(state.args.events_retained).await {
                             tracing::warn!(error = %e, "pruning events failed");
                         }

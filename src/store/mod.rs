@@ -6,6 +6,7 @@
 //! events) goes through [`writer::CatalogWriter`], which batches it into
 //! one transaction every few hundred milliseconds.
 
+pub mod meta;
 pub mod snapshots;
 pub mod writer;
 

@@ -25,6 +25,7 @@ import torch
 from . import downloads
 from .errors import PolyakError, error_from_response, parse_retry_after
 from .shards import assemble
+from .sysmetrics import SystemSampler
 from .wire import Chunk, parse_chunks, read_safetensors
 
 if TYPE_CHECKING:
@@ -152,6 +153,9 @@ class Client:
         device: str | None = None,
         snapshot_every: int | None = None,
         exist_ok: bool = False,
+        tags: Sequence[str] | None = None,
+        note: str | None = None,
+        alerts: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> Run:
         """Creates a run (``POST /v1/runs``).
@@ -174,6 +178,9 @@ class Client:
             ("ema_dtype", ema_dtype),
             ("device", device),
             ("snapshot_every", snapshot_every),
+            ("tags", list(tags) if tags is not None else None),
+            ("note", note),
+            ("alerts", dict(alerts) if alerts is not None else None),
         ):
             if value is not None:
                 body[key] = value
@@ -242,6 +249,7 @@ class Run:
         self.config: dict[str, Any] = dict(info["config"])
         self.write_token = write_token
         self.read_token = read_token
+        self._system: tuple[SystemSampler, int | None] | None = None
 
     def __repr__(self) -> str:
         return f"Run({self.name!r}, world_size={self.world_size}, update_every={self.update_every}, profiles={self.profiles})"
@@ -367,7 +375,72 @@ class Run:
         }
         if rank is not None:
             body["rank"] = int(rank)
-        self.client.request("POST", f"{self.path}/metrics", json=body, token=self.write_token)
+        payload: Any = body
+        if self._system is not None:
+            sampler, sys_rank = self._system
+            figures = sampler.maybe_sample()
+            if figures:
+                post: dict[str, Any] = {"step": int(step), "values": figures}
+                if sys_rank is not None:
+                    post["rank"] = sys_rank
+                payload = [body, post]
+        self.client.request("POST", f"{self.path}/metrics", json=payload, token=self.write_token)
+
+    def enable_system_metrics(
+        self, rank: int | None = None, *, min_interval: float = 10.0
+    ) -> SystemSampler:
+        """Posts this process's system figures (``sys/...``: CPU, memory,
+        CUDA memory and utilisation) with :meth:`log`, at most once every
+        ``min_interval`` seconds, as ``rank``'s series (default: this
+        torch.distributed rank, or run-level without one)."""
+        if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        sampler = SystemSampler(min_interval)
+        self._system = (sampler, None if rank is None else int(rank))
+        return sampler
+
+    def disable_system_metrics(self) -> None:
+        self._system = None
+
+    # Tags, note, alerts and what only an EMA service shows.
+
+    def annotate(
+        self,
+        *,
+        tags: Sequence[str] | None = None,
+        note: str | None = None,
+        alerts: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Changes the run's tags, note or alert rules (``PATCH /v1/runs/{run}``);
+        returns all three."""
+        body: dict[str, Any] = {}
+        if tags is not None:
+            body["tags"] = list(tags)
+        if note is not None:
+            body["note"] = note
+        if alerts is not None:
+            body["alerts"] = dict(alerts)
+        return self.client.request("PATCH", self.path, json=body, token=self.write_token).json()
+
+    def alerts(self) -> dict[str, Any]:
+        """``{firing, alerts: [...], rules}`` (``GET .../alerts``), newest first."""
+        return self._get("/alerts")
+
+    def ack_alert(self, alert_id: int) -> dict[str, Any]:
+        return self.client.request(
+            "POST", f"{self.path}/alerts/{int(alert_id)}/ack", token=self.write_token
+        ).json()
+
+    def tensor_drift(
+        self, profile: str | None = None, *, limit: int | None = None
+    ) -> dict[str, Any]:
+        """Per-tensor EMA drift: ``{profile, tensors, steps, values}`` with
+        ``values[i][j]`` the drift of ``tensors[i]`` at ``steps[j]``."""
+        return self._get("/drift/tensors", profile=profile, limit=limit)
+
+    def window(self, points: int | None = None) -> dict[str, Any]:
+        """Each profile's beta and half-life in steps over the run."""
+        return self._get("/window", points=points)
 
     def metrics(
         self,

@@ -1,0 +1,761 @@
+//! Alerts: per-run rules evaluated on the server, from the event stream
+//! (rejections, pushes, snapshots, metric posts) and a one-second tick
+//! (stale ranks, free disk space). An alert fires once per condition (its
+//! `key`) and resolves when the condition clears; both transitions become
+//! `alert` events, move the `polyak_alerts_firing` gauge and, when the run
+//! names a webhook, are POSTed to it (retried, with a timeout).
+//!
+//! The service owns its state and its tasks: the evaluator (started by
+//! [`spawn`]) and the webhook sender behind a bounded queue.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, mpsc};
+use utoipa::ToSchema;
+
+use crate::run::FieldError;
+use crate::state::{now_ms, AppState, RunHandle};
+use crate::store::StoredEvent;
+
+/// A run's alert rules. Every field has a default, so `{}` keeps the
+/// defaults: stale ranks, rejected non-finite pushes, failed snapshots and
+/// a disk under 5% free alert; metric rules and the webhook are opt-in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AlertRules {
+    /// Seconds without a push after which a rank alerts; default the rank's
+    /// own stale threshold (`stale_after_seconds` of the rank); 0 turns it off.
+    #[serde(default)]
+    pub stale_after_seconds: Option<f64>,
+    /// Alert when a push is rejected for NaN/Inf values.
+    #[serde(default = "yes")]
+    pub nonfinite: bool,
+    /// Alert when a snapshot fails.
+    #[serde(default = "yes")]
+    pub snapshot_failed: bool,
+    /// Alert when the data directory's free space falls below this fraction
+    /// of the disk (0 turns it off).
+    #[serde(default = "default_disk_free")]
+    pub disk_free_below: f64,
+    /// Rules on the trainer's (or the server's) metric series.
+    #[serde(default)]
+    pub metrics: Vec<MetricRule>,
+    /// `http://` URL that receives every alert transition as JSON.
+    #[serde(default)]
+    pub webhook: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_disk_free() -> f64 {
+    0.05
+}
+
+impl Default for AlertRules {
+    fn default() -> Self {
+        AlertRules {
+            stale_after_seconds: None,
+            nonfinite: true,
+            snapshot_failed: true,
+            disk_free_below: default_disk_free(),
+            metrics: Vec::new(),
+            webhook: None,
+        }
+    }
+}
+
+/// A rule on one metric series: a threshold crossed, or no improvement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MetricRule {
+    /// Series name, e.g. `loss`.
+    pub metric: String,
+    /// Only points of this rank; default the run-level points.
+    #[serde(default)]
+    pub rank: Option<u32>,
+    /// Fires while the value is above this.
+    #[serde(default)]
+    pub above: Option<f64>,
+    /// Fires while the value is below this.
+    #[serde(default)]
+    pub below: Option<f64>,
+    /// Fires when the best value is this many steps old.
+    #[serde(default)]
+    pub patience: Option<u64>,
+    /// `min` (default: lower is better) or `max`.
+    #[serde(default)]
+    pub mode: Goal,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Goal {
+    #[default]
+    Min,
+    Max,
+}
+
+impl AlertRules {
+    /// Checks the rules; `prefix` names the field in errors.
+    pub fn validate(&self, prefix: &str) -> Result<(), FieldError> {
+        let err = |field: String, message: &str| FieldError {
+            field: format!("{prefix}{field}"),
+            message: message.to_string(),
+        };
+        if let Some(s) = self.stale_after_seconds {
+            if !s.is_finite() || s < 0.0 {
+                return Err(err(".stale_after_seconds".into(), "must be >= 0"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.disk_free_below) {
+            return Err(err(".disk_free_below".into(), "must be in [0, 1]"));
+        }
+        if let Some(url) = &self.webhook {
+            let rest = url.strip_prefix("http://").unwrap_or("");
+            if rest.is_empty() || url.len() > 2048 || url.chars().any(char::is_whitespace) {
+                return Err(err(".webhook".into(), "must be an http:// URL"));
+            }
+        }
+        if self.metrics.len() > 64 {
+            return Err(err(".metrics".into(), "at most 64 rules"));
+        }
+        for (i, m) in self.metrics.iter().enumerate() {
+            if !crate::monitor::valid_metric_name(&m.metric) {
+                return Err(err(format!(".metrics[{i}].metric"), "not a metric name"));
+            }
+            if m.above.is_some_and(|v| !v.is_finite()) || m.below.is_some_and(|v| !v.is_finite()) {
+                return Err(err(format!(".metrics[{i}]"), "thresholds must be finite"));
+            }
+            if m.patience == Some(0) {
+                return Err(err(format!(".metrics[{i}].patience"), "must be >= 1"));
+            }
+            if m.above.is_none() && m.below.is_none() && m.patience.is_none() {
+                return Err(err(
+                    format!(".metrics[{i}]"),
+                    "needs `above`, `below` or `patience`",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One alert: fired when its condition began, resolved when it cleared.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Alert {
+    pub id: u64,
+    /// The condition: `stale_rank:R`, `nonfinite:R`, `metric_above:NAME`,
+    /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`.
+    pub key: String,
+    /// `stale_rank`, `nonfinite`, `metric_above`, `metric_below`,
+    /// `no_improvement`, `disk_full` or `snapshot_failed`.
+    pub kind: String,
+    pub rank: Option<u32>,
+    pub metric: Option<String>,
+    /// `firing` or `resolved`.
+    pub state: String,
+    pub message: String,
+    pub fired_at_ms: i64,
+    pub fired_step: Option<u64>,
+    pub resolved_at_ms: Option<i64>,
+    pub resolved_step: Option<u64>,
+    pub acknowledged: bool,
+}
+
+/// Every alert kind.
+pub const KINDS: [&str; 7] = [
+    "stale_rank",
+    "nonfinite",
+    "metric_above",
+    "metric_below",
+    "no_improvement",
+    "disk_full",
+    "snapshot_failed",
+];
+
+/// Resolved alerts kept per run (firing ones are always kept).
+const RESOLVED_KEPT: usize = 200;
+/// Webhook deliveries waiting to be sent, at most.
+const WEBHOOK_QUEUE: usize = 256;
+/// Attempts per webhook delivery, and the timeout of each.
+const WEBHOOK_ATTEMPTS: u32 = 4;
+const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A metric rule's memory: the best value so far and its step.
+#[derive(Debug, Clone, Copy)]
+struct Best {
+    value: f64,
+    step: u64,
+}
+
+#[derive(Default)]
+struct Book {
+    alerts: Vec<Alert>,
+    best: HashMap<usize, Best>,
+}
+
+impl Book {
+    fn firing(&self, key: &str) -> Option<&Alert> {
+        self.alerts
+            .iter()
+            .find(|a| a.key == key && a.state == "firing")
+    }
+}
+
+/// A transition to announce.
+struct Transition {
+    run: String,
+    alert: Alert,
+}
+
+struct Delivery {
+    url: String,
+    body: serde_json::Value,
+}
+
+/// The alert service: every run's alerts and the webhook queue.
+pub struct Alerts {
+    books: Mutex<HashMap<String, Book>>,
+    next_id: AtomicU64,
+    webhooks: mpsc::Sender<Delivery>,
+}
+
+impl Alerts {
+    /// Creates the service and starts its webhook sender (it ends when the
+    /// service is dropped).
+    pub fn new() -> Self {
+        let (tx, rx) = mpsc::channel(WEBHOOK_QUEUE);
+        tokio::spawn(send_webhooks(rx));
+        Alerts {
+            books: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            webhooks: tx,
+        }
+    }
+
+    /// A run's alerts, newest first.
+    pub fn list(&self, run: &str) -> Vec<Alert> {
+        let books = self.books.lock().expect("alerts lock");
+        let mut out = books.get(run).map(|b| b.alerts.clone()).unwrap_or_default();
+        out.reverse();
+        out
+    }
+
+    /// Marks an alert acknowledged; `None` when the run has no such alert.
+    pub fn acknowledge(&self, run: &str, id: u64) -> Option<Alert> {
+        let mut books = self.books.lock().expect("alerts lock");
+        let alert = books.get_mut(run)?.alerts.iter_mut().find(|a| a.id == id)?;
+        alert.acknowledged = true;
+        Some(alert.clone())
+    }
+
+    /// Forgets a deleted run.
+    pub fn forget(&self, run: &str) {
+        self.books.lock().expect("alerts lock").remove(run);
+    }
+
+    /// Fires `key` unless it is already firing.
+    #[allow(clippy::too_many_arguments)]
+    fn fire(
+        &self,
+        out: &mut Vec<Transition>,
+        run: &str,
+        key: String,
+        kind: &str,
+        rank: Option<u32>,
+        metric: Option<&str>,
+        step: Option<u64>,
+        message: String,
+    ) {
+        let mut books = self.books.lock().expect("alerts lock");
+        let book = books.entry(run.to_string()).or_default();
+        if book.firing(&key).is_some() {
+            return;
+        }
+        let alert = Alert {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key,
+            kind: kind.to_string(),
+            rank,
+            metric: metric.map(str::to_string),
+            state: "firing".into(),
+            message,
+            fired_at_ms: now_ms(),
+            fired_step: step,
+            resolved_at_ms: None,
+            resolved_step: None,
+            acknowledged: false,
+        };
+        book.alerts.push(alert.clone());
+        let resolved = book.alerts.iter().filter(|a| a.state != "firing").count();
+        if resolved > RESOLVED_KEPT {
+            if let Some(i) = book.alerts.iter().position(|a| a.state != "firing") {
+                book.alerts.remove(i);
+            }
+        }
+        out.push(Transition {
+            run: run.to_string(),
+            alert,
+        });
+    }
+
+    /// Resolves `key` if it is firing.
+    fn resolve(&self, out: &mut Vec<Transition>, run: &str, key: &str, step: Option<u64>) {
+        let mut books = self.books.lock().expect("alerts lock");
+        let Some(book) = books.get_mut(run) else {
+            return;
+        };
+        if let Some(alert) = book
+            .alerts
+            .iter_mut()
+            .find(|a| a.key == key && a.state == "firing")
+        {
+            alert.state = "resolved".into();
+            alert.resolved_at_ms = Some(now_ms());
+            alert.resolved_step = step;
+            out.push(Transition {
+                run: run.to_string(),
+                alert: alert.clone(),
+            });
+        }
+    }
+
+    fn firing_keys(&self, run: &str) -> Vec<String> {
+        let books = self.books.lock().expect("alerts lock");
+        books
+            .get(run)
+            .map(|b| {
+                b.alerts
+                    .iter()
+                    .filter(|a| a.state == "firing")
+                    .map(|a| a.key.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Counts of firing alerts per kind, for the gauge.
+    fn firing_by_kind(&self, run: &str) -> BTreeMap<String, i64> {
+        let books = self.books.lock().expect("alerts lock");
+        let mut out = BTreeMap::new();
+        for a in books.get(run).map(|b| b.alerts.as_slice()).unwrap_or(&[]) {
+            if a.state == "firing" {
+                *out.entry(a.kind.clone()).or_insert(0) += 1;
+            }
+        }
+        out
+    }
+
+    /// Evaluates a metric point against the run's rules.
+    fn on_metric(
+        &self,
+        out: &mut Vec<Transition>,
+        run: &str,
+        rules: &AlertRules,
+        rank: Option<u32>,
+        step: u64,
+        values: &serde_json::Map<String, serde_json::Value>,
+    ) {
+        for (i, rule) in rules.metrics.iter().enumerate() {
+            if rule.rank != rank {
+                continue;
+            }
+            let Some(v) = values.get(&rule.metric).and_then(|v| v.as_f64()) else {
+                continue;
+            };
+            let name = rule.metric.as_str();
+            for (kind, limit, crossed) in [
+                (
+                    "metric_above",
+                    rule.above,
+                    rule.above.is_some_and(|a| v > a),
+                ),
+                (
+                    "metric_below",
+                    rule.below,
+                    rule.below.is_some_and(|b| v < b),
+                ),
+            ] {
+                let Some(limit) = limit else { continue };
+                let key = format!("{kind}:{name}");
+                if crossed {
+                    let side = if kind == "metric_above" {
+                        "above"
+                    } else {
+                        "below"
+                    };
+                    self.fire(
+                        out,
+                        run,
+                        key,
+                        kind,
+                        rank,
+                        Some(name),
+                        Some(step),
+                        format!("{name} = {v} at step {step}, {side} {limit}"),
+                    );
+                } else {
+                    self.resolve(out, run, &key, Some(step));
+                }
+            }
+            if let Some(patience) = rule.patience {
+                let improved = {
+                    let mut books = self.books.lock().expect("alerts lock");
+                    let book = books.entry(run.to_string()).or_default();
+                    let better = |b: &Best| match rule.mode {
+                        Goal::Min => v < b.value,
+                        Goal::Max => v > b.value,
+                    };
+                    match book.best.get(&i) {
+                        Some(b) if !better(b) => Err(*b),
+                        _ => {
+                            book.best.insert(i, Best { value: v, step });
+                            Ok(())
+                        }
+                    }
+                };
+                let key = format!("no_improvement:{name}");
+                match improved {
+                    Ok(()) => self.resolve(out, run, &key, Some(step)),
+                    Err(best) if step.saturating_sub(best.step) >= patience => self.fire(
+                        out,
+                        run,
+                        key,
+                        "no_improvement",
+                        rank,
+                        Some(name),
+                        Some(step),
+                        format!(
+                            "{name} has not improved on {} (step {}) for {} steps",
+                            best.value,
+                            best.step,
+                            step - best.step
+                        ),
+                    ),
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+}
+
+impl Default for Alerts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Starts the evaluator; it stops when `stop` turns true.
+pub fn spawn(
+    state: AppState,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let mut events = state.events.subscribe();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let mut out = Vec::new();
+            tokio::select! {
+                event = events.recv() => match event {
+                    Ok(event) => on_event(&state, &event, &mut out),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "alert evaluation fell behind the event stream");
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
+                },
+                _ = tick.tick() => {
+                    let state = state.clone();
+                    // statvfs and the per-run scan stay off the async workers.
+                    match tokio::task::spawn_blocking(move || {
+                        let mut out = Vec::new();
+                        on_tick(&state, &mut out);
+                        out
+                    }).await {
+                        Ok(found) => out = found,
+                        Err(e) => tracing::warn!(error = %e, "alert tick failed"),
+                    }
+                },
+                _ = stop.changed() => break,
+            }
+            announce(&state, out);
+        }
+    })
+}
+
+fn rules_of(run: &RunHandle) -> AlertRules {
+    run.meta.lock().expect("meta lock").alerts.clone()
+}
+
+fn on_event(state: &AppState, event: &StoredEvent, out: &mut Vec<Transition>) {
+    if event.kind == "alert" {
+        return;
+    }
+    let Some(run) = state.run(&event.run) else {
+        return;
+    };
+    let rules = rules_of(&run);
+    let alerts = &state.alerts;
+    let name = event.run.as_str();
+    match event.kind.as_str() {
+        "rejection" if event.detail["code"] == "nonfinite" && rules.nonfinite => {
+            let rank = event.rank.unwrap_or(0);
+            alerts.fire(
+                out,
+                name,
+                format!("nonfinite:{rank}"),
+                "nonfinite",
+                Some(rank),
+                None,
+                event.step,
+                format!(
+                    "rank {rank} pushed non-finite values at step {}: {}",
+                    event.step.unwrap_or(0),
+                    event.detail["message"].as_str().unwrap_or("")
+                ),
+            );
+        }
+        "push" if event.detail["applied"] == true => {
+            if let Some(rank) = event.rank {
+                alerts.resolve(out, name, &format!("nonfinite:{rank}"), event.step);
+                alerts.resolve(out, name, &format!("stale_rank:{rank}"), event.step);
+            }
+        }
+        "snapshot" => match event.detail["status"].as_str() {
+            Some("failed") if rules.snapshot_failed => alerts.fire(
+                out,
+                name,
+                "snapshot_failed".into(),
+                "snapshot_failed",
+                None,
+                None,
+                event.step,
+                format!(
+                    "snapshot {} failed: {}",
+                    event.detail["id"].as_str().unwrap_or("?"),
+                    event.detail["reason"].as_str().unwrap_or("")
+                ),
+            ),
+            Some("complete") => alerts.resolve(out, name, "snapshot_failed", event.step),
+            _ => {}
+        },
+        "metrics" => {
+            if let (Some(step), Some(values)) = (event.step, event.detail["values"].as_object()) {
+                alerts.on_metric(out, name, &rules, event.rank, step, values);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Fraction of the disk holding `path` that is free (for unprivileged users).
+pub fn disk_free_fraction(path: &Path) -> Option<f64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable struct.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 || st.f_blocks == 0 {
+        return None;
+    }
+    Some(st.f_bavail as f64 / st.f_blocks as f64)
+}
+
+fn on_tick(state: &AppState, out: &mut Vec<Transition>) {
+    let runs = state.all_runs();
+    let free = disk_free_fraction(&state.args.data_dir);
+    let now = now_ms();
+    for run in runs {
+        let rules = rules_of(&run);
+        let name = run.config.name.as_str();
+        let alerts = &state.alerts;
+        for r in 0..run.config.world_size {
+            let Some(s) = run.rank(r) else { continue };
+            let key = format!("stale_rank:{r}");
+            let threshold = rules
+                .stale_after_seconds
+                .unwrap_or(s.stale_after_ms() as f64 / 1000.0);
+            let age = s.last_push_at_ms.map(|t| (now - t).max(0) as f64 / 1000.0);
+            match age {
+                Some(age) if s.live && threshold > 0.0 && age > threshold => alerts.fire(
+                    out,
+                    name,
+                    key,
+                    "stale_rank",
+                    Some(r),
+                    None,
+                    s.last_step,
+                    format!(
+                        "rank {r} has not pushed for {age:.1} s (threshold {threshold} s; last step {})",
+                        s.last_step.map_or("-".into(), |v| v.to_string())
+                    ),
+                ),
+                _ => alerts.resolve(out, name, &key, s.last_step),
+            }
+        }
+        match free {
+            Some(f) if f < rules.disk_free_below => alerts.fire(
+                out,
+                name,
+                "disk_full".into(),
+                "disk_full",
+                None,
+                None,
+                None,
+                format!(
+                    "the data directory's disk is {:.1}% free (threshold {:.1}%)",
+                    f * 100.0,
+                    rules.disk_free_below * 100.0
+                ),
+            ),
+            Some(_) => alerts.resolve(out, name, "disk_full", None),
+            None => {}
+        }
+        // Rules that were turned off resolve what they had fired.
+        for key in alerts.firing_keys(name) {
+            let off = (key.starts_with("nonfinite:") && !rules.nonfinite)
+                || (key == "snapshot_failed" && !rules.snapshot_failed)
+                || ((key.starts_with("metric_") || key.starts_with("no_improvement:"))
+                    && !rules
+                        .metrics
+                        .iter()
+                        .any(|m| key.ends_with(&format!(":{}", m.metric))));
+            if off {
+                alerts.resolve(out, name, &key, None);
+            }
+        }
+    }
+}
+
+/// Events, gauge and webhook for each transition.
+fn announce(state: &AppState, out: Vec<Transition>) {
+    for t in out {
+        let alert = &t.alert;
+        tracing::info!(run = %t.run, key = %alert.key, state = %alert.state, "alert: {}", alert.message);
+        let detail = serde_json::to_value(alert).unwrap_or_default();
+        state.events.emit(
+            &t.run,
+            "alert",
+            alert.rank,
+            alert.resolved_step.or(alert.fired_step),
+            detail.clone(),
+        );
+        let by_kind = state.alerts.firing_by_kind(&t.run);
+        state
+            .metrics
+            .alerts_firing
+            .with_label_values(&[&t.run, &alert.kind])
+            .set(by_kind.get(&alert.kind).copied().unwrap_or(0));
+        let run = state.run(&t.run);
+        if let Some(run) = &run {
+            run.alerts_firing
+                .store(by_kind.values().sum::<i64>() as usize, Ordering::Relaxed);
+        }
+        let webhook = run.and_then(|r| rules_of(&r).webhook);
+        if let Some(url) = webhook {
+            let body = serde_json::json!({"run": t.run, "alert": detail});
+            if state
+                .alerts
+                .webhooks
+                .try_send(Delivery { url, body })
+                .is_err()
+            {
+                tracing::warn!(run = %t.run, "webhook queue full; an alert was not delivered");
+            }
+        }
+    }
+}
+
+async fn send_webhooks(mut rx: mpsc::Receiver<Delivery>) {
+    let client = match reqwest::Client::builder().timeout(WEBHOOK_TIMEOUT).build() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "no HTTP client for webhooks");
+            return;
+        }
+    };
+    while let Some(d) = rx.recv().await {
+        for attempt in 0..WEBHOOK_ATTEMPTS {
+            match client.post(&d.url).json(&d.body).send().await {
+                Ok(r) if r.status().is_success() => break,
+                Ok(r) => {
+                    tracing::warn!(url = %d.url, status = %r.status(), attempt, "webhook refused")
+                }
+                Err(e) => tracing::warn!(url = %d.url, error = %e, attempt, "webhook failed"),
+            }
+            if attempt + 1 < WEBHOOK_ATTEMPTS {
+                tokio::time::sleep(Duration::from_millis(250 << attempt)).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(v: f64) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("loss".into(), v.into());
+        m
+    }
+
+    #[tokio::test]
+    async fn metric_rules_fire_and_clear_at_the_right_step() {
+        let alerts = Alerts::new();
+        let rules = AlertRules {
+            metrics: vec![MetricRule {
+                metric: "loss".into(),
+                rank: None,
+                above: Some(2.0),
+                below: None,
+                patience: Some(3),
+                mode: Goal::Min,
+            }],
+            ..AlertRules::default()
+        };
+        let mut out = Vec::new();
+        let seq = [1.0, 0.5, 3.0, 0.6, 0.7, 0.8, 0.4];
+        let mut log = Vec::new();
+        for (step, v) in seq.iter().enumerate() {
+            alerts.on_metric(&mut out, "r", &rules, None, step as u64, &values(*v));
+            for t in out.drain(..) {
+                log.push((t.alert.key, t.alert.state, step));
+            }
+        }
+        let want = [
+            ("metric_above:loss", "firing", 2),
+            ("metric_above:loss", "resolved", 3),
+            ("no_improvement:loss", "firing", 4),
+            ("no_improvement:loss", "resolved", 6),
+        ];
+        let got: Vec<_> = log
+            .iter()
+            .map(|(k, s, n)| (k.as_str(), s.as_str(), *n))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(alerts.list("r").len(), 2);
+    }
+
+    #[test]
+    fn rules_are_validated() {
+        let mut rules = AlertRules::default();
+        assert!(rules.validate("alerts").is_ok());
+        rules.webhook = Some("ftp://x".into());
+        assert_eq!(
+            rules.validate("alerts").unwrap_err().field,
+            "alerts.webhook"
+        );
+        rules.webhook = Some("http://127.0.0.1:9/hook".into());
+        rules.disk_free_below = 2.0;
+        assert_eq!(
+            rules.validate("alerts").unwrap_err().field,
+            "alerts.disk_free_below"
+        );
+    }
+}

@@ -1,0 +1,341 @@
+//! What a researcher adds to a run and what only an EMA service can show:
+//! tags, note and alert rules (`PATCH /v1/runs/{run}`), alerts and their
+//! acknowledgement, per-tensor EMA drift, and each profile's effective
+//! averaging window over the run.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Path, Query, State};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::auth::Caller;
+use super::error::{ApiError, ErrorBody};
+use super::extract::{run_named, ApiJson};
+use crate::alerts::{Alert, AlertRules};
+use crate::monitor::{drift_ratio, effective_window};
+use crate::run::{FieldError, RunSpec};
+use crate::state::{now_ms, AppState, RunHandle};
+use crate::store::meta::RunMeta;
+
+/// Most tags a run may carry, and the longest tag and note.
+const MAX_TAGS: usize = 32;
+const MAX_TAG_CHARS: usize = 64;
+const MAX_NOTE_CHARS: usize = 8192;
+
+/// Checks tags (trimmed, deduplicated, order kept) and a note.
+pub fn checked_meta(
+    tags: Vec<String>,
+    note: String,
+    alerts: AlertRules,
+) -> Result<RunMeta, FieldError> {
+    let err = |field: String, message: String| FieldError { field, message };
+    if tags.len() > MAX_TAGS {
+        return Err(err("tags".into(), format!("at most {MAX_TAGS} tags")));
+    }
+    let mut clean: Vec<String> = Vec::with_capacity(tags.len());
+    for (i, t) in tags.into_iter().enumerate() {
+        let t = t.trim().to_string();
+        if t.is_empty() || t.chars().count() > MAX_TAG_CHARS || t.chars().any(char::is_control) {
+            return Err(err(
+                format!("tags[{i}]"),
+                format!("a tag is 1-{MAX_TAG_CHARS} printable characters"),
+            ));
+        }
+        if !clean.contains(&t) {
+            clean.push(t);
+        }
+    }
+    if note.chars().count() > MAX_NOTE_CHARS {
+        return Err(err(
+            "note".into(),
+            format!("at most {MAX_NOTE_CHARS} characters"),
+        ));
+    }
+    alerts.validate("alerts")?;
+    Ok(RunMeta {
+        tags: clean,
+        note,
+        alerts,
+    })
+}
+
+/// The annotations of a run being created (checked before it is stored).
+pub fn meta_of_spec(spec: &RunSpec) -> Result<RunMeta, FieldError> {
+    checked_meta(
+        spec.tags.clone(),
+        spec.note.clone(),
+        spec.alerts.clone().unwrap_or_default(),
+    )
+}
+
+/// Stores a run's annotations and installs them on its handle.
+pub async fn store_meta(state: &AppState, run: &RunHandle, meta: RunMeta) -> Result<(), ApiError> {
+    state
+        .store
+        .put_run_meta(&run.config.name, &meta, now_ms())
+        .await?;
+    *run.meta.lock().expect("meta lock") = meta;
+    Ok(())
+}
+
+/// Fields to change; absent ones keep their value.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MetaPatch {
+    pub tags: Option<Vec<String>>,
+    pub note: Option<String>,
+    pub alerts: Option<AlertRules>,
+}
+
+/// Change a run's tags, note or alert rules.
+#[utoipa::path(patch, path = "/v1/runs/{run}", tag = "runs",
+    params(("run" = String, Path)), request_body = MetaPatch,
+    responses((status = 200, body = RunMeta), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+pub async fn patch_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    ApiJson(patch): ApiJson<MetaPatch>,
+) -> Result<Json<RunMeta>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_write(&run)?;
+    let old = run.meta.lock().expect("meta lock").clone();
+    let meta = checked_meta(
+        patch.tags.unwrap_or(old.tags),
+        patch.note.unwrap_or(old.note),
+        patch.alerts.unwrap_or(old.alerts),
+    )?;
+    store_meta(&state, &run, meta.clone()).await?;
+    state.events.emit(
+        &name,
+        "annotated",
+        None,
+        None,
+        serde_json::json!({"tags": meta.tags, "note": meta.note}),
+    );
+    Ok(Json(meta))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AlertList {
+    /// Alerts firing now.
+    pub firing: usize,
+    /// Newest first: firing ones and the last resolved ones.
+    pub alerts: Vec<Alert>,
+    pub rules: AlertRules,
+}
+
+/// A run's alerts.
+#[utoipa::path(get, path = "/v1/runs/{run}/alerts", tag = "monitoring",
+    params(("run" = String, Path)), responses((status = 200, body = AlertList)))]
+pub async fn list_alerts(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Json<AlertList>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let alerts = state.alerts.list(&name);
+    let rules = run.meta.lock().expect("meta lock").alerts.clone();
+    Ok(Json(AlertList {
+        firing: alerts.iter().filter(|a| a.state == "firing").count(),
+        alerts,
+        rules,
+    }))
+}
+
+/// Acknowledge an alert (it stays listed, marked acknowledged).
+#[utoipa::path(post, path = "/v1/runs/{run}/alerts/{id}/ack", tag = "monitoring",
+    params(("run" = String, Path), ("id" = u64, Path)),
+    responses((status = 200, body = Alert), (status = 404, body = ErrorBody)))]
+pub async fn ack_alert(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<Json<Alert>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_write(&run)?;
+    let alert = id
+        .parse::<u64>()
+        .ok()
+        .and_then(|id| state.alerts.acknowledge(&name, id))
+        .ok_or_else(|| ApiError::not_found("alert_not_found", format!("no alert `{id}`")))?;
+    state.events.emit(
+        &name,
+        "alert",
+        alert.rank,
+        alert.fired_step,
+        serde_json::to_value(&alert).unwrap_or_default(),
+    );
+    Ok(Json(alert))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct TensorDriftQuery {
+    /// Profile name; default the run's first profile.
+    pub profile: Option<String>,
+    /// Newest sampled steps returned (default 200, at most 2000).
+    pub limit: Option<i64>,
+}
+
+/// Drift per tensor over the sampled steps: `values[i][j]` is
+/// `||EMA - online|| / ||online||` of `tensors[i]` at `steps[j]` (the
+/// ranks' chunks of a tensor combined by sums of squares), `null` where a
+/// rank's sample is missing.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TensorDrift {
+    pub profile: String,
+    pub tensors: Vec<String>,
+    pub steps: Vec<u64>,
+    pub values: Vec<Vec<Option<f64>>>,
+}
+
+/// EMA drift per tensor (a heatmap's rows), for one profile.
+#[utoipa::path(get, path = "/v1/runs/{run}/drift/tensors", tag = "monitoring",
+    params(("run" = String, Path), TensorDriftQuery),
+    responses((status = 200, body = TensorDrift), (status = 404, body = ErrorBody)))]
+pub async fn tensor_drift(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    Query(q): Query<TensorDriftQuery>,
+) -> Result<Json<TensorDrift>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let profile = q
+        .profile
+        .unwrap_or_else(|| run.config.profiles[0].name().to_string());
+    if !run.config.profiles.iter().any(|p| p.name() == profile) {
+        return Err(ApiError::not_found(
+            "profile_not_found",
+            format!("run `{name}` has no profile `{profile}`"),
+        ));
+    }
+    let rows = state
+        .store
+        .tensor_drift(&name, &profile, q.limit.unwrap_or(200).clamp(1, 2000))
+        .await?;
+    // (tensor, step) -> (diff_sq, online_sq, ranks that contributed).
+    let mut sums: BTreeMap<(String, u64), (f64, f64)> = BTreeMap::new();
+    let mut order: Vec<String> = Vec::new();
+    let mut steps: Vec<u64> = Vec::new();
+    // Ranks holding a part of each tensor, and the ranks sampled per step.
+    let mut holders: BTreeMap<String, std::collections::BTreeSet<u32>> = BTreeMap::new();
+    let mut sampled: BTreeMap<u64, std::collections::BTreeSet<u32>> = BTreeMap::new();
+    for row in &rows {
+        if steps.last() != Some(&row.step) {
+            steps.push(row.step);
+        }
+        sampled.entry(row.step).or_default().insert(row.rank);
+        for ((n, d), o) in row.names.iter().zip(&row.diff_sq).zip(&row.online_sq) {
+            if !holders.contains_key(n) {
+                order.push(n.clone());
+            }
+            holders.entry(n.clone()).or_default().insert(row.rank);
+            let e = sums.entry((n.clone(), row.step)).or_default();
+            e.0 += d;
+            e.1 += o;
+        }
+    }
+    let values = order
+        .iter()
+        .map(|n| {
+            steps
+                .iter()
+                .map(|s| {
+                    let complete = holders[n].is_subset(&sampled[s]);
+                    sums.get(&(n.clone(), *s))
+                        .filter(|_| complete)
+                        .map(|(d, o)| drift_ratio(*d, *o))
+                })
+                .collect()
+        })
+        .collect();
+    Ok(Json(TensorDrift {
+        profile,
+        tensors: order,
+        steps,
+        values,
+    }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct WindowQuery {
+    /// Points per profile (default 200, at most 2000).
+    pub points: Option<u64>,
+    /// Last step drawn (default the run's furthest step).
+    pub until: Option<u64>,
+}
+
+/// One profile's window: `points` are `[step, beta, half_life_steps]`
+/// (`half_life_steps` null for a frozen EMA).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProfileWindow {
+    pub profile: String,
+    pub kind: String,
+    pub points: Vec<(u64, f64, Option<f64>)>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WindowResponse {
+    pub update_every: u64,
+    pub profiles: Vec<ProfileWindow>,
+}
+
+/// Each profile's effective averaging window over the run: its `beta` at
+/// evenly spaced update steps and the implied half-life in steps.
+#[utoipa::path(get, path = "/v1/runs/{run}/window", tag = "monitoring",
+    params(("run" = String, Path), WindowQuery),
+    responses((status = 200, body = WindowResponse)))]
+pub async fn window(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    Query(q): Query<WindowQuery>,
+) -> Result<Json<WindowResponse>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let u = run.config.update_every.max(1);
+    let furthest = (0..run.config.world_size)
+        .filter_map(|r| run.rank(r).and_then(|s| s.last_step))
+        .max()
+        .unwrap_or(0);
+    let until = q.until.unwrap_or(furthest);
+    let updates = until / u + 1;
+    let points = q.points.unwrap_or(200).clamp(2, 2000).min(updates);
+    let steps: Vec<u64> = (0..points)
+        .map(|i| {
+            let k = if points > 1 {
+                i * (updates - 1) / (points - 1)
+            } else {
+                0
+            };
+            k * u
+        })
+        .collect();
+    let profiles = run
+        .config
+        .profiles
+        .iter()
+        .map(|p| ProfileWindow {
+            profile: p.name().to_string(),
+            kind: serde_json::to_value(p)
+                .ok()
+                .and_then(|v| v["kind"].as_str().map(str::to_string))
+                .unwrap_or_default(),
+            points: steps
+                .iter()
+                .map(|&s| {
+                    let (beta, h) = effective_window(p, s, u);
+                    (s, beta, h)
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(Json(WindowResponse {
+        update_every: u,
+        profiles,
+    }))
+}
