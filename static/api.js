@@ -167,7 +167,7 @@ export async function api(path, { method = 'GET', body, signal, timeoutMs = DEFA
   throw new ApiError(401, 'unauthenticated', 'no token given');
 }
 
-export const EVENT_KINDS = ['run_created', 'rank_registered', 'push', 'rejection', 'snapshot', 'metrics', 'restored', 'resumed'];
+export const EVENT_KINDS = ['run_created', 'rank_registered', 'push', 'rejection', 'snapshot', 'metrics', 'restored', 'resumed', 'alert'];
 
 /**
  * A run's event stream. `onEvent(event)` gets the parsed `{id, kind, rank,

@@ -1,14 +1,17 @@
 // The dashboard's router: `#/runs`, `#/runs/NAME`, `#/runs/NAME/snapshots`,
-// `#/runs/NAME/compare?a=..&b=..`, `#/runs/NAME/posthoc?sigma_rel=..`. Each page renders into #app with a
+// `#/runs/NAME/compare?a=..&b=..`, `#/runs/NAME/posthoc?sigma_rel=..`,
+// `#/runs/NAME/insight`, `#/compare?runs=a,b&metric=..` (runs side by side). Each page renders into #app with a
 // context whose signal aborts its requests and whose cleanups stop its
 // timers and streams when the page is left.
 
 import { getToken, setToken } from './api.js';
 import { errorBox, h } from './dom.js';
 import * as comparePage from './pages/compare.js';
+import * as insightPage from './pages/insight.js';
 import * as posthocPage from './pages/posthoc.js';
 import * as runPage from './pages/run.js';
 import * as runsPage from './pages/runs.js';
+import * as runsComparePage from './pages/runscompare.js';
 import * as snapshotsPage from './pages/snapshots.js';
 
 window.polyak = window.polyak || {};
@@ -20,6 +23,8 @@ const ROUTES = [
   [/^\/runs\/([^/]+)\/snapshots$/, snapshotsPage],
   [/^\/runs\/([^/]+)\/compare$/, comparePage],
   [/^\/runs\/([^/]+)\/posthoc$/, posthocPage],
+  [/^\/runs\/([^/]+)\/insight$/, insightPage],
+  [/^\/compare$/, runsComparePage],
 ];
 
 let current = null;

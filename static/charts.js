@@ -111,85 +111,152 @@ const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: 
  *
  * Returns `{plot, update(data), destroy()}`; `update` keeps the user's zoom.
  */
-export function createChart(container, name, { series, x = {}, y = {}, y2 = null, height = 220 }) {
-  const width = Math.max(240, container.clientWidth || 600);
-  const yFmt = y.fmt || y.legend || ((v) => String(v));
-  const yTick = y.fmt ? (v) => y.fmt(v) : fmtTick;
-  const yRange = y.zero ? (u, min, max) => [0, max > 0 ? max * 1.08 : 1] : linearRange;
-  const scales = { x: { time: Boolean(x.time) }, y: y.log ? { distr: 3 } : { auto: true, range: yRange } };
-  if (x.range) scales.x.range = x.range;
-  const axes = [
-    {
-      ...AXIS,
-      label: x.label,
-      labelSize: x.label ? 18 : 0,
-      ...(x.time ? { incrs: TIME_INCRS, space: 60 } : { values: x.values || ((u, splits) => splits.map((v) => (x.fmt ? x.fmt(v) : String(v)))) }),
-      ...(x.integer ? { incrs: STEP_INCRS } : {}),
-      ...(x.axis || {}),
-    },
-    {
-      ...AXIS,
-      scale: 'y',
-      label: y.label,
-      labelSize: y.label ? 18 : 0,
-      values: (u, splits, axisIdx, space, incr) => splits.map((v) => (v === null ? '' : yTick(v, incr))),
-      size: axisSize,
-    },
-  ];
-  if (y2) {
-    scales.y2 = { auto: true, range: linearRange };
-    axes.push({
-      ...AXIS,
-      scale: 'y2',
-      side: 1,
-      grid: { show: false },
-      label: y2.label,
-      labelSize: y2.label ? 18 : 0,
-      values: (u, splits) => splits.map((v) => (v === null ? '' : (y2.fmt || String)(v))),
-      size: axisSize,
+export function createChart(container, name, { series, x = {}, y = {}, y2 = null, height = 220, controls = true }) {
+  // What the user chose with the chart's controls; a rebuild keeps it.
+  const view = { log: Boolean(y.log), robust: false };
+  let plot = null;
+  let source = null; // the data as given, before the log axis drops values <= 0
+  let zoomed = false;
+
+  function build() {
+    const width = Math.max(240, container.clientWidth || 600);
+    const yFmt = y.fmt || y.legend || ((v) => String(v));
+    const yTick = y.fmt ? (v) => y.fmt(v) : fmtTick;
+    const yRange = y.zero ? (u, min, max) => [0, max > 0 ? max * 1.08 : 1] : linearRange;
+    const scales = { x: { time: Boolean(x.time) } };
+    if (view.log) scales.y = { distr: 3, ...(view.robust ? { range: (u, min, max) => robustRange(u, 'y', min, max, true) } : {}) };
+    else if (view.robust) scales.y = { auto: true, range: (u, min, max) => robustRange(u, 'y', min, max, false) };
+    else scales.y = { auto: true, range: yRange };
+    if (x.range) scales.x.range = x.range;
+    const axes = [
+      {
+        ...AXIS,
+        label: x.label,
+        labelSize: x.label ? 18 : 0,
+        ...(x.time ? { incrs: TIME_INCRS, space: 60 } : { values: x.values || ((u, splits) => splits.map((v) => (x.fmt ? x.fmt(v) : String(v)))) }),
+        ...(x.integer ? { incrs: STEP_INCRS } : {}),
+        ...(x.axis || {}),
+      },
+      {
+        ...AXIS,
+        scale: 'y',
+        label: y.label,
+        labelSize: y.label ? 18 : 0,
+        values: (u, splits, axisIdx, space, incr) => splits.map((v) => (v === null ? '' : yTick(v, incr))),
+        size: axisSize,
+      },
+    ];
+    if (y2) {
+      scales.y2 = { auto: true, range: linearRange };
+      axes.push({
+        ...AXIS,
+        scale: 'y2',
+        side: 1,
+        grid: { show: false },
+        label: y2.label,
+        labelSize: y2.label ? 18 : 0,
+        values: (u, splits) => splits.map((v) => (v === null ? '' : (y2.fmt || String)(v))),
+        size: axisSize,
+      });
+    }
+    const opts = {
+      width,
+      height,
+      scales,
+      axes,
+      cursor: { drag: { x: true, y: false }, focus: { prox: 24 } },
+      // Zoomed: the x scale shows less than the data (a drag); a reset or
+      // new data drawn in full clears it.
+      hooks: {
+        setScale: [
+          (u, key) => {
+            if (key !== 'x') return;
+            const d = u.data[0];
+            zoomed = d.length > 1 && (u.scales.x.min > d[0] || u.scales.x.max < d[d.length - 1]);
+            if (resetButton) resetButton.disabled = !zoomed;
+          },
+        ],
+      },
+      focus: { alpha: 0.4 },
+      legend: { live: true },
+      series: [
+        {
+          label: x.label || 'x',
+          value: (u, v) => (v === null || v === undefined ? '—' : x.time ? new Date(v * 1000).toLocaleTimeString() : x.fmt ? x.fmt(v) : String(v)),
+        },
+        ...series.map((s) => ({
+          label: s.label,
+          scale: s.scale || 'y',
+          stroke: s.color,
+          width: s.width ?? 1.5,
+          dash: s.dash,
+          fill: s.fill,
+          spanGaps: true,
+          points: { show: s.bars ? false : (u, si) => u.data[0].length < 40 },
+          paths: s.bars ? uPlot.paths.bars({ size: [0.7, 64], align: 0 }) : undefined,
+          value: (u, v) => (v === null || v === undefined ? '—' : (s.fmt || yFmt)(v)),
+        })),
+      ],
+    };
+    const empty = [[], ...series.map(() => [])];
+    const old = plot;
+    plot = new uPlot(opts, drawn(source) || empty, container);
+    if (old) old.destroy();
+    plot.polyak = { name, labels: series.map((s) => s.label), log: view.log, robust: view.robust };
+    registry()[name] = plot;
+  }
+
+  /** On a log axis, values <= 0 cannot be drawn: they become gaps. */
+  function drawn(data) {
+    if (!data) return null;
+    if (!view.log) return data;
+    return data.map((col, i) => {
+      if (i === 0) return col;
+      const s = series[i - 1];
+      if (s && s.scale === 'y2') return col;
+      return Array.from(col, (v) => (v === null || v === undefined || !(v > 0) ? null : v));
     });
   }
-  const opts = {
-    width,
-    height,
-    scales,
-    axes,
-    cursor: { drag: { x: true, y: false }, focus: { prox: 24 } },
-    focus: { alpha: 0.4 },
-    legend: { live: true },
-    series: [
-      {
-        label: x.label || 'x',
-        value: (u, v) => (v === null || v === undefined ? '—' : x.time ? new Date(v * 1000).toLocaleTimeString() : x.fmt ? x.fmt(v) : String(v)),
-      },
-      ...series.map((s) => ({
-        label: s.label,
-        scale: s.scale || 'y',
-        stroke: s.color,
-        width: s.width ?? 1.5,
-        dash: s.dash,
-        fill: s.fill,
-        spanGaps: true,
-        points: { show: s.bars ? false : (u, si) => u.data[0].length < 40 },
-        paths: s.bars ? uPlot.paths.bars({ size: [0.7, 64], align: 0 }) : undefined,
-        value: (u, v) => (v === null || v === undefined ? '—' : (s.fmt || yFmt)(v)),
-      })),
-    ],
-  };
-  const empty = [[], ...series.map(() => [])];
-  const plot = new uPlot(opts, empty, container);
-  plot.polyak = { name, labels: series.map((s) => s.label) };
-  registry()[name] = plot;
 
-  let zoomed = false;
-  plot.over.addEventListener('mouseup', () => {
-    const sx = plot.scales.x;
-    const d = plot.data[0];
-    zoomed = d.length > 1 && (sx.min > d[0] || sx.max < d[d.length - 1]);
-  });
-  plot.over.addEventListener('dblclick', () => {
-    zoomed = false;
-  });
+  let resetButton = null;
+  if (controls) {
+    const bar = document.createElement('div');
+    bar.className = 'chart-controls';
+    const button = (label, title, onClick, testid) => {
+      const b = document.createElement('button');
+      b.type = 'button';
+      b.className = 'btn tiny';
+      b.textContent = label;
+      b.title = title;
+      b.dataset.control = testid;
+      b.addEventListener('click', onClick);
+      bar.append(b);
+      return b;
+    };
+    const logButton = button(view.log ? 'log' : 'linear', 'y axis: linear or log', () => {
+      view.log = !view.log;
+      logButton.textContent = view.log ? 'log' : 'linear';
+      logButton.setAttribute('aria-pressed', String(view.log));
+      build();
+    }, 'log');
+    logButton.setAttribute('aria-pressed', String(view.log));
+    const robustButton = button('auto range', 'y range: every point, or ignoring outliers (2nd-98th percentile)', () => {
+      view.robust = !view.robust;
+      robustButton.textContent = view.robust ? 'robust range' : 'auto range';
+      robustButton.setAttribute('aria-pressed', String(view.robust));
+      build();
+    }, 'robust');
+    resetButton = button('reset zoom', 'show every point (or double-click the chart)', () => {
+      zoomed = false;
+      resetButton.disabled = true;
+      plot.setData(plot.data, true);
+    }, 'reset');
+    resetButton.disabled = true;
+    button('CSV', 'download the data drawn as CSV', () => download(`${fileName(name)}.csv`, 'text/csv', toCsv(plot)), 'csv');
+    button('JSON', 'download the data drawn as JSON', () => download(`${fileName(name)}.json`, 'application/json', JSON.stringify(toJson(plot))), 'json');
+    container.append(bar);
+  }
+  build();
 
   const resize = new ResizeObserver(() => {
     const w = container.clientWidth;
@@ -198,9 +265,12 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
   resize.observe(container);
 
   return {
-    plot,
+    get plot() {
+      return plot;
+    },
     update(data) {
-      plot.setData(data, !zoomed);
+      source = data;
+      plot.setData(drawn(data), !zoomed);
       if (zoomed) plot.redraw(false, true);
     },
     destroy() {
@@ -209,6 +279,60 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
       if (registry()[name] === plot) delete registry()[name];
     },
   };
+}
+
+/** The y range of the points drawn, ignoring the 2% at each end. */
+function robustRange(u, scale, min, max, log) {
+  const values = [];
+  u.series.forEach((s, i) => {
+    if (i === 0 || s.scale !== scale || !u.data[i]) return;
+    for (const v of u.data[i]) if (v !== null && Number.isFinite(v) && (!log || v > 0)) values.push(log ? Math.log10(v) : v);
+  });
+  if (values.length < 2) return log ? [min || 1, max || 10] : linearRange(u, min, max);
+  values.sort((a, b) => a - b);
+  const at = (q) => values[Math.min(values.length - 1, Math.max(0, Math.round(q * (values.length - 1))))];
+  let lo = at(0.02);
+  let hi = at(0.98);
+  const pad = (hi - lo) * 0.1 || Math.abs(hi) * 0.01 || 1;
+  lo -= pad;
+  hi += pad;
+  return log ? [10 ** lo, 10 ** hi] : [lo, hi];
+}
+
+function fileName(name) {
+  return String(name).replace(/[^A-Za-z0-9._-]+/g, '_');
+}
+
+function cell(v) {
+  return v === null || v === undefined || Number.isNaN(v) ? '' : String(v);
+}
+
+/** The chart's data as drawn: a header of labels, then one row per x. */
+export function toCsv(plot) {
+  const labels = plot.series.map((s) => `"${String(s.label).replace(/"/g, '""')}"`);
+  const rows = [labels.join(',')];
+  const xs = plot.data[0] || [];
+  for (let i = 0; i < xs.length; i += 1) rows.push(plot.data.map((col) => cell(col[i])).join(','));
+  return `${rows.join('\n')}\n`;
+}
+
+/** The same as JSON: `{x: {label, values}, series: [{label, values}]}`. */
+export function toJson(plot) {
+  return {
+    x: { label: plot.series[0].label, values: Array.from(plot.data[0] || []) },
+    series: plot.series.slice(1).map((s, i) => ({ label: s.label, values: Array.from(plot.data[i + 1] || []) })),
+  };
+}
+
+function download(name, type, text) {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const a = document.createElement('a');
+  a.href = url;
+  a.download = name;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10_000);
 }
 
 /**

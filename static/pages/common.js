@@ -8,6 +8,7 @@ const TABS = [
   ['snapshots', 'Snapshots', '/snapshots'],
   ['compare', 'Compare', '/compare'],
   ['posthoc', 'Post-hoc EMA', '/posthoc'],
+  ['insight', 'Insight', '/insight'],
 ];
 
 export function runHref(run, rest = '') {

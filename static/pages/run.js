@@ -8,6 +8,7 @@ import { alignByX, chartCard, color, createChart, fade, smoothEma } from '../cha
 import { badge, emptyBox, errorBox, h, healthBadge, loadingBox, rankStatusText, rankTone, setCrumbs, stat, tableWrap } from '../dom.js';
 import { fmtAge, fmtBytes, fmtClock, fmtInt, fmtNum, fmtRate, fmtRelative, fmtSeconds, fmtStep, fmtTime } from '../format.js';
 import { runHeader, setConnection } from './common.js';
+import { runExtras } from './runextras.js';
 
 const RUN_REFRESH_MS = 3000;
 const SERVER_SERIES_REFRESH_MS = 5000;
@@ -18,7 +19,7 @@ const TRAINER_POINTS = 5000;
 const SERVER_POINTS = 5000;
 const LOG_SHOWN = 200;
 const LOG_KEPT_PER_KIND = 500;
-const RARE_KINDS = ['run_created', 'rank_registered', 'rejection', 'snapshot', 'restored', 'resumed'];
+const RARE_KINDS = ['run_created', 'rank_registered', 'rejection', 'snapshot', 'restored', 'resumed', 'alert'];
 const LOG_KINDS = [...RARE_KINDS, 'push', 'metrics'];
 const INGEST = ['ingest/bytes_per_second', 'ingest/pushes_per_second', 'ingest/push_seconds'];
 const isServerSeries = (name) => name.startsWith('ema_drift/') || name.startsWith('ingest/');
@@ -462,6 +463,8 @@ function describe(e) {
         .join(' · ');
     case 'run_created':
       return `world size ${d.world_size} · ${d.profiles} profile${d.profiles === 1 ? '' : 's'}`;
+    case 'alert':
+      return [d.state, d.acknowledged ? 'acknowledged' : null, d.message].filter(Boolean).join(' · ');
     case 'metrics':
       return Object.entries(d.values || {})
         .map(([k, v]) => `${k} ${fmtNum(v)}`)
@@ -471,7 +474,7 @@ function describe(e) {
   }
 }
 
-const KIND_TONE = { rejection: 'bad', snapshot: 'info', rank_registered: 'ok', run_created: 'ok', push: 'muted', metrics: 'muted', restored: 'warn', resumed: 'warn' };
+const KIND_TONE = { rejection: 'bad', snapshot: 'info', rank_registered: 'ok', run_created: 'ok', push: 'muted', metrics: 'muted', restored: 'warn', resumed: 'warn', alert: 'bad' };
 
 function eventsPanel(ctx) {
   const shown = new Set(loadSetting('log_kinds', RARE_KINDS));
@@ -626,6 +629,7 @@ export function render(root, { run }, ctx) {
   let trainer = null;
   let log = null;
   let renderTimer = null;
+  let extras = null;
 
   const serverNow = () => Date.now() - skewMs;
 
@@ -695,6 +699,7 @@ export function render(root, { run }, ctx) {
     log.add(e);
     if (e.kind === 'push') onPush(e);
     else if (e.kind === 'metrics') trainer.onEvent(e);
+    else if (e.kind === 'alert') extras.refresh();
     else if (e.kind === 'rank_registered' || e.kind === 'rejection' || e.kind === 'restored' || e.kind === 'resumed') refreshRun();
   }
 
@@ -752,7 +757,9 @@ export function render(root, { run }, ctx) {
     trainer = trainerPanel(ctx, run);
     const server = serverPanel(ctx, run, first.config);
     log = eventsPanel(ctx);
-    body.replaceChildren(stats.el, ranksUi.el, trainer.el, server.el, h('div', { class: 'split' }, log.el, configPanel(first)));
+    extras = runExtras(ctx, run, first);
+    header.el.querySelector('.title-row').append(extras.badge);
+    body.replaceChildren(stats.el, extras.el, ranksUi.el, trainer.el, server.el, h('div', { class: 'split' }, log.el, configPanel(first)));
     refreshRanks();
     trainer.start();
     server.start();

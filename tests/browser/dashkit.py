@@ -47,14 +47,14 @@ def chromium_path() -> str:
 class Feeder:
     """The training process: ``feeder.py`` pushing every rank each step."""
 
-    def __init__(self, url: str, run: str) -> None:
+    def __init__(self, url: str, run: str, *args: str) -> None:
         self.url = url
         self.run = run
         self.step = -1
         self.output: list[str] = []
         self._seen = threading.Condition()
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("feeder.py")), url, run],
+            [sys.executable, str(Path(__file__).with_name("feeder.py")), url, run, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

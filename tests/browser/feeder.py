@@ -34,11 +34,14 @@ class Feed:
     """Where the weights and scalars go: the polyak client, one pusher per
     rank. The one place to change if the transport changes."""
 
-    def __init__(self, url: str, run: str, token: str | None) -> None:
+    def __init__(self, url: str, run: str, token: str | None, system_metrics: bool = False) -> None:
         import polyak
 
         self.client = polyak.Client(url, token=token)
         self.run = self.client.run(run)
+        if system_metrics:
+            # Rank 0's host figures, at most five a second.
+            self.run.enable_system_metrics(rank=0, min_interval=0.2)
         self.pushers = [self.run.pusher(rank=r) for r in range(self.run.world_size)]
 
     def push(self, model: nn.Module, step: int) -> None:
@@ -63,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.1, help="seconds between steps")
     ap.add_argument("--token", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--system-metrics", action="store_true", help="post the trainer's system metrics"
+    )
     args = ap.parse_args(argv)
 
     stopping = False
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     target_net = nn.Linear(16, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.steps, 1))
-    feed = Feed(args.url, args.run, args.token)
+    feed = Feed(args.url, args.run, args.token, args.system_metrics)
     try:
         for step in range(args.steps):
             if stopping:
