@@ -262,19 +262,28 @@ pub struct ApplyReport {
 /// Elements per step of the drift reduction (bounds its temporaries).
 const DRIFT_CHUNK: i64 = 1 << 22;
 
-/// Accumulates `sum((a - b)^2)` and `sum(b^2)` in f64.
-fn drift_sums(a: &Tensor, b: &Tensor, acc: &mut (f64, f64)) -> Result<(), EngineError> {
+/// `[sum((a - b)^2), sum(b^2)]` in f64, left on the tensors' device: the
+/// sums of every tensor of a sample come back in one transfer, not one
+/// synchronisation per tensor.
+fn drift_sums(a: &Tensor, b: &Tensor) -> Result<Tensor, EngineError> {
     let n = a.size()[0];
+    let mut acc = Tensor::f_zeros([2], (Kind::Double, a.device()))?;
     let mut start = 0;
     while start < n {
         let len = DRIFT_CHUNK.min(n - start);
         let (x, y) = (a.f_narrow(0, start, len)?, b.f_narrow(0, start, len)?);
         let d = x.f_sub(&y)?;
-        acc.0 += d.f_mul(&d)?.f_sum(Kind::Double)?.f_double_value(&[])?;
-        acc.1 += y.f_mul(&y)?.f_sum(Kind::Double)?.f_double_value(&[])?;
+        let pair = Tensor::f_stack(
+            &[
+                d.f_mul(&d)?.f_sum(Kind::Double)?,
+                y.f_mul(&y)?.f_sum(Kind::Double)?,
+            ],
+            0,
+        )?;
+        acc = acc.f_add(&pair)?;
         start += len;
     }
-    Ok(())
+    Ok(acc)
 }
 
 /// What happened to a push.
@@ -633,6 +642,8 @@ impl RankState {
         };
         let fused = device == Device::Cpu && ema_kind == Kind::Float;
         let threads = tch::get_num_threads().max(1) as usize;
+        // Drift sums still on the device: (profile, tensor, [diff_sq, online_sq]).
+        let mut pending: Vec<(usize, usize, Tensor)> = Vec::new();
         for (si, s) in segments.into_iter().enumerate() {
             if fused {
                 if let Some(src) = self.host_source(&s, push) {
@@ -669,13 +680,7 @@ impl RankState {
             if src.kind() != ema_kind {
                 src = src.f_to_kind(ema_kind)?;
             }
-            for (p, ((ema, d), acc)) in self
-                .ema
-                .iter_mut()
-                .zip(&decisions)
-                .zip(&mut drift)
-                .enumerate()
-            {
+            for (p, (ema, d)) in self.ema.iter_mut().zip(&decisions).enumerate() {
                 let mut dst = ema.f_narrow(0, s.dst, s.numel)?;
                 match d.action {
                     Action::Copy => dst.f_copy_(&src)?,
@@ -685,12 +690,21 @@ impl RankState {
                     Action::Hold => {}
                 }
                 if sample_drift {
-                    let mut one = (0.0, 0.0);
-                    drift_sums(&dst, &src, &mut one)?;
-                    acc.0 += one.0;
-                    acc.1 += one.1;
-                    per_tensor[p][si] = one;
+                    pending.push((p, si, drift_sums(&dst, &src)?));
                 }
+            }
+        }
+        if !pending.is_empty() {
+            let sums: Vec<&Tensor> = pending.iter().map(|(_, _, t)| t).collect();
+            let host = Tensor::f_stack(&sums, 0)?
+                .f_to(Device::Cpu)?
+                .f_flatten(0, -1)?;
+            let values = Vec::<f64>::try_from(&host)?;
+            for ((p, si, _), pair) in pending.iter().zip(values.chunks_exact(2)) {
+                let one = (pair[0], pair[1]);
+                drift[*p].0 += one.0;
+                drift[*p].1 += one.1;
+                per_tensor[*p][*si] = one;
             }
         }
         for (g, segs) in copied.into_iter().enumerate() {

@@ -209,12 +209,16 @@ def test_webhook_is_delivered_and_retried_after_a_failure(c):
         rx.close()
 
 
-def test_drift_per_tensor_matches_torch(c):
+# float32 takes the fused CPU kernel; float64 the libtorch path (as on CUDA).
+@pytest.mark.parametrize("ema_dtype", ["float32", "float64"])
+def test_drift_per_tensor_matches_torch(c, ema_dtype):
     beta = 0.8
+    run = f"td-{ema_dtype}"
     spec = {
-        "name": "td",
+        "name": run,
         "world_size": 2,
         "drift_every": 1,
+        "ema_dtype": ema_dtype,
         "profiles": [{"name": "ema", "kind": "constant", "beta": beta}],
     }
     assert c.post("/v1/runs", json=spec).status_code == 201
@@ -236,11 +240,11 @@ def test_drift_per_tensor_matches_torch(c):
             if rank == 1:
                 part["b"] = full["b"]
             body = safetensors.torch.save(part, metadata={"polyak.shards": json.dumps(meta)})
-            r = c.put(f"/v1/runs/td/ranks/{rank}/steps/{step}", content=body)
+            r = c.put(f"/v1/runs/{run}/ranks/{rank}/steps/{step}", content=body)
             assert r.status_code == 200, r.text
 
     def complete():
-        d = c.get("/v1/runs/td/drift/tensors").json()
+        d = c.get(f"/v1/runs/{run}/drift/tensors").json()
         done = d["steps"] == [0, 1, 2, 3] and all(v is not None for r in d["values"] for v in r)
         return done and d
 
@@ -250,7 +254,7 @@ def test_drift_per_tensor_matches_torch(c):
     assert sorted(got["tensors"]) == ["a", "b"]
     for name, values in zip(got["tensors"], got["values"], strict=False):
         assert values == pytest.approx(want[name], rel=1e-5, abs=1e-7)
-    assert c.get("/v1/runs/td/drift/tensors", params={"profile": "x"}).status_code == 404
+    assert c.get(f"/v1/runs/{run}/drift/tensors", params={"profile": "x"}).status_code == 404
 
 
 def test_effective_window_per_profile(c):
