@@ -2,8 +2,9 @@
 //!
 //! Training ranks push their parameter shards over HTTP; polyak keeps the EMA
 //! copies of those shards resident on its own device and serves them back.
-//! The v1 contract (HTTP surface, wire format, step semantics) is written
-//! down in the project's design document; this crate implements it.
+//! The contract (HTTP surface, wire format, step semantics) is written down
+//! in `docs/contract.md`, and how this crate implements it (layers, threads,
+//! the path of a push and of a download) in `docs/architecture.md`.
 //!
 //! # Layout
 //!
