@@ -32,6 +32,7 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::Conflict(m) => ApiError::conflict("snapshot_conflict", m),
             SnapshotError::NotFound(m) => ApiError::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => ApiError::unprocessable("invalid_request", m),
+            SnapshotError::Internal(m) => ApiError::internal(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
             SnapshotError::Io(e) => ApiError::internal(e),

@@ -576,8 +576,8 @@ async fn start(
             .filter(|f| f.part == s.part)
             .collect();
         if rows.is_empty() {
-            return Err(SnapshotError::Invalid(format!(
-                "snapshot `{}` holds no `{}` part",
+            return Err(SnapshotError::Internal(format!(
+                "complete snapshot `{}` holds no `{}` part",
                 s.snapshot, s.part
             )));
         }
@@ -753,7 +753,7 @@ fn write_outputs(
         let mut paths = Vec::with_capacity(job.files.len());
         for files in &job.files {
             let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
-                SnapshotError::Invalid(format!("rank {rank} is missing from a source snapshot"))
+                SnapshotError::Internal(format!("rank {rank} is missing from a source snapshot"))
             })?;
             paths.push(data_dir.join(&f.path));
         }
@@ -762,7 +762,7 @@ fn write_outputs(
             .find(|f| f.rank == rank)
             .expect("ranks come from the base");
         let mut meta: RankMeta = serde_json::from_str(&base_file.state)
-            .map_err(|e| SnapshotError::Invalid(format!("stored rank metadata: {e}")))?;
+            .map_err(|e| SnapshotError::Internal(format!("stored rank metadata: {e}")))?;
         meta.layout.rebuild_index();
         let specs = job
             .outputs
@@ -791,10 +791,10 @@ fn write_outputs(
         )
         .map_err(|e| match e {
             combine::CombineError::Io(e) => SnapshotError::Io(e),
-            other => SnapshotError::Invalid(other.to_string()),
+            other => SnapshotError::Internal(other.to_string()),
         })?;
         let state_json =
-            serde_json::to_string(&meta).map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+            serde_json::to_string(&meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
         for ((o, w), rows) in job.outputs.iter().zip(written).zip(out.iter_mut()) {
             rows.push(FileRow {
                 rank,

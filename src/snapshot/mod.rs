@@ -61,6 +61,10 @@ pub enum SnapshotError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
+    /// The server's fault (a worker that panicked, catalog data that does
+    /// not hold together): answered 500, never blamed on the request.
+    #[error("{0}")]
+    Internal(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
