@@ -11,6 +11,7 @@
 //! Data flows one way: `http` -> `engine` -> `snapshot` -> `store`.
 //!
 //! - [`config`]: the `polyak serve` flags (every one also an environment variable).
+//! - [`sigma_rel`]: EDM2's `sigma_rel` <-> power exponent (a leaf).
 //! - [`run`]: a run's configuration (profiles, `update_every`, dtypes, policies)
 //!   and its validation, field by field.
 //! - [`wire`]: the push body (safetensors, parsed in place), shard metadata,
@@ -38,6 +39,7 @@ pub mod hugepages;
 pub mod monitor;
 pub mod run;
 pub mod server;
+pub mod sigma_rel;
 pub mod snapshot;
 pub mod state;
 pub mod store;
