@@ -116,7 +116,7 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_BODY_TIMEOUT", default_value_t = 30)]
     pub body_timeout_secs: u64,
 
-    /// The slowest body upload that keeps extending `--body-timeout`, in
+    /// The slowest body upload that keeps extending `--body-timeout-secs`, in
     /// bytes per second.
     #[arg(long, env = "POLYAK_BODY_MIN_RATE", default_value = "64KiB")]
     pub body_min_rate: ByteSize,

@@ -174,7 +174,7 @@ fn cuda_without_a_gpu_fails_at_start_with_a_clear_message() {
 #[test]
 fn tokens_guard_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let server = TestServer::start(dir.path(), &["--token", "admin-secret"]);
+    let server = TestServer::start(dir.path(), &["--token", "admin-secret-0123456789"]);
     let c = server.client();
     let r = c
         .post(format!("{}/v1/runs", server.url))
@@ -184,7 +184,7 @@ fn tokens_guard_runs() {
     assert_eq!(r.status(), 401);
     let r = c
         .post(format!("{}/v1/runs", server.url))
-        .bearer_auth("admin-secret")
+        .bearer_auth("admin-secret-0123456789")
         .json(&json!({"name": "sec", "world_size": 1}))
         .send()
         .unwrap();
@@ -235,7 +235,7 @@ fn tokens_guard_runs() {
     );
     assert_eq!(
         c.delete(&run)
-            .bearer_auth("admin-secret")
+            .bearer_auth("admin-secret-0123456789")
             .send()
             .unwrap()
             .status(),

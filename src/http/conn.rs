@@ -5,12 +5,12 @@
 //!
 //! - at most `--max-connections` are served at once; the next ones wait in
 //!   the listen backlog;
-//! - a request head must arrive within `--header-timeout` (from the
+//! - a request head must arrive within `--header-timeout-secs` (from the
 //!   connection's start, or from the first byte of a later request);
 //! - a keep-alive connection with no request in flight is closed after
-//!   `--idle-timeout`;
+//!   `--idle-timeout-secs`;
 //! - a request body must keep up with `--body-min-rate` after a grace of
-//!   `--body-timeout` ([`TimedBody`]); a slower one fails the request, which
+//!   `--body-timeout-secs` ([`TimedBody`]); a slower one fails the request, which
 //!   is answered 408 and the connection closed.
 //!
 //! The head and idle clocks live in [`GuardedIo`], the socket wrapper: it

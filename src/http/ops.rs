@@ -26,6 +26,11 @@ pub struct Health {
     pub version: String,
     pub uptime_seconds: f64,
     pub runs: usize,
+    /// Free bytes on the data dir's filesystem (absent when it cannot be
+    /// asked).
+    pub disk_free_bytes: Option<u64>,
+    /// `--disk-reserve`: snapshot and state writes keep this much free.
+    pub disk_reserve_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
 }
@@ -36,6 +41,8 @@ fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
         version: env!("CARGO_PKG_VERSION").into(),
         uptime_seconds: state.started.elapsed().as_secs_f64(),
         runs: state.runs.read().expect("runs lock").len(),
+        disk_free_bytes: crate::snapshot::disk::refresh_gauge(state),
+        disk_reserve_bytes: state.args.disk_reserve.0,
         detail,
     }
 }

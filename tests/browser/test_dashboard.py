@@ -267,13 +267,13 @@ def test_compare_matches_the_api(page: Page, dash_server, feeder):
 
 
 def test_auth_asks_for_a_token_once(page: Page, console, tmp_path):
-    srv = PolyakServer(tmp_path / "data", "--token", "admin-secret")
+    srv = PolyakServer(tmp_path / "data", "--token", "admin-secret-0123456789")
     srv.start()
     try:
         created = httpx.post(
             f"{srv.url}/v1/runs",
             json={"name": "secret-run", "world_size": 1},
-            headers={"Authorization": "Bearer admin-secret"},
+            headers={"Authorization": "Bearer admin-secret-0123456789"},
         )
         assert created.status_code == 201
         read_token = created.json()["read_token"]
