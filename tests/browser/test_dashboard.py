@@ -42,6 +42,10 @@ def test_runs_list_shows_the_run(page: Page, dash_server, feeder):
     expect(row.locator('[data-field="device"]')).to_have_text("cpu")
     expect(row.locator('[data-field="health"]')).to_have_text("healthy")
     expect(row.locator('[data-field="created"]')).to_contain_text("ago")
+    # The data dir's free space and the reserve, from /livez.
+    expect(page.locator("#disk-free")).to_contain_text(
+        re.compile(r"disk free [\d.]+ \w+ \(reserve 512 MiB\)")
+    )
     expect(row.locator('[data-field="resident_bytes"]')).to_have_text(
         re.compile(r"^\d[\d.]* (B|KiB)$")
     )

@@ -258,7 +258,7 @@ def test_query_tokens_only_on_browser_gets(authed):
     """Defect 5: `?access_token=` worked on every endpoint. Now only the
     GETs a browser opens by itself take it (events, downloads, a rank's
     EMA); everything else answers 401 as if no token was given."""
-    srv, c, admin, tokens = authed
+    _srv, c, admin, tokens = authed
     write, read = tokens["write_token"], tokens["read_token"]
     r = c.put(
         f"/v1/runs/sec/ranks/0/steps/1?access_token={write}",
@@ -271,9 +271,7 @@ def test_query_tokens_only_on_browser_gets(authed):
     assert c.get(f"/v1/runs?access_token={ADMIN}").status_code == 401
     assert c.get("/v1/runs/sec?access_token=").status_code == 401
     # The browser GETs work with a read token in the query.
-    r = c.get(
-        f"/v1/runs/sec/events?access_token={read}", headers={"Accept": "application/json"}
-    )
+    r = c.get(f"/v1/runs/sec/events?access_token={read}", headers={"Accept": "application/json"})
     assert r.status_code == 200 and isinstance(r.json(), list)
     r = c.get(f"/v1/runs/sec/ranks/0/ema?profile=ema&access_token={read}")
     assert r.status_code == 200
@@ -295,7 +293,7 @@ def test_query_tokens_only_on_browser_gets(authed):
 def test_metrics_need_the_admin_token_and_unknown_tokens_are_401(authed):
     """Defect 6: /metrics was open to anonymous callers with auth on and
     names every run; an unknown token got 403 where 401 is due."""
-    srv, c, admin, tokens = authed
+    _srv, c, admin, tokens = authed
     r = c.get("/metrics")
     assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
     r = c.get("/metrics", headers={"Authorization": f"Bearer {tokens['read_token']}"})
@@ -340,7 +338,9 @@ def test_tokens_never_reach_the_log(tmp_path, monkeypatch):
     srv.start()
     try:
         admin = {"Authorization": f"Bearer {ADMIN}"}
-        r = httpx.post(f"{srv.url}/v1/runs", json={"name": "logged", "world_size": 1}, headers=admin)
+        r = httpx.post(
+            f"{srv.url}/v1/runs", json={"name": "logged", "world_size": 1}, headers=admin
+        )
         read = r.json()["read_token"]
         r = httpx.get(
             f"{srv.url}/v1/runs/logged/events?access_token={read}&tail=1",
@@ -368,7 +368,12 @@ def test_deleting_a_run_removes_its_files(fresh_server):
     data = fresh_server.data_dir
     with httpx.Client(base_url=fresh_server.url, timeout=30) as c:
         assert c.post("/v1/runs", json={"name": "gone", "world_size": 1}).status_code == 201
-        assert c.put("/v1/runs/gone/ranks/0/steps/0", content=body({"w": torch.ones(4096)})).status_code == 200
+        assert (
+            c.put(
+                "/v1/runs/gone/ranks/0/steps/0", content=body({"w": torch.ones(4096)})
+            ).status_code
+            == 200
+        )
         sid = c.post("/v1/runs/gone/snapshots", json={"step": 0}).json()["id"]
         deadline = time.monotonic() + 60
         while c.get(f"/v1/runs/gone/snapshots/{sid}").json()["status"] != "complete":
@@ -389,7 +394,10 @@ def test_disk_reserve_refuses_writes_early(fresh_server):
     fresh_server.start("--disk-reserve", "1000000TiB")
     with httpx.Client(base_url=fresh_server.url, timeout=30) as c:
         assert c.post("/v1/runs", json={"name": "full", "world_size": 1}).status_code == 201
-        assert c.put("/v1/runs/full/ranks/0/steps/0", content=body({"w": torch.ones(16)})).status_code == 200
+        assert (
+            c.put("/v1/runs/full/ranks/0/steps/0", content=body({"w": torch.ones(16)})).status_code
+            == 200
+        )
         r = c.post("/v1/runs/full/snapshots", json={"step": 1})
         assert r.status_code == 507, r.text
         err = r.json()["error"]

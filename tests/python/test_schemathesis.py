@@ -2,8 +2,8 @@
 it generates may get a 5xx, a status the document does not list, a content
 type it does not list, or a body that breaks the response schema.
 
-The example count is bounded so the suite stays short; `benches/README.md`
-says how to run it longer. The event stream is left out: it never ends by
+The example count is bounded so the suite stays short;
+`POLYAK_SCHEMATHESIS_EXAMPLES` raises it (README: Fuzzing and schemathesis). The event stream is left out: it never ends by
 design, which a generated request cannot tell from a hang (its JSON form and
 its errors are covered by the server tests).
 """
