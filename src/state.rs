@@ -438,6 +438,15 @@ impl AppInner {
         self.runs.read().expect("runs lock").get(name).cloned()
     }
 
+    /// Whether some run holds this token hash (read or write).
+    pub fn token_known(&self, hash: &str) -> bool {
+        self.runs.read().expect("runs lock").values().any(|r| {
+            r.tokens
+                .as_ref()
+                .is_some_and(|t| t.read_hash == hash || t.write_hash == hash)
+        })
+    }
+
     pub fn remove_run(&self, name: &str) -> Option<Arc<RunHandle>> {
         let removed = self.runs.write().expect("runs lock").remove(name);
         self.metrics

@@ -46,6 +46,14 @@ pub struct Metrics {
     pub metric_points: IntCounterVec,
     /// Periodic snapshots skipped because the run's backlog was full, by run.
     pub snapshots_skipped: IntCounterVec,
+    /// Client connections being served.
+    pub connections: IntGauge,
+    /// Free bytes on the data dir's filesystem (for unprivileged writers).
+    pub disk_free_bytes: IntGauge,
+    /// The configured reserve: snapshot and state writes stop above it.
+    pub disk_reserve_bytes: IntGauge,
+    /// Snapshot failures not yet recorded in the catalog (retried).
+    pub unrecorded_failures: IntGauge,
 }
 
 impl Metrics {
@@ -123,8 +131,29 @@ impl Metrics {
             &["run"],
         )
         .expect("metric");
+        let connections =
+            IntGauge::new("polyak_connections", "Client connections being served").expect("metric");
+        let disk_free_bytes = IntGauge::new(
+            "polyak_disk_free_bytes",
+            "Free bytes on the data directory's filesystem",
+        )
+        .expect("metric");
+        let disk_reserve_bytes = IntGauge::new(
+            "polyak_disk_reserve_bytes",
+            "Free space kept on the data directory's filesystem (--disk-reserve)",
+        )
+        .expect("metric");
+        let unrecorded_failures = IntGauge::new(
+            "polyak_snapshot_failures_unrecorded",
+            "Failed snapshots whose failure the catalog has not yet taken (retried)",
+        )
+        .expect("metric");
         for m in [
             Box::new(pushes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(connections.clone()),
+            Box::new(disk_free_bytes.clone()),
+            Box::new(disk_reserve_bytes.clone()),
+            Box::new(unrecorded_failures.clone()),
             Box::new(push_bytes.clone()),
             Box::new(push_seconds.clone()),
             Box::new(rejections.clone()),
@@ -151,6 +180,10 @@ impl Metrics {
             drift,
             metric_points,
             snapshots_skipped,
+            connections,
+            disk_free_bytes,
+            disk_reserve_bytes,
+            unrecorded_failures,
         }
     }
 

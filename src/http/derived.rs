@@ -1,7 +1,7 @@
 //! Derived snapshots over HTTP: post-hoc EMA (a plan to preview the
 //! weights, one length or a sweep) and checkpoint merging.
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -10,7 +10,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson};
+use super::extract::{run_named, ApiJson, ApiQuery};
 use crate::snapshot::derived::{self, MergeSelection, MergeWeights, Plan};
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
@@ -123,7 +123,7 @@ pub async fn plan(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<PlanQuery>,
+    ApiQuery(q): ApiQuery<PlanQuery>,
 ) -> Result<Json<Plan>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;

@@ -2,6 +2,7 @@
 //!
 //! - [`error`]: `ApiError`, the one place failures become statuses.
 //! - [`auth`]: bearer tokens (admin, per-run write and read).
+//! - [`conn`]: the accept loop; timeouts and caps per connection.
 //! - [`extract`]: JSON bodies and path segments that fail in the API's shape.
 //! - [`runs`]: runs and ranks, a rank's live EMA.
 //! - [`push`]: the push endpoint.
@@ -10,13 +11,16 @@
 //! - [`metrics`]: trainer scalars and the server's own series.
 //! - [`events`]: Server-Sent Events.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
+//! - [`openapi`]: what the document says of every operation (auth, errors).
 
 pub mod auth;
+pub mod conn;
 pub mod derived;
 pub mod error;
 pub mod events;
 pub mod extract;
 pub mod metrics;
+pub mod openapi;
 pub mod ops;
 pub mod push;
 pub mod runs;
@@ -29,10 +33,12 @@ use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 
 use crate::state::AppState;
+use openapi::Contract;
 
 #[derive(OpenApi)]
 #[openapi(
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
+    modifiers(&Contract),
     paths(
         ops::livez, ops::readyz, ops::metrics,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
@@ -136,6 +142,59 @@ pub fn router(state: AppState) -> Router {
         .merge(push_routes)
         .merge(api)
         .fallback(|| async { error::ApiError::not_found("not_found", "no such endpoint") })
-        .layer(TraceLayer::new_for_http())
+        .layer(TraceLayer::new_for_http().make_span_with(request_span))
         .with_state(state)
+}
+
+/// The router of `--metrics-bind`: `/metrics` alone, without a token.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(ops::metrics_open))
+        .fallback(|| async { error::ApiError::not_found("not_found", "no such endpoint") })
+        .with_state(state)
+}
+
+/// The span of a request, as tower-http's default but with tokens in the
+/// query replaced: the URI is logged at debug level.
+fn request_span(req: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    tracing::debug_span!(
+        "request",
+        method = %req.method(),
+        uri = %redact_uri(req.uri()),
+        version = ?req.version(),
+    )
+}
+
+/// The URI with the value of every `access_token` query parameter replaced.
+pub fn redact_uri(uri: &axum::http::Uri) -> String {
+    let Some(query) = uri.query() else {
+        return uri.to_string();
+    };
+    let redacted: Vec<String> = query
+        .split('&')
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("access_token") => format!("{k}=REDACTED"),
+            _ => kv.to_string(),
+        })
+        .collect();
+    format!("{}?{}", uri.path(), redacted.join("&"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_redacted_from_logged_uris() {
+        let uri: axum::http::Uri = "/v1/runs/r/events?since=3&access_token=s3cret-token&kinds=push"
+            .parse()
+            .unwrap();
+        let shown = redact_uri(&uri);
+        assert_eq!(
+            shown,
+            "/v1/runs/r/events?since=3&access_token=REDACTED&kinds=push"
+        );
+        let plain: axum::http::Uri = "/v1/runs?x=1".parse().unwrap();
+        assert_eq!(redact_uri(&plain), "/v1/runs?x=1");
+    }
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,7 +13,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{rank_of, run_named, ApiJson};
+use super::extract::{rank_of, run_named, ApiJson, ApiQuery};
 use crate::engine::device;
 use crate::run::{RunConfig, RunSpec};
 use crate::snapshot::format::profile_part;
@@ -169,7 +169,7 @@ pub async fn list_runs(
     State(state): State<AppState>,
     caller: Caller,
 ) -> Result<Json<RunList>, ApiError> {
-    if matches!(caller, Caller::Anonymous) {
+    if matches!(caller, Caller::Anonymous | Caller::Unknown) {
         caller.require_admin()?;
     }
     let runs: Vec<Arc<RunHandle>> = state
@@ -202,7 +202,8 @@ pub async fn get_run(
     Ok(Json(run_view(&run, true)))
 }
 
-/// Delete a run: its EMA is freed and its catalog rows removed.
+/// Delete a run: its EMA is freed, its catalog rows and its files on disk
+/// (snapshots) removed.
 #[utoipa::path(delete, path = "/v1/runs/{run}", tag = "runs",
     params(("run" = String, Path, description = "run name")),
     responses((status = 204), (status = 404, body = ErrorBody)))]
@@ -217,6 +218,11 @@ pub async fn delete_run(
     state.store.delete_run(&name).await?;
     let _ = run.engine.call(move |e| e.drop_run(&name)).await;
     state.metrics.forget_run(&run.config.name);
+    // The catalog no longer lists them: without this they stayed on disk
+    // until the next start.
+    if let Err(e) = crate::snapshot::remove_run_files(&state, &run.config.name).await {
+        tracing::warn!(run = %run.config.name, error = %e, "removing a deleted run's files failed");
+    }
     tracing::info!(run = %run.config.name, "run deleted");
     Ok(StatusCode::NO_CONTENT)
 }
@@ -250,7 +256,7 @@ pub async fn get_rank(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, rank)): Path<(String, String)>,
-    Query(q): Query<RankQuery>,
+    ApiQuery(q): ApiQuery<RankQuery>,
 ) -> Result<Json<RankView>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -280,7 +286,7 @@ pub async fn get_rank_ema(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, rank)): Path<(String, String)>,
-    Query(q): Query<EmaQuery>,
+    ApiQuery(q): ApiQuery<EmaQuery>,
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;

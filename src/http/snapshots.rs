@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,7 +15,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson, MaybeJson};
+use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::engine::host_bytes;
 use crate::engine::rank::{RankLayout, Slot};
 use crate::snapshot::assemble::{self, Layout};
@@ -36,6 +36,11 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
             SnapshotError::Io(e) => ApiError::internal(e),
+            SnapshotError::NoSpace(e) => ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                e.to_string(),
+            ),
         }
     }
 }
@@ -81,7 +86,8 @@ pub struct SnapshotView {
 /// Schedule a consistent snapshot.
 #[utoipa::path(post, path = "/v1/runs/{run}/snapshots", tag = "snapshots",
     params(("run" = String, Path)), request_body = SnapshotRequest,
-    responses((status = 202, body = SnapshotRow), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    responses((status = 202, body = SnapshotRow), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody),
+              (status = 507, body = ErrorBody, description = "insufficient_storage: the write would pass --disk-reserve")))]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
@@ -109,7 +115,7 @@ pub async fn list(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<ListQuery>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Json<SnapshotList>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -231,7 +237,7 @@ pub async fn download(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, id)): Path<(String, String)>,
-    Query(q): Query<DownloadQuery>,
+    ApiQuery(q): ApiQuery<DownloadQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
@@ -408,7 +414,7 @@ pub async fn compare(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<CompareQuery>,
+    ApiQuery(q): ApiQuery<CompareQuery>,
 ) -> Result<Json<CompareResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -555,7 +561,9 @@ pub struct ResumeRequest {
 pub struct ResumeResponse {
     pub snapshot: String,
     pub step: u64,
-    /// Per rank, the step it now continues from.
+    /// Per rank, the step it now continues from. JSON object keys are
+    /// strings: the rank number written in decimal.
+    #[schema(value_type = BTreeMap<String, u64>)]
     pub rank_steps: BTreeMap<u32, u64>,
 }
 
@@ -589,7 +597,8 @@ pub struct PersistResponse {
 
 /// Take a crash-recovery `state` snapshot now.
 #[utoipa::path(post, path = "/v1/runs/{run}/persist", tag = "snapshots",
-    params(("run" = String, Path)), responses((status = 200, body = PersistResponse)))]
+    params(("run" = String, Path)), responses((status = 200, body = PersistResponse),
+        (status = 507, body = ErrorBody, description = "insufficient_storage: the write would pass --disk-reserve")))]
 pub async fn persist(
     State(state): State<AppState>,
     caller: Caller,

@@ -608,6 +608,10 @@ async fn start(
         files.push(rows);
     }
     let total: u64 = files.iter().flatten().map(|f| f.bytes).sum();
+    // Each output is about the size of one source: refuse early rather than
+    // fail on a full disk halfway.
+    let per_output = total / files.len().max(1) as u64;
+    super::disk::check(state, per_output * outputs.len() as u64)?;
     for row in &rows {
         state.store.insert_snapshot(row).await?;
     }
@@ -695,10 +699,9 @@ fn spawn_job(state: AppState, job: Job) {
             Err(reason) => {
                 tracing::warn!(run = %run, kind = %kind, snapshots = ?ids, "derived snapshots failed: {reason}");
                 for id in &ids {
-                    if let Err(e) = state.store.fail_snapshot(id, &reason, now_ms()).await {
-                        tracing::error!(snapshot = %id, error = %e, "recording the failure failed");
-                    }
+                    // Files first: on a full disk the catalog needs the room.
                     remove_files(&state, &run, id);
+                    super::record_failure(&state, id, &reason).await;
                     state.events.emit(
                         &run,
                         "snapshot",

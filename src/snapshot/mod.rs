@@ -3,6 +3,7 @@
 //! crash recovery.
 //!
 //! - [`format`]: the safetensors layout of one rank's part.
+//! - [`disk`]: free space, checked before every snapshot or state write.
 //! - [`files`]: durable writes (tmp, fsync, rename, dir fsync) and clean-up.
 //! - [`vfile`]: downloads as recipes of pieces, streamed with `Range`.
 //! - [`assemble`]: `full`, `hf`, `sharded` and `rank` downloads.
@@ -24,6 +25,7 @@ pub mod assemble;
 pub mod combine;
 pub mod compare;
 pub mod derived;
+pub mod disk;
 pub mod files;
 pub mod format;
 pub mod posthoc;
@@ -71,6 +73,8 @@ pub enum SnapshotError {
     Store(#[from] StoreError),
     #[error("snapshot files: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    NoSpace(#[from] disk::NoSpace),
 }
 
 /// How a snapshot ended, for those waiting on it.
@@ -103,6 +107,9 @@ pub struct Snapshots {
     last_state: Mutex<HashMap<String, Instant>>,
     /// Derived snapshots being written: how far along.
     progress: Mutex<HashMap<String, derived::Progress>>,
+    /// Failures the catalog did not take yet (`id -> reason`), retried by
+    /// the ticker: a failed snapshot must never read `pending` forever.
+    unrecorded: Mutex<HashMap<String, String>>,
 }
 
 impl Snapshots {
@@ -113,6 +120,7 @@ impl Snapshots {
             compare_cache: Mutex::new(HashMap::new()),
             last_state: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),
+            unrecorded: Mutex::new(HashMap::new()),
         }
     }
 
@@ -220,6 +228,9 @@ pub async fn create(
             config.update_every
         )));
     }
+    // The run's resident bytes bound what the cut writes (every profile,
+    // copied tensors, mirror).
+    disk::check(state, run.resident_bytes())?;
     let id = snapshot_id(MANUAL, step);
     let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
     let row = SnapshotRow {
@@ -294,6 +305,8 @@ pub fn spawn_tasks(
                 },
                 _ = tick.tick() => {
                     fail_late(&state).await;
+                    retry_unrecorded(&state).await;
+                    disk::refresh_gauge(&state);
                     persist_due(&state).await;
                     ticks += 1;
                     if ticks % 2 == 0 {
@@ -412,6 +425,10 @@ fn write_capture(state: AppState, capture: RankCapture) {
         }
     }
     tokio::spawn(async move {
+        if let Err(e) = disk::check(&state, capture_bytes(&capture)) {
+            fail(&state, &id, &format!("rank {rank} not written: {e}")).await;
+            return;
+        }
         let data_dir = state.snapshots.data_dir.clone();
         let written = tokio::task::spawn_blocking(move || write_rank(&data_dir, capture)).await;
         let result = match written {
@@ -424,6 +441,15 @@ fn write_capture(state: AppState, capture: RankCapture) {
             Err(reason) => fail(&state, &id, &reason).await,
         }
     });
+}
+
+/// Bytes of tensor data a capture writes (headers aside).
+fn capture_bytes(capture: &RankCapture) -> u64 {
+    let bytes = |t: &tch::Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let profiles: u64 = capture.profiles.iter().map(|(_, t)| bytes(t)).sum();
+    let copied: u64 = capture.copied.iter().map(bytes).sum();
+    let mirror: u64 = capture.mirror.iter().flatten().map(bytes).sum();
+    profiles + copied * capture.profiles.len() as u64 + mirror
 }
 
 /// Writes every part of a rank; returns their catalog rows.
@@ -490,7 +516,13 @@ fn write_rank(data_dir: &Path, capture: RankCapture) -> Result<Vec<FileRow>, Sna
 async fn rank_written(state: &AppState, id: &str, rank: u32, rows: Vec<FileRow>) {
     let done = {
         let mut pending = state.snapshots.pending.lock().expect("pending lock");
-        let Some(p) = pending.get_mut(id) else { return };
+        let Some(p) = pending.get_mut(id) else {
+            // Failed, or its run deleted, while this rank was being
+            // written: nothing will list these files.
+            drop(pending);
+            discard_files(state, &rows);
+            return;
+        };
         p.writing.remove(&rank);
         p.expected.remove(&rank);
         p.written.extend(rows);
@@ -545,7 +577,10 @@ async fn finalize(state: &AppState, id: &str, p: Pending) {
     }
 }
 
-/// Fails a pending snapshot: catalog, engine, files.
+/// Fails a pending snapshot: files, engine, catalog.
+///
+/// The partial files go first: when the disk filled up they hold the space
+/// the catalog (on the same filesystem) needs to record the failure.
 pub async fn fail(state: &AppState, id: &str, reason: &str) {
     let Some(p) = state
         .snapshots
@@ -557,12 +592,12 @@ pub async fn fail(state: &AppState, id: &str, reason: &str) {
         return;
     };
     tracing::warn!(run = %p.run, snapshot = %id, "snapshot failed: {reason}");
-    let _ = state.store.fail_snapshot(id, reason, now_ms()).await;
     if let Some(run) = state.run(&p.run) {
         let (r, s) = (p.run.clone(), id.to_string());
         let _ = run.engine.call(move |e| e.cancel_cut(&r, &s)).await;
     }
     remove_files(state, &p.run, id);
+    record_failure(state, id, reason).await;
     state.events.emit(
         &p.run,
         "snapshot",
@@ -573,6 +608,103 @@ pub async fn fail(state: &AppState, id: &str, reason: &str) {
     for w in p.waiters {
         let _ = w.send(Finished::Failed(reason.to_string()));
     }
+}
+
+/// Attempts at recording a failure before it is left to the ticker.
+const RECORD_ATTEMPTS: u32 = 4;
+
+/// Marks a snapshot failed in the catalog, retrying with backoff; what
+/// still does not go through is kept and retried every second
+/// ([`retry_unrecorded`]), and a stop leaves the row `pending`, which the
+/// next start fails ([`recover`]).
+pub async fn record_failure(state: &AppState, id: &str, reason: &str) {
+    let mut delay = Duration::from_millis(50);
+    for attempt in 1..=RECORD_ATTEMPTS {
+        match state.store.fail_snapshot(id, reason, now_ms()).await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(snapshot = %id, attempt, error = %e, "recording a snapshot failure failed");
+                if attempt < RECORD_ATTEMPTS {
+                    tokio::time::sleep(delay).await;
+                    delay *= 4;
+                }
+            }
+        }
+    }
+    let mut unrecorded = state.snapshots.unrecorded.lock().expect("unrecorded lock");
+    unrecorded.insert(id.to_string(), reason.to_string());
+    state
+        .metrics
+        .unrecorded_failures
+        .set(unrecorded.len() as i64);
+}
+
+/// Retries the failures the catalog did not take.
+async fn retry_unrecorded(state: &AppState) {
+    let due: Vec<(String, String)> = state
+        .snapshots
+        .unrecorded
+        .lock()
+        .expect("unrecorded lock")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (id, reason) in due {
+        match state.store.fail_snapshot(&id, &reason, now_ms()).await {
+            Ok(_) => {
+                let mut unrecorded = state.snapshots.unrecorded.lock().expect("unrecorded lock");
+                unrecorded.remove(&id);
+                state
+                    .metrics
+                    .unrecorded_failures
+                    .set(unrecorded.len() as i64);
+                tracing::info!(snapshot = %id, "snapshot failure recorded");
+            }
+            Err(e) => {
+                tracing::debug!(snapshot = %id, error = %e, "recording a snapshot failure failed again");
+                return;
+            }
+        }
+    }
+}
+
+fn discard_files(state: &AppState, rows: &[FileRow]) {
+    for row in rows {
+        let path = state.snapshots.data_dir.join(&row.path);
+        if let Err(e) = std::fs::remove_file(&path) {
+            tracing::warn!(path = %path.display(), error = %e, "removing an orphaned snapshot file failed");
+        }
+        if let Some(dir) = path.parent() {
+            // Only succeeds once the directory is empty.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+/// After a run is deleted: fails its pending snapshots and removes every
+/// file it had (`runs/<run>/`), so a deleted run's disk space comes back at
+/// once, not at the next start.
+pub async fn remove_run_files(state: &AppState, run: &str) -> Result<(), SnapshotError> {
+    let pending: Vec<String> = state
+        .snapshots
+        .pending
+        .lock()
+        .expect("pending lock")
+        .iter()
+        .filter(|(_, p)| p.run == run)
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in pending {
+        fail(state, &id, "the run was deleted").await;
+    }
+    let dir = state.snapshots.data_dir.join(files::run_rel_dir(run));
+    tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    })
+    .await
+    .map_err(|e| SnapshotError::Invalid(e.to_string()))??;
+    Ok(())
 }
 
 fn remove_files(state: &AppState, run: &str, id: &str) {
@@ -671,18 +803,21 @@ pub async fn persist_state(
     run: &RunHandle,
     force: bool,
 ) -> Result<Option<String>, SnapshotError> {
-    let id = snapshot_id(STATE, 0);
-    let (run_name, sid) = (run.config.name.clone(), id.clone());
-    let captures = run
-        .engine
-        .call(move |e| e.capture_state(&run_name, &sid, force))
-        .await??;
+    // Counted as an attempt even when refused, so a full disk is reported
+    // once per interval, not on every tick.
     state
         .snapshots
         .last_state
         .lock()
         .expect("state lock")
         .insert(run.config.name.clone(), Instant::now());
+    disk::check(state, run.resident_bytes())?;
+    let id = snapshot_id(STATE, 0);
+    let (run_name, sid) = (run.config.name.clone(), id.clone());
+    let captures = run
+        .engine
+        .call(move |e| e.capture_state(&run_name, &sid, force))
+        .await??;
     let Some(captures) = captures else {
         return Ok(None);
     };

@@ -70,10 +70,12 @@ pusher.attach(optimizer, model)   # pushes after every optimizer.step()`,
 export function render(root, _params, ctx) {
   setCrumbs([{ text: 'Runs' }]);
   const summary = h('span', { class: 'muted' });
+  // Free space on the server's data dir: snapshots stop at the reserve.
+  const disk = h('span', { class: 'muted small', id: 'disk-free', title: 'Free space on the data directory; snapshot and state writes keep the reserve free' });
   const body = h('div', {}, loadingBox('Loading runs…'));
   const updated = h('span', { class: 'muted small', 'aria-live': 'polite' });
   root.append(
-    h('div', { class: 'page' }, h('div', { class: 'page-head' }, h('div', { class: 'title-row' }, h('h1', {}, 'Runs'), summary, h('span', { class: 'spacer' }), updated)), body),
+    h('div', { class: 'page' }, h('div', { class: 'page-head' }, h('div', { class: 'title-row' }, h('h1', {}, 'Runs'), summary, h('span', { class: 'spacer' }), disk, updated)), body),
   );
 
   let loaded = false;
@@ -85,6 +87,12 @@ export function render(root, _params, ctx) {
       const healthy = runs.filter((r) => r.health === 'healthy').length;
       summary.textContent = runs.length ? `${runs.length} run${runs.length === 1 ? '' : 's'} · ${healthy} healthy` : '';
       body.replaceChildren(runs.length ? table(runs) : quickStart());
+      const health = await api('/livez', { signal: ctx.signal }).catch(() => null);
+      if (health && health.disk_free_bytes != null) {
+        const low = health.disk_free_bytes < 2 * health.disk_reserve_bytes;
+        disk.textContent = `disk free ${fmtBytes(health.disk_free_bytes)} (reserve ${fmtBytes(health.disk_reserve_bytes)})`;
+        disk.classList.toggle('warn', low);
+      }
       updated.textContent = `updated ${new Date().toLocaleTimeString()}`;
       loaded = true;
     } catch (err) {
