@@ -50,7 +50,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlsplit
@@ -753,16 +753,33 @@ class Pusher:
 
     @contextlib.contextmanager
     def ema_weights(
-        self, model: nn.Module | Mapping[str, Any], profile: str | None = None
+        self,
+        model: nn.Module | Mapping[str, Any],
+        profile: str | None = None,
+        *,
+        bn_loader: Iterable[Any] | None = None,
     ) -> Iterator[nn.Module | Mapping[str, Any]]:
         """``with pusher.ema_weights(model, "ema"): evaluate(model)``: the EMA
         in place of the online weights, which are restored bit for bit on
-        exit (from a host copy of this rank's part)."""
+        exit (from a host copy of this rank's part, buffers included).
+
+        ``bn_loader``: after loading the EMA, BatchNorm statistics are
+        recomputed for the averaged weights with torch's own
+        ``torch.optim.swa_utils.update_bn(bn_loader, model)`` (the SWA
+        recipe: averaged weights need their own statistics); the online
+        statistics come back on exit with the rest."""
         self.flush()
         parts, _ = self._targets(model)
         # A host copy: the point of polyak is not to hold extra weights on the device.
         saved = [p.tensor.detach().to("cpu", copy=True) for p in parts]
         self.load_ema_into(model, profile, flush=False)
+        if bn_loader is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError("bn_loader needs the module, not a state dict")
+            from torch.optim.swa_utils import update_bn
+
+            device = next((p.device for p in model.parameters()), None)
+            update_bn(bn_loader, model, device=device)
         try:
             yield model
         finally:
