@@ -1,11 +1,12 @@
 // The dashboard's router: `#/runs`, `#/runs/NAME`, `#/runs/NAME/snapshots`,
-// `#/runs/NAME/compare?a=..&b=..`. Each page renders into #app with a
+// `#/runs/NAME/compare?a=..&b=..`, `#/runs/NAME/posthoc?sigma_rel=..`. Each page renders into #app with a
 // context whose signal aborts its requests and whose cleanups stop its
 // timers and streams when the page is left.
 
 import { getToken, setToken } from './api.js';
 import { errorBox, h } from './dom.js';
 import * as comparePage from './pages/compare.js';
+import * as posthocPage from './pages/posthoc.js';
 import * as runPage from './pages/run.js';
 import * as runsPage from './pages/runs.js';
 import * as snapshotsPage from './pages/snapshots.js';
@@ -18,6 +19,7 @@ const ROUTES = [
   [/^\/runs\/([^/]+)$/, runPage],
   [/^\/runs\/([^/]+)\/snapshots$/, snapshotsPage],
   [/^\/runs\/([^/]+)\/compare$/, comparePage],
+  [/^\/runs\/([^/]+)\/posthoc$/, posthocPage],
 ];
 
 let current = null;

@@ -211,6 +211,30 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
   };
 }
 
+/**
+ * The x options of a bar chart over categories `labels` (x = 0, 1, ...):
+ * a half-bar margin on each side, as many labels as fit (slanted when
+ * there are more than `slantAfter`), `short(label)` for the tick text.
+ */
+export function categoryAxis(label, labels, { short = (s) => s, slantAfter = 6, pxPerLabel = 18 } = {}) {
+  return {
+    label,
+    fmt: (i) => labels[Math.round(i)] ?? '',
+    range: (u, min, max) => [(min ?? 0) - 0.5, (max ?? 0) + 0.5],
+    axis: {
+      rotate: labels.length > slantAfter ? -35 : 0,
+      size: labels.length > slantAfter ? 90 : 40,
+      splits: (u, axisIdx, min, max) => {
+        const every = Math.max(1, Math.ceil(labels.length / Math.max(1, Math.floor(u.bbox.width / devicePixelRatio / pxPerLabel))));
+        const out = [];
+        for (let i = Math.max(0, Math.ceil(min)); i <= Math.min(labels.length - 1, Math.floor(max)); i += every) out.push(i);
+        return out;
+      },
+      values: (u, splits) => splits.map((i) => short(labels[i] ?? '')),
+    },
+  };
+}
+
 /** A titled card holding a chart: returns `{el, head, body, note}`. */
 export function chartCard(title, subtitle = '') {
   const body = document.createElement('div');

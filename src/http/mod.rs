@@ -56,7 +56,7 @@ use crate::state::AppState;
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
         snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
         snapshots::PersistResponse, derived::PosthocRequest, derived::SigmaRel,
-        derived::PosthocSweep, derived::MergeRequest, crate::snapshot::derived::Plan,
+        derived::PosthocSweep, derived::DerivedRow, derived::MergeRequest, crate::snapshot::derived::Plan,
         crate::snapshot::derived::PlannedTarget, crate::snapshot::derived::PowerSource,
         crate::snapshot::derived::MergeWeights, crate::snapshot::derived::Progress,
         crate::store::snapshots::SnapshotRow,

@@ -33,6 +33,7 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::NotFound(m) => ApiError::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => ApiError::unprocessable("invalid_request", m),
             SnapshotError::Older(m) => ApiError::conflict("snapshot_older", m),
+            SnapshotError::Internal(m) => ApiError::internal(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
             SnapshotError::Io(e) => ApiError::internal(e),

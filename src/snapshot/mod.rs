@@ -64,6 +64,10 @@ pub enum SnapshotError {
     /// `resume` found only a snapshot older than the step asked for.
     #[error("{0}")]
     Older(String),
+    /// The server's fault (a worker that panicked, catalog data that does
+    /// not hold together): answered 500, never blamed on the request.
+    #[error("{0}")]
+    Internal(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]

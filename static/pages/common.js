@@ -7,6 +7,7 @@ const TABS = [
   ['overview', 'Overview', ''],
   ['snapshots', 'Snapshots', '/snapshots'],
   ['compare', 'Compare', '/compare'],
+  ['posthoc', 'Post-hoc EMA', '/posthoc'],
 ];
 
 export function runHref(run, rest = '') {

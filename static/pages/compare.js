@@ -3,7 +3,7 @@
 // sortable, filterable table and a bar chart of the relative difference.
 
 import { api, isAbort, runPath, withQuery } from '../api.js';
-import { chartCard, color, createChart, fade } from '../charts.js';
+import { categoryAxis, chartCard, color, createChart, fade } from '../charts.js';
 import { emptyBox, errorBox, h, loadingBox, setCrumbs, stat, tableWrap } from '../dom.js';
 import { fmtInt, fmtNum, fmtRelative, fmtShape, fmtStep } from '../format.js';
 import { runHeader, runHref } from './common.js';
@@ -264,22 +264,7 @@ export function render(root, { run, query }, ctx) {
       const short = (n) => (n.length > 22 ? `…${n.slice(-21)}` : n);
       chart = createChart(card.body, 'compare', {
         series: [{ label: 'rel. diff', color: color(0), fill: fade(color(0), 0.55), bars: true, fmt: (v) => fmtNum(v) }],
-        x: {
-          label: 'tensor',
-          fmt: (i) => names[Math.round(i)] ?? '',
-          range: (u, min, max) => [(min ?? 0) - 0.5, (max ?? 0) + 0.5],
-          axis: {
-            rotate: names.length > 6 ? -35 : 0,
-            size: names.length > 6 ? 90 : 40,
-            splits: (u, axisIdx, min, max) => {
-              const every = Math.max(1, Math.ceil(names.length / Math.max(1, Math.floor(u.bbox.width / devicePixelRatio / 18))));
-              const out = [];
-              for (let i = Math.max(0, Math.ceil(min)); i <= Math.min(names.length - 1, Math.floor(max)); i += every) out.push(i);
-              return out;
-            },
-            values: (u, splits) => splits.map((i) => short(names[i] ?? '')),
-          },
-        },
+        x: categoryAxis('tensor', names, { short }),
         y: { fmt: (v) => fmtNum(v, 2), log, zero: true },
         height: 260,
       });

@@ -14,7 +14,7 @@ const DTYPES = [
   ['bf16', 'bf16'],
   ['fp16', 'fp16'],
 ];
-const KINDS = ['manual', 'periodic', 'state', 'posthoc'];
+const KINDS = ['manual', 'periodic', 'state', 'posthoc', 'merge'];
 const ROWS_SHOWN = 100; // newest first; the rest behind "Show all"
 
 export function render(root, { run }, ctx) {

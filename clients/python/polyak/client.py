@@ -743,11 +743,13 @@ class Run:
         from tqdm.auto import tqdm
 
         ids = [downloads.snapshot_id(r) for r in rows]
+        # The server answers a derived snapshot with its job's total.
+        total = next((r["progress"]["total"] for r in rows if r.get("progress")), None)
         deadline = time.monotonic() + timeout
         delay = min(0.05, poll)
         done: dict[str, dict[str, Any]] = {}
         with tqdm(
-            total=None,
+            total=total,
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
