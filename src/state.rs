@@ -13,11 +13,12 @@ use tokio::sync::{broadcast, Semaphore};
 use crate::config::ServeArgs;
 use crate::engine::capture::CaptureEvent;
 use crate::engine::rank::RankLayout;
+use crate::engine::FinishedAt;
 use crate::engine::{device, EngineHandle};
 use crate::run::RunConfig;
 use crate::snapshot::Snapshots;
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
-use crate::store::{Store, StoreError, StoredEvent, StoredRank};
+use crate::store::{RunFinish, Store, StoreError, StoredEvent, StoredRank};
 use crate::telemetry::Metrics;
 
 /// Milliseconds since the Unix epoch.
@@ -172,6 +173,8 @@ pub struct RunHandle {
     pub ranks: Vec<Mutex<RankSummary>>,
     /// Ingest since the last sample (see `monitor`).
     pub ingest: Mutex<IngestWindow>,
+    /// Set once the run is finished (`POST .../finish`).
+    pub finished: Mutex<Option<RunFinish>>,
 }
 
 impl RunHandle {
@@ -186,6 +189,10 @@ impl RunHandle {
         let mut guard = self.ranks[rank as usize].lock().expect("rank summary lock");
         f(&mut guard);
         guard.clone()
+    }
+
+    pub fn finished(&self) -> Option<RunFinish> {
+        self.finished.lock().expect("run finish lock").clone()
     }
 
     pub fn resident_bytes(&self) -> u64 {
@@ -360,8 +367,19 @@ impl AppInner {
             let handle = state
                 .install_run(Arc::new(config), stored.created_at_ms, tokens, ranks)
                 .await;
-            if handle.is_err() {
-                tracing::error!(run = %name, "the engine refused the run");
+            match handle {
+                Ok(handle) => {
+                    if let Some(finish) = stored.finished {
+                        let (run, at) = (name.clone(), FinishedAt(finish.step));
+                        handle
+                            .engine
+                            .call(move |e| e.set_finished(&run, Some(at)))
+                            .await
+                            .map_err(|_| StoreError::Io(std::io::Error::other("engine stopped")))?;
+                        *handle.finished.lock().expect("run finish lock") = Some(finish);
+                    }
+                }
+                Err(_) => tracing::error!(run = %name, "the engine refused the run"),
             }
         }
         Ok((state, captures_rx))
@@ -423,6 +441,7 @@ impl AppInner {
             tokens,
             ranks: ranks.into_iter().map(Mutex::new).collect(),
             ingest: Mutex::new(IngestWindow::default()),
+            finished: Mutex::new(None),
         });
         self.runs
             .write()

@@ -42,7 +42,7 @@ use openapi::Contract;
     paths(
         ops::livez, ops::readyz, ops::metrics,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
-        runs::list_ranks, runs::get_rank, runs::get_rank_ema,
+        runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run,
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
@@ -53,7 +53,8 @@ use openapi::Contract;
         error::ErrorBody, error::ErrorDetail,
         crate::run::RunSpec, crate::run::RunConfig, crate::run::ProfileSpec,
         crate::run::EmaDtype, crate::run::NonfinitePolicy, crate::run::Retention,
-        runs::RunView, runs::CreatedRun, runs::RunList,
+        runs::RunView, runs::CreatedRun, runs::RunList, runs::FinishRequest,
+        runs::FinishResponse, crate::store::RunFinish,
         crate::state::RankView, push::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
@@ -94,6 +95,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/runs/{run}",
             get(runs::get_run).delete(runs::delete_run),
+        )
+        .route(
+            "/v1/runs/{run}/finish",
+            axum::routing::post(runs::finish_run),
         )
         .route("/v1/runs/{run}/ranks", get(runs::list_ranks))
         .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))

@@ -368,6 +368,7 @@ mod tests {
             ema_numel: offset,
             copied_groups: Vec::new(),
             mirror_groups: Vec::new(),
+            aliases: Default::default(),
         };
         layout.rebuild_index();
         layout

@@ -43,7 +43,7 @@ use crate::engine::{snapshot_id, EngineError};
 use crate::run::RunConfig;
 use crate::state::{now_ms, AppState, RunHandle};
 use crate::store::snapshots::{FileRow, SnapshotRow};
-use crate::store::StoreError;
+use crate::store::{RunFinish, StoreError};
 use compare::CompareResult;
 use format::MIRROR_PART;
 
@@ -63,6 +63,9 @@ pub enum SnapshotError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
+    /// `resume` found only a snapshot older than the step asked for.
+    #[error("{0}")]
+    Older(String),
     /// The server's fault (a worker that panicked, catalog data that does
     /// not hold together): answered 500, never blamed on the request.
     #[error("{0}")]
@@ -189,8 +192,30 @@ pub fn next_step(config: &RunConfig, furthest: Option<u64>) -> u64 {
     }
 }
 
-/// Schedules a consistent cut of `run` at `step` (or the next update step
-/// after the furthest rank). Returns the catalog row.
+/// Where a snapshot without a step cuts: at the ranks' current step when
+/// every rank has applied it (`current`: nothing to wait for), else at the
+/// next update step after the furthest rank (`next_update`: ranks are mid
+/// step, or some never pushed), as v1 did.
+pub fn cut_now(config: &RunConfig, steps: &[Option<u64>]) -> (u64, &'static str) {
+    let first = steps.first().copied().flatten();
+    if let Some(s) = first {
+        if steps.iter().all(|r| *r == Some(s)) && config.is_update_step(s) {
+            return (s, CUT_CURRENT);
+        }
+    }
+    let furthest = steps.iter().flatten().copied().max();
+    (next_step(config, furthest), CUT_NEXT_UPDATE)
+}
+
+/// `detail.cut` of a manual snapshot: how its step was chosen.
+pub const CUT_CURRENT: &str = "current";
+pub const CUT_NEXT_UPDATE: &str = "next_update";
+pub const CUT_REQUESTED: &str = "requested";
+pub const CUT_FINAL: &str = "final";
+
+/// Schedules a consistent cut of `run` at `step`; without one, at the
+/// ranks' current step or the next update step (see [`cut_now`]; the row's
+/// `detail.cut` says which). Returns the catalog row.
 pub async fn create(
     state: &AppState,
     run: &RunHandle,
@@ -199,6 +224,29 @@ pub async fn create(
     label: Option<String>,
 ) -> Result<SnapshotRow, SnapshotError> {
     let config = run.config.clone();
+    let (names, indices) = profile_choice(&config, profiles)?;
+    // A push may move a rank past the step read here before the cut is
+    // scheduled; a cut of "now" then looks again (a bounded number of times).
+    let mut attempt = 0;
+    loop {
+        let run_name = config.name.clone();
+        let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
+        let (at, cut) = match step {
+            Some(s) => (s, CUT_REQUESTED),
+            None => cut_now(&config, &steps),
+        };
+        match schedule_manual(state, run, at, &names, &indices, label.clone(), cut).await {
+            Err(SnapshotError::Conflict(_)) if step.is_none() && attempt < 3 => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+/// The profile names and indices a snapshot captures (default all).
+fn profile_choice(
+    config: &RunConfig,
+    profiles: Option<Vec<String>>,
+) -> Result<(Vec<String>, Vec<usize>), SnapshotError> {
     let names = match profiles {
         None => config
             .profiles
@@ -218,10 +266,21 @@ pub async fn create(
             SnapshotError::Invalid(format!("profiles: no profile `{name}` in this run"))
         })?);
     }
-    let run_name = config.name.clone();
-    let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
-    let furthest = steps.iter().flatten().copied().max();
-    let step = step.unwrap_or_else(|| next_step(&config, furthest));
+    Ok((names, indices))
+}
+
+/// Records a pending manual snapshot at `step` and asks the engine for the
+/// cut (ranks already at `step` are captured at once).
+async fn schedule_manual(
+    state: &AppState,
+    run: &RunHandle,
+    step: u64,
+    names: &[String],
+    indices: &[usize],
+    label: Option<String>,
+    cut: &str,
+) -> Result<SnapshotRow, SnapshotError> {
+    let config = run.config.clone();
     if !config.is_update_step(step) {
         return Err(SnapshotError::Invalid(format!(
             "step: {step} is not an update step (update_every = {})",
@@ -239,14 +298,14 @@ pub async fn create(
         step,
         kind: MANUAL.into(),
         label,
-        profiles: names,
+        profiles: names.to_vec(),
         status: "pending".into(),
         reason: None,
         created_at_ms: now_ms(),
         completed_at_ms: None,
         deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
         bytes: 0,
-        detail: serde_json::json!({}),
+        detail: serde_json::json!({"cut": cut}),
     };
     state.store.insert_snapshot(&row).await?;
     state.snapshots.register(
@@ -257,7 +316,7 @@ pub async fn create(
         Some(Instant::now() + timeout),
         None,
     );
-    let (run_name, sid) = (config.name.clone(), id.clone());
+    let (run_name, sid, indices) = (config.name.clone(), id.clone(), indices.to_vec());
     let scheduled = run
         .engine
         .call(move |e| e.schedule_cut(&run_name, &sid, step, indices))
@@ -277,9 +336,62 @@ pub async fn create(
         "snapshot",
         None,
         Some(step),
-        serde_json::json!({"id": id, "status": "pending", "kind": MANUAL}),
+        serde_json::json!({"id": id, "status": "pending", "kind": MANUAL, "cut": cut}),
     );
     Ok(row)
+}
+
+/// `POST /finish`: marks the run finished at its furthest rank's last step
+/// (later pushes are refused from here on) and takes the final snapshot
+/// there: ranks already at that step are captured at once, ranks behind
+/// when they push it. A finished run answers with how it ended.
+pub async fn finish(
+    state: &AppState,
+    run: &RunHandle,
+    label: Option<String>,
+) -> Result<(RunFinish, Option<SnapshotRow>), SnapshotError> {
+    let name = run.config.name.clone();
+    if let Some(done) = run.finished() {
+        let row = match &done.snapshot {
+            Some(id) => state.store.snapshot(&name, id).await?,
+            None => None,
+        };
+        return Ok((done, row));
+    }
+    let run_name = name.clone();
+    let at = run.engine.call(move |e| e.finish(&run_name)).await??;
+    let (names, indices) = profile_choice(&run.config, None)?;
+    let row = match at.0 {
+        Some(step) => Some(
+            schedule_manual(
+                state,
+                run,
+                step,
+                &names,
+                &indices,
+                Some(label.unwrap_or_else(|| "final".into())),
+                CUT_FINAL,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    let done = RunFinish {
+        at_ms: now_ms(),
+        step: at.0,
+        snapshot: row.as_ref().map(|r| r.id.clone()),
+    };
+    state.store.finish_run(&name, &done).await?;
+    *run.finished.lock().expect("run finish lock") = Some(done.clone());
+    state.events.emit(
+        &name,
+        "finished",
+        None,
+        at.0,
+        serde_json::json!({"snapshot": done.snapshot}),
+    );
+    tracing::info!(run = %name, step = ?at.0, "run finished");
+    Ok((done, row))
 }
 
 /// Push receive buffers idle this long are freed (a trainer that pushes
@@ -1044,12 +1156,36 @@ pub async fn restore_from(
     Ok(steps)
 }
 
+/// The lowest step any rank of a restorable snapshot sits at: a cut's
+/// step, or for a `state` snapshot the lowest of its ranks' steps.
+fn lowest_rank_step(row: &SnapshotRow) -> u64 {
+    row.detail["rank_steps"]
+        .as_object()
+        .and_then(|steps| steps.values().filter_map(|v| v.as_u64()).min())
+        .unwrap_or(row.step)
+}
+
+/// What `resume` restored.
+pub struct Resumed {
+    pub row: SnapshotRow,
+    pub rank_steps: BTreeMap<u32, u64>,
+    /// The snapshot misses updates up to the step asked for (only with
+    /// `allow_older`).
+    pub older: bool,
+}
+
 /// `POST /resume`: the newest restorable snapshot at or before `step`.
+///
+/// `step` is the last step the trainer's checkpoint pushed (the number of
+/// optimizer steps it took, minus one). A snapshot older than the last
+/// update step at or before it would leave the EMA without updates the
+/// trainer will not push again: refused unless `allow_older`.
 pub async fn resume(
     state: &AppState,
     run: &RunHandle,
     step: u64,
-) -> Result<(SnapshotRow, BTreeMap<u32, u64>), SnapshotError> {
+    allow_older: bool,
+) -> Result<Resumed, SnapshotError> {
     let rows = state.store.snapshots(&run.config.name).await?;
     let mut best: Option<(u64, &SnapshotRow)> = None;
     for row in rows.iter().filter(|r| restorable(&run.config, r)) {
@@ -1070,16 +1206,39 @@ pub async fn resume(
             run.config.name
         )));
     };
+    let wanted = step - step % run.config.update_every;
+    let lowest = lowest_rank_step(row);
+    let older = lowest < wanted;
+    if older && !allow_older {
+        return Err(SnapshotError::Older(format!(
+            "the newest complete snapshot of run `{}` at or before step {step} is `{}`, at step {lowest}: \
+             restoring it would leave the EMA without the updates of steps {}..={wanted}. \
+             `step` is the last step the checkpoint pushed (the optimizer steps it took minus one; \
+             Lightning's and HF's global_step minus one); take a snapshot at that step when you \
+             checkpoint, or pass allow_older: true to restore step {lowest} anyway",
+            run.config.name,
+            row.id,
+            lowest + 1
+        )));
+    }
     let row = row.clone();
     let steps = restore_from(state, run, &row).await?;
+    if older {
+        tracing::warn!(run = %run.config.name, snapshot = %row.id, asked = step, restored = lowest,
+            "resumed from an older snapshot (allow_older)");
+    }
     state.events.emit(
         &run.config.name,
         "resumed",
         None,
         Some(row.step),
-        serde_json::json!({"snapshot": row.id, "rank_steps": steps}),
+        serde_json::json!({"snapshot": row.id, "rank_steps": steps, "requested_step": step, "older": older}),
     );
-    Ok((row, steps))
+    Ok(Resumed {
+        row,
+        rank_steps: steps,
+        older,
+    })
 }
 
 /// At start: fails snapshots a stop interrupted, removes files the catalog
