@@ -173,7 +173,8 @@ fn assemble_full(c: &mut Criterion) {
     });
     g.bench_function("full_download", |bench| {
         bench.iter(|| {
-            let dl = assemble::build("s", Default::default(), &parts, Layout::Full, None).unwrap();
+            let dl =
+                assemble::build("s", Default::default(), &parts, Layout::Full, None, 0).unwrap();
             let mut n = 0usize;
             dl.file
                 .produce(0..dl.file.len(), |b| {

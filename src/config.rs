@@ -102,9 +102,91 @@ pub struct ServeArgs {
     /// Seconds to wait for in-flight requests on shutdown.
     #[arg(long, env = "POLYAK_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout_secs: u64,
+
+    /// Seconds a client has to send a request's head (request line and
+    /// headers), counted from the connection's start or from the first byte
+    /// of a later request. A slower client is disconnected (slow-loris).
+    #[arg(long, env = "POLYAK_HEADER_TIMEOUT", default_value_t = 30)]
+    pub header_timeout_secs: u64,
+
+    /// Seconds a request body may take beyond what `--body-min-rate` allows
+    /// for its size: a body must be complete within this time plus one
+    /// second per `--body-min-rate` bytes received, else the request is
+    /// answered 408 and the connection closed.
+    #[arg(long, env = "POLYAK_BODY_TIMEOUT", default_value_t = 30)]
+    pub body_timeout_secs: u64,
+
+    /// The slowest body upload that keeps extending `--body-timeout-secs`, in
+    /// bytes per second.
+    #[arg(long, env = "POLYAK_BODY_MIN_RATE", default_value = "64KiB")]
+    pub body_min_rate: ByteSize,
+
+    /// Seconds an idle keep-alive connection (no request in flight, no byte
+    /// of a next one) is kept open.
+    #[arg(long, env = "POLYAK_IDLE_TIMEOUT", default_value_t = 60)]
+    pub idle_timeout_secs: u64,
+
+    /// Connections served at once; further ones wait in the listen backlog
+    /// until one closes.
+    #[arg(long, env = "POLYAK_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+
+    /// Free space to keep on the data dir's filesystem: a snapshot or state
+    /// write that would leave less is refused before it starts.
+    #[arg(long, env = "POLYAK_DISK_RESERVE", default_value = "512MiB")]
+    pub disk_reserve: ByteSize,
+
+    /// Also serve `/metrics`, without a token, on this address (e.g.
+    /// `127.0.0.1:9090`). It must be loopback unless `--insecure` is given.
+    /// With auth on, `/metrics` on the main address needs the admin token.
+    #[arg(long, env = "POLYAK_METRICS_BIND")]
+    pub metrics_bind: Option<SocketAddr>,
 }
 
+/// Shortest admin token accepted: a guessable token on a network address
+/// is no protection.
+pub const MIN_TOKEN_LEN: usize = 16;
+
 impl ServeArgs {
+    /// Checks what clap cannot: the token's strength and which addresses
+    /// may be bound without one.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(token) = &self.token {
+            if token.trim().len() < MIN_TOKEN_LEN {
+                return Err(format!(
+                    "the admin token (--token or POLYAK_TOKEN) is empty or shorter than {MIN_TOKEN_LEN} characters; \
+                     give a longer one (e.g. `openssl rand -hex 24`), or leave it unset to serve without auth on loopback"
+                ));
+            }
+            if token.trim() != token {
+                return Err(
+                    "the admin token (--token or POLYAK_TOKEN) has leading or trailing whitespace"
+                        .into(),
+                );
+            }
+        }
+        if !self.bind.ip().is_loopback() && self.token.is_none() && !self.insecure {
+            return Err(format!(
+                "refusing to bind {} without a token: pass --token (or POLYAK_TOKEN), or --insecure to serve without auth",
+                self.bind
+            ));
+        }
+        if let Some(addr) = self.metrics_bind {
+            if !addr.ip().is_loopback() && !self.insecure {
+                return Err(format!(
+                    "refusing to serve /metrics without a token on {addr}: bind it to loopback, or pass --insecure"
+                ));
+            }
+        }
+        if self.max_connections == 0 {
+            return Err("--max-connections must be at least 1".into());
+        }
+        if self.body_min_rate.0 == 0 {
+            return Err("--body-min-rate must be at least 1 byte per second".into());
+        }
+        Ok(())
+    }
+
     /// Defaults as `polyak serve` would have them, with a given data dir and
     /// bind address (tests and embedding).
     pub fn with(bind: SocketAddr, data_dir: PathBuf) -> Self {
@@ -176,5 +258,27 @@ mod tests {
         assert_eq!(args.push_body_limit, ByteSize(16 << 30));
         assert_eq!(args.body_limit, ByteSize(1 << 20));
         assert!(!args.insecure);
+        assert_eq!(args.validate(), Ok(()));
+    }
+
+    #[test]
+    fn weak_tokens_and_open_binds_are_refused() {
+        let mut args = ServeArgs::with("0.0.0.0:0".parse().unwrap(), "d".into());
+        assert!(args.validate().unwrap_err().contains("without a token"));
+        for weak in ["", "   ", "short-token"] {
+            args.token = Some(weak.into());
+            assert!(
+                args.validate().unwrap_err().contains("shorter than 16"),
+                "{weak:?}"
+            );
+        }
+        args.token = Some(" 0123456789abcdef ".into());
+        assert!(args.validate().unwrap_err().contains("whitespace"));
+        args.token = Some("0123456789abcdef".into());
+        assert_eq!(args.validate(), Ok(()));
+        args.metrics_bind = Some("0.0.0.0:9090".parse().unwrap());
+        assert!(args.validate().unwrap_err().contains("/metrics"));
+        args.insecure = true;
+        assert_eq!(args.validate(), Ok(()));
     }
 }

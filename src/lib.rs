@@ -2,14 +2,16 @@
 //!
 //! Training ranks push their parameter shards over HTTP; polyak keeps the EMA
 //! copies of those shards resident on its own device and serves them back.
-//! The v1 contract (HTTP surface, wire format, step semantics) is written
-//! down in the project's design document; this crate implements it.
+//! The contract (HTTP surface, wire format, step semantics) is written down
+//! in `docs/contract.md`, and how this crate implements it (layers, threads,
+//! the path of a push and of a download) in `docs/architecture.md`.
 //!
 //! # Layout
 //!
 //! Data flows one way: `http` -> `engine` -> `snapshot` -> `store`.
 //!
 //! - [`config`]: the `polyak serve` flags (every one also an environment variable).
+//! - [`sigma_rel`]: EDM2's `sigma_rel` <-> power exponent (a leaf).
 //! - [`run`]: a run's configuration (profiles, `update_every`, dtypes, policies)
 //!   and its validation, field by field.
 //! - [`wire`]: the push body (safetensors, parsed in place), shard metadata,
@@ -39,6 +41,7 @@ pub mod hugepages;
 pub mod monitor;
 pub mod run;
 pub mod server;
+pub mod sigma_rel;
 pub mod snapshot;
 pub mod state;
 pub mod store;

@@ -11,7 +11,7 @@ use regex::Regex;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::engine::schedule;
+use crate::sigma_rel;
 
 /// `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`: safe as a path component and a URL
 /// segment (no `/`, no `..` on its own, no leading dot).
@@ -237,12 +237,12 @@ impl ProfileSpec {
                     ))
                 }
                 (Some(s), None) => {
-                    let g = schedule::sigma_rel_to_gamma(s).ok_or_else(|| {
+                    let g = sigma_rel::sigma_rel_to_gamma(s).ok_or_else(|| {
                         field_err(
                             format!("{at}.sigma_rel"),
                             format!(
                                 "must be in (0, {:.4}] (EDM2 power EMA)",
-                                schedule::MAX_SIGMA_REL
+                                sigma_rel::MAX_SIGMA_REL
                             ),
                         )
                     })?;
@@ -252,7 +252,7 @@ impl ProfileSpec {
                     if !(g.is_finite() && g > -1.0) {
                         return Err(field_err(format!("{at}.gamma"), "must be > -1"));
                     }
-                    *sigma_rel = Some(schedule::gamma_to_sigma_rel(g));
+                    *sigma_rel = Some(sigma_rel::gamma_to_sigma_rel(g));
                 }
             },
             ProfileSpec::HalfLife {

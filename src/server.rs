@@ -1,7 +1,7 @@
 //! Wires the pieces together: checks the configuration, opens the catalog,
 //! loads the runs, starts the engines, and serves until shutdown.
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -9,23 +9,29 @@ use tokio::net::TcpListener;
 
 use crate::config::ServeArgs;
 use crate::engine::device;
+use crate::http::conn::ConnLimits;
 use crate::state::{AppInner, AppState};
 use crate::store::writer::CatalogWriter;
 use crate::store::Store;
 
 /// `polyak serve`: binds, prints the address, serves until Ctrl-C/SIGTERM.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    if !args.bind.ip().is_loopback() && args.token.is_none() && !args.insecure {
-        bail!(
-            "refusing to bind {} without a token: pass --token (or POLYAK_TOKEN), or --insecure to serve without auth",
-            args.bind
-        );
+    if let Err(reason) = args.validate() {
+        bail!(reason);
     }
     let default_device = device::resolve(&args.device).map_err(anyhow::Error::msg)?;
     let listener = TcpListener::bind(args.bind)
         .await
         .with_context(|| format!("binding {}", args.bind))?;
     let addr = listener.local_addr()?;
+    let metrics_listener = match args.metrics_bind {
+        Some(bind) => Some(
+            TcpListener::bind(bind)
+                .await
+                .with_context(|| format!("binding {bind} for /metrics"))?,
+        ),
+        None => None,
+    };
     let data_dir = args.data_dir.clone();
     let store = Store::open(&data_dir)
         .await
@@ -47,7 +53,36 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     // Tests and scripts read this line to learn the port.
     println!("polyak listening on http://{addr}");
+    let (metrics_stop, metrics_task) = match metrics_listener {
+        Some(listener) => {
+            let maddr = listener.local_addr()?;
+            tracing::info!(addr = %maddr, "serving /metrics without a token");
+            println!("polyak metrics on http://{maddr}/metrics");
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let app = crate::http::metrics_router(state.clone());
+            let limits = ConnLimits::from_args(&state.args);
+            let open = state.metrics.connections.clone();
+            let task = tokio::spawn(crate::http::conn::serve(
+                listener,
+                app,
+                limits,
+                open,
+                async move {
+                    let _ = rx.await;
+                },
+                Duration::from_secs(1),
+            ));
+            (Some(tx), Some(task))
+        }
+        None => (None, None),
+    };
     run(listener, state.clone(), shutdown_signal()).await?;
+    if let Some(tx) = metrics_stop {
+        let _ = tx.send(());
+    }
+    if let Some(task) = metrics_task {
+        let _ = task.await;
+    }
     // Requests in flight are done: persist every run that changed, then stop
     // the snapshot tasks.
     crate::snapshot::persist_all(&state).await;
@@ -69,24 +104,11 @@ pub async fn run(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let timeout = Duration::from_secs(state.args.shutdown_timeout_secs);
+    let drain = Duration::from_secs(state.args.shutdown_timeout_secs);
+    let limits = ConnLimits::from_args(&state.args);
     let app = crate::http::router(state.clone());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        shutdown.await;
-        tracing::info!("shutting down: waiting for requests in flight");
-        let _ = stop_tx.send(());
-    });
-    let mut server = std::pin::pin!(server.into_future());
-    tokio::select! {
-        result = &mut server => result?,
-        _ = async {
-            let _ = stop_rx.await;
-            tokio::time::sleep(timeout).await;
-        } => {
-            tracing::warn!("requests still in flight after {timeout:?}; stopping anyway");
-        }
-    }
+    let open = state.metrics.connections.clone();
+    crate::http::conn::serve(listener, app, limits, open, shutdown, drain).await;
     drop(state);
     Ok(())
 }

@@ -13,11 +13,12 @@ use tokio::sync::{broadcast, Semaphore};
 use crate::config::ServeArgs;
 use crate::engine::capture::CaptureEvent;
 use crate::engine::rank::RankLayout;
+use crate::engine::FinishedAt;
 use crate::engine::{device, EngineHandle};
 use crate::run::RunConfig;
 use crate::snapshot::Snapshots;
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
-use crate::store::{Store, StoreError, StoredEvent, StoredRank};
+use crate::store::{RunFinish, Store, StoreError, StoredEvent, StoredRank};
 use crate::telemetry::Metrics;
 
 /// Milliseconds since the Unix epoch.
@@ -176,6 +177,8 @@ pub struct RunHandle {
     pub meta: Mutex<crate::store::meta::RunMeta>,
     /// Alerts firing now (kept by `alerts`).
     pub alerts_firing: std::sync::atomic::AtomicUsize,
+    /// Set once the run is finished (`POST .../finish`).
+    pub finished: Mutex<Option<RunFinish>>,
 }
 
 impl RunHandle {
@@ -190,6 +193,10 @@ impl RunHandle {
         let mut guard = self.ranks[rank as usize].lock().expect("rank summary lock");
         f(&mut guard);
         guard.clone()
+    }
+
+    pub fn finished(&self) -> Option<RunFinish> {
+        self.finished.lock().expect("run finish lock").clone()
     }
 
     pub fn resident_bytes(&self) -> u64 {
@@ -367,8 +374,19 @@ impl AppInner {
             let handle = state
                 .install_run(Arc::new(config), stored.created_at_ms, tokens, ranks)
                 .await;
-            if handle.is_err() {
-                tracing::error!(run = %name, "the engine refused the run");
+            match handle {
+                Ok(handle) => {
+                    if let Some(finish) = stored.finished {
+                        let (run, at) = (name.clone(), FinishedAt(finish.step));
+                        handle
+                            .engine
+                            .call(move |e| e.set_finished(&run, Some(at)))
+                            .await
+                            .map_err(|_| StoreError::Io(std::io::Error::other("engine stopped")))?;
+                        *handle.finished.lock().expect("run finish lock") = Some(finish);
+                    }
+                }
+                Err(_) => tracing::error!(run = %name, "the engine refused the run"),
             }
         }
         for (name, meta) in state.store.run_metas().await? {
@@ -437,6 +455,7 @@ impl AppInner {
             ingest: Mutex::new(IngestWindow::default()),
             meta: Mutex::new(crate::store::meta::RunMeta::default()),
             alerts_firing: Default::default(),
+            finished: Mutex::new(None),
         });
         self.runs
             .write()
@@ -460,6 +479,15 @@ impl AppInner {
 
     pub fn run(&self, name: &str) -> Option<Arc<RunHandle>> {
         self.runs.read().expect("runs lock").get(name).cloned()
+    }
+
+    /// Whether some run holds this token hash (read or write).
+    pub fn token_known(&self, hash: &str) -> bool {
+        self.runs.read().expect("runs lock").values().any(|r| {
+            r.tokens
+                .as_ref()
+                .is_some_and(|t| t.read_hash == hash || t.write_hash == hash)
+        })
     }
 
     pub fn remove_run(&self, name: &str) -> Option<Arc<RunHandle>> {

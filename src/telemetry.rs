@@ -48,6 +48,14 @@ pub struct Metrics {
     pub snapshots_skipped: IntCounterVec,
     /// Alerts firing now, per run and kind (see `alerts`).
     pub alerts_firing: IntGaugeVec,
+    /// Client connections being served.
+    pub connections: IntGauge,
+    /// Free bytes on the data dir's filesystem (for unprivileged writers).
+    pub disk_free_bytes: IntGauge,
+    /// The configured reserve: snapshot and state writes stop above it.
+    pub disk_reserve_bytes: IntGauge,
+    /// Snapshot failures not yet recorded in the catalog (retried).
+    pub unrecorded_failures: IntGauge,
 }
 
 impl Metrics {
@@ -133,9 +141,30 @@ impl Metrics {
             &["run", "kind"],
         )
         .expect("metric");
+        let connections =
+            IntGauge::new("polyak_connections", "Client connections being served").expect("metric");
+        let disk_free_bytes = IntGauge::new(
+            "polyak_disk_free_bytes",
+            "Free bytes on the data directory's filesystem",
+        )
+        .expect("metric");
+        let disk_reserve_bytes = IntGauge::new(
+            "polyak_disk_reserve_bytes",
+            "Free space kept on the data directory's filesystem (--disk-reserve)",
+        )
+        .expect("metric");
+        let unrecorded_failures = IntGauge::new(
+            "polyak_snapshot_failures_unrecorded",
+            "Failed snapshots whose failure the catalog has not yet taken (retried)",
+        )
+        .expect("metric");
         for m in [
             Box::new(alerts_firing.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(pushes.clone()),
+            Box::new(connections.clone()),
+            Box::new(disk_free_bytes.clone()),
+            Box::new(disk_reserve_bytes.clone()),
+            Box::new(unrecorded_failures.clone()),
             Box::new(push_bytes.clone()),
             Box::new(push_seconds.clone()),
             Box::new(rejections.clone()),
@@ -163,6 +192,10 @@ impl Metrics {
             metric_points,
             snapshots_skipped,
             alerts_firing,
+            connections,
+            disk_free_bytes,
+            disk_reserve_bytes,
+            unrecorded_failures,
         }
     }
 

@@ -58,8 +58,8 @@ export function badge(text, tone = 'muted', attrs = {}) {
   return h('span', { class: `badge ${tone}`, ...attrs }, text);
 }
 
-const HEALTH_TONE = { healthy: 'ok', degraded: 'warn', waiting: 'info', idle: 'muted' };
-const RANK_TONE = { live: 'ok', stale: 'warn', never_seen: 'muted', not_restored: 'bad' };
+const HEALTH_TONE = { healthy: 'ok', degraded: 'warn', waiting: 'info', idle: 'muted', finished: 'info' };
+const RANK_TONE = { live: 'ok', stale: 'warn', never_seen: 'muted', not_restored: 'bad', finished: 'info' };
 const SNAPSHOT_TONE = { complete: 'ok', pending: 'info', failed: 'bad', deleted: 'muted' };
 
 export function healthBadge(health) {

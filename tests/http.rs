@@ -174,7 +174,7 @@ fn cuda_without_a_gpu_fails_at_start_with_a_clear_message() {
 #[test]
 fn tokens_guard_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let server = TestServer::start(dir.path(), &["--token", "admin-secret"]);
+    let server = TestServer::start(dir.path(), &["--token", "admin-secret-0123456789"]);
     let c = server.client();
     let r = c
         .post(format!("{}/v1/runs", server.url))
@@ -184,7 +184,7 @@ fn tokens_guard_runs() {
     assert_eq!(r.status(), 401);
     let r = c
         .post(format!("{}/v1/runs", server.url))
-        .bearer_auth("admin-secret")
+        .bearer_auth("admin-secret-0123456789")
         .json(&json!({"name": "sec", "world_size": 1}))
         .send()
         .unwrap();
@@ -223,9 +223,10 @@ fn tokens_guard_runs() {
             .status(),
         200
     );
+    // A token nobody holds is unauthenticated (401), not forbidden.
     assert_eq!(
         c.get(&ema).bearer_auth("wrong").send().unwrap().status(),
-        403
+        401
     );
     // Deleting needs the admin.
     let run = format!("{}/v1/runs/sec", server.url);
@@ -235,10 +236,70 @@ fn tokens_guard_runs() {
     );
     assert_eq!(
         c.delete(&run)
-            .bearer_auth("admin-secret")
+            .bearer_auth("admin-secret-0123456789")
             .send()
             .unwrap()
             .status(),
         204
     );
+}
+
+#[test]
+fn openapi_document_says_what_the_server_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(dir.path(), &[]);
+    let spec: Value = server.get("/openapi.json").json().unwrap();
+    // A bearer scheme, optional as a whole (auth may be off), none on health.
+    assert_eq!(
+        spec["components"]["securitySchemes"]["bearer"]["scheme"],
+        "bearer"
+    );
+    assert_eq!(spec["security"], json!([{"bearer": []}, {}]));
+    assert_eq!(spec["paths"]["/livez"]["get"]["security"], json!([{}]));
+    // Every /v1 operation lists the statuses every handler can answer.
+    let mut operations = 0;
+    for (path, item) in spec["paths"].as_object().unwrap() {
+        if !path.starts_with("/v1/") {
+            continue;
+        }
+        for (method, op) in item.as_object().unwrap() {
+            operations += 1;
+            for status in ["400", "401", "403", "404"] {
+                assert!(
+                    op["responses"][status].is_object(),
+                    "{method} {path} does not list {status}"
+                );
+            }
+            if op["requestBody"].is_object() {
+                assert!(op["responses"]["408"].is_object(), "{method} {path}: 408");
+            }
+        }
+    }
+    assert!(operations >= 20, "{operations}");
+    // POST is documented beside PUT on the push route.
+    let push = &spec["paths"]["/v1/runs/{run}/ranks/{rank}/steps/{step}"];
+    assert!(push["put"].is_object() && push["post"].is_object());
+    // The event stream's content type.
+    let events = &spec["paths"]["/v1/runs/{run}/events"]["get"]["responses"]["200"]["content"];
+    assert!(events["text/event-stream"].is_object(), "{events}");
+    assert!(events["application/json"].is_object(), "{events}");
+    // JSON object keys are strings: rank_steps says so.
+    let rank_steps = &spec["components"]["schemas"]["ResumeResponse"]["properties"]["rank_steps"];
+    assert_eq!(rank_steps["propertyNames"], json!({"type": "string"}));
+    // since_step stops where the catalog's integers do; past it is a 400.
+    let params = spec["paths"]["/v1/runs/{run}/metrics"]["get"]["parameters"]
+        .as_array()
+        .unwrap();
+    let since = params.iter().find(|p| p["name"] == "since_step").unwrap();
+    assert_eq!(since["schema"]["maximum"], json!(i64::MAX));
+    let r = server.post_json("/v1/runs", json!({"name": "m", "world_size": 1}));
+    assert_eq!(r.status(), 201);
+    let r = server.get("/v1/runs/m/metrics?since_step=9223372036854775808");
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["code"], "invalid_query");
+    let r = server.get("/v1/runs/m/metrics?since_step=-1");
+    assert_eq!(r.status(), 400);
+    let r = server.get("/v1/runs/m/metrics?since_step=9223372036854775807");
+    assert_eq!(r.status(), 200);
 }

@@ -45,6 +45,8 @@ pub enum EngineError {
     NoData { run: String, rank: u32 },
     #[error("{0}")]
     StepConflict(String),
+    #[error("{0}")]
+    RunFinished(String),
     #[error("layout mismatch: {0}")]
     LayoutMismatch(String),
     #[error("{0}")]
@@ -155,7 +157,14 @@ pub struct EngineRun {
     periodic_backlog: Arc<AtomicU64>,
     /// Applied pushes since the last state snapshot.
     pub dirty: u64,
+    /// Set when the run was finished: no push past this step is applied.
+    pub finished: Option<FinishedAt>,
 }
+
+/// Where a finished run stopped: its furthest rank's last step (`None`:
+/// finished before any push).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinishedAt(pub Option<u64>);
 
 /// A copy of one rank's EMA for one profile, taken on the engine thread
 /// (a device-side copy) and serialised elsewhere.
@@ -217,6 +226,7 @@ impl Engine {
                 last_periodic: None,
                 periodic_backlog: Arc::new(AtomicU64::new(0)),
                 dirty: 0,
+                finished: None,
             },
         );
     }
@@ -250,6 +260,14 @@ impl Engine {
             .get_mut(run)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
         let config = entry.config.clone();
+        if let Some(FinishedAt(last)) = entry.finished {
+            if last.is_none_or(|last| step > last) {
+                let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
+                return Err(EngineError::RunFinished(format!(
+                    "run `{run}` was finished {at}; it takes no later pushes (create a new run to train on)"
+                )));
+            }
+        }
         let slot = entry
             .ranks
             .get_mut(rank as usize)
@@ -260,7 +278,8 @@ impl Engine {
             if let Some(last) = state.last_step {
                 if step < last {
                     return Err(EngineError::StepConflict(format!(
-                        "step {step} is older than rank {rank}'s last applied step {last}"
+                        "step {step} is older than rank {rank}'s last applied step {last}; {}",
+                        resume_hint(run, last)
                     )));
                 }
                 if step == last {
@@ -281,7 +300,8 @@ impl Engine {
                         });
                     }
                     return Err(EngineError::StepConflict(format!(
-                        "step {step} was already applied for rank {rank} with other bytes"
+                        "step {step} was already applied for rank {rank} with other bytes; {}",
+                        resume_hint(run, last)
                     )));
                 }
             }
@@ -558,6 +578,34 @@ impl Engine {
         Ok(())
     }
 
+    /// Marks a run finished at its furthest rank's last step (at once, so
+    /// no push can pass the final snapshot's step); returns that step. A
+    /// run finished already keeps its step.
+    pub fn finish(&mut self, run: &str) -> Result<FinishedAt, EngineError> {
+        let entry = self
+            .runs
+            .get_mut(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        if let Some(at) = entry.finished {
+            return Ok(at);
+        }
+        let furthest = entry
+            .ranks
+            .iter()
+            .filter_map(|s| s.as_ref().and_then(|s| s.last_step))
+            .max();
+        let at = FinishedAt(furthest);
+        entry.finished = Some(at);
+        Ok(at)
+    }
+
+    /// Restores a run's finished mark from the catalog (at start).
+    pub fn set_finished(&mut self, run: &str, at: Option<FinishedAt>) {
+        if let Some(entry) = self.runs.get_mut(run) {
+            entry.finished = at;
+        }
+    }
+
     /// Per rank: the last applied step (`None`: no data).
     pub fn rank_steps(&self, run: &str) -> Result<Vec<Option<u64>>, EngineError> {
         let entry = self
@@ -644,6 +692,16 @@ impl EmaExport {
             .collect::<Result<_, _>>()?;
         Ok(self)
     }
+}
+
+/// What a trainer that restarted from a checkpoint should do, for the
+/// `step_conflict` answers: a restart without `resume` is the usual cause.
+fn resume_hint(run: &str, last: u64) -> String {
+    format!(
+        "a trainer restarted from a checkpoint first restores the EMA with `run.resume(S)` \
+         (POST /v1/runs/{run}/resume {{\"step\": S}}, S = the last step the checkpoint pushed), \
+         then pushes S + 1 onward; otherwise push steps after {last}"
+    )
 }
 
 /// A new snapshot id: `<kind>-<step>-<4 hex>`, safe as a path component.

@@ -13,7 +13,7 @@
 //! maps onto each buffer as one contiguous range per dtype: one kernel call
 //! updates a whole shard.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -71,6 +71,10 @@ pub struct RankLayout {
     pub ema_numel: i64,
     pub copied_groups: Vec<Group>,
     pub mirror_groups: Vec<Group>,
+    /// Tied names (alias -> registered name): held once, and written under
+    /// both names wherever the rank's tensors are served or downloaded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub aliases: BTreeMap<String, String>,
 }
 
 impl RankLayout {
@@ -129,6 +133,7 @@ impl RankLayout {
             ema_numel,
             copied_groups,
             mirror_groups,
+            aliases: push.aliases.clone(),
         }
     }
 
@@ -145,6 +150,12 @@ impl RankLayout {
     /// For each pushed tensor, the index of its layout tensor; or why the
     /// push does not match the registered layout.
     pub fn match_push(&self, push: &ParsedPush) -> Result<Vec<usize>, String> {
+        if push.aliases != self.aliases {
+            return Err(format!(
+                "the push ties names {:?}, the registered layout {:?}",
+                push.aliases, self.aliases
+            ));
+        }
         if push.tensors.len() != self.tensors.len() {
             let missing = self
                 .tensors

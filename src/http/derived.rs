@@ -1,7 +1,7 @@
 //! Derived snapshots over HTTP: post-hoc EMA (a plan to preview the
 //! weights, one length or a sweep) and checkpoint merging.
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -10,7 +10,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson};
+use super::extract::{run_named, ApiJson, ApiQuery};
 use crate::snapshot::derived::{self, MergeSelection, MergeWeights, Plan};
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
@@ -38,10 +38,31 @@ pub struct PosthocRequest {
     pub profiles: Option<Vec<String>>,
 }
 
+/// A derived snapshot as first answered: pending, with the job's progress.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DerivedRow {
+    #[serde(flatten)]
+    pub snapshot: SnapshotRow,
+    /// Source bytes read of the total, when the job started.
+    pub progress: derived::Progress,
+}
+
+fn derived_rows(started: derived::Started) -> Vec<DerivedRow> {
+    let progress = derived::Progress {
+        done: 0,
+        total: started.total,
+    };
+    started
+        .rows
+        .into_iter()
+        .map(|snapshot| DerivedRow { snapshot, progress })
+        .collect()
+}
+
 /// The derived snapshots of a sweep, in request order.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct PosthocSweep {
-    pub snapshots: Vec<SnapshotRow>,
+    pub snapshots: Vec<DerivedRow>,
 }
 
 /// Synthesise a post-hoc EMA (EDM2) from the complete snapshots of the
@@ -51,7 +72,7 @@ pub struct PosthocSweep {
 /// in `detail`.
 #[utoipa::path(post, path = "/v1/runs/{run}/posthoc", tag = "snapshots",
     params(("run" = String, Path)), request_body = PosthocRequest,
-    responses((status = 202, body = SnapshotRow, description = "one length"),
+    responses((status = 202, body = DerivedRow, description = "one length (a list: PosthocSweep)"),
         (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn posthoc(
     State(state): State<AppState>,
@@ -65,7 +86,7 @@ pub async fn posthoc(
         SigmaRel::One(s) => (vec![s], false),
         SigmaRel::Many(list) => (list, true),
     };
-    let mut rows = derived::posthoc(
+    let started = derived::posthoc(
         &state,
         &run,
         &sigmas,
@@ -74,6 +95,7 @@ pub async fn posthoc(
         req.profiles.as_deref(),
     )
     .await?;
+    let mut rows = derived_rows(started);
     Ok(if sweep {
         (StatusCode::ACCEPTED, Json(PosthocSweep { snapshots: rows })).into_response()
     } else {
@@ -101,7 +123,7 @@ pub async fn plan(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<PlanQuery>,
+    ApiQuery(q): ApiQuery<PlanQuery>,
 ) -> Result<Json<Plan>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -145,13 +167,13 @@ pub struct MergeRequest {
 /// (checkpoint merging) into a derived snapshot of kind `merge`.
 #[utoipa::path(post, path = "/v1/runs/{run}/merge", tag = "snapshots",
     params(("run" = String, Path)), request_body = MergeRequest,
-    responses((status = 202, body = SnapshotRow), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    responses((status = 202, body = DerivedRow), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn merge(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
     ApiJson(req): ApiJson<MergeRequest>,
-) -> Result<(StatusCode, Json<SnapshotRow>), ApiError> {
+) -> Result<(StatusCode, Json<DerivedRow>), ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     let selection = match (req.snapshots, req.last) {
@@ -164,7 +186,7 @@ pub async fn merge(
             ))
         }
     };
-    let row = derived::merge(
+    let started = derived::merge(
         &state,
         &run,
         selection,
@@ -173,5 +195,5 @@ pub async fn merge(
         req.name,
     )
     .await?;
-    Ok((StatusCode::ACCEPTED, Json(row)))
+    Ok((StatusCode::ACCEPTED, Json(derived_rows(started).remove(0))))
 }

@@ -135,6 +135,7 @@ impl From<EngineError> for ApiError {
             EngineError::RunNotFound(_) => Self::not_found("run_not_found", message),
             EngineError::NoData { .. } => Self::not_found("no_data", message),
             EngineError::StepConflict(_) => Self::conflict("step_conflict", message),
+            EngineError::RunFinished(_) => Self::conflict("run_finished", message),
             EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
             EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
             EngineError::UnknownProfile(_) => Self::not_found("profile_not_found", message),

@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +19,7 @@ use utoipa::IntoParams;
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::extract::run_named;
+use super::extract::{run_named, ApiQuery};
 use crate::state::AppState;
 use crate::store::StoredEvent;
 
@@ -38,13 +38,15 @@ pub struct EventsQuery {
 /// Stream (SSE) or list (JSON) a run's events.
 #[utoipa::path(get, path = "/v1/runs/{run}/events", tag = "monitoring",
     params(("run" = String, Path), EventsQuery),
-    responses((status = 200, description = "text/event-stream, or a JSON list with Accept: application/json",
-               body = Vec<StoredEvent>)))]
+    responses((status = 200,
+               description = "Server-Sent Events (`event:` the kind, `id:` the event id, `data:` the event as JSON), \
+                              or a JSON list with Accept: application/json",
+               content((String = "text/event-stream"), (Vec<StoredEvent> = "application/json")))))]
 pub async fn events(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<EventsQuery>,
+    ApiQuery(q): ApiQuery<EventsQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;

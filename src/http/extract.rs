@@ -2,7 +2,8 @@
 //! whose failures name the field, and path segments parsed by hand.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
@@ -20,6 +21,12 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(e.status(), "body_too_large", e.body_text())
+            } else if super::conn::is_body_timeout(&e) {
+                ApiError::new(
+                    axum::http::StatusCode::REQUEST_TIMEOUT,
+                    "body_timeout",
+                    e.body_text(),
+                )
             } else {
                 ApiError::bad_request("invalid_body", e.body_text())
             }
@@ -42,6 +49,21 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
                     }
                 }
             })
+    }
+}
+
+/// A query string; a malformed one is 400 `invalid_query` in the API's
+/// error shape (axum's own rejection is plain text).
+pub struct ApiQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let query = parts.uri.query().unwrap_or_default();
+        serde_urlencoded::from_str(query)
+            .map(ApiQuery)
+            .map_err(|e| ApiError::bad_request("invalid_query", format!("query: {e}")))
     }
 }
 

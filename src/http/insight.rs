@@ -5,14 +5,14 @@
 
 use std::collections::BTreeMap;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson};
+use super::extract::{run_named, ApiJson, ApiQuery};
 use crate::alerts::{Alert, AlertRules};
 use crate::monitor::{drift_ratio, effective_window};
 use crate::run::{FieldError, RunSpec};
@@ -200,7 +200,7 @@ pub async fn tensor_drift(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<TensorDriftQuery>,
+    ApiQuery(q): ApiQuery<TensorDriftQuery>,
 ) -> Result<Json<TensorDrift>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -293,7 +293,7 @@ pub async fn window(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<WindowQuery>,
+    ApiQuery(q): ApiQuery<WindowQuery>,
 ) -> Result<Json<WindowResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde::{Deserialize, Serialize};
@@ -12,7 +12,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson};
+use super::extract::{run_named, ApiJson, ApiQuery};
 use crate::monitor::valid_metric_name;
 use crate::state::{now_ms, AppState};
 use crate::store::MetricPoint;
@@ -121,6 +121,7 @@ pub struct MetricsQuery {
     /// Comma-separated series names (default: all).
     pub names: Option<String>,
     /// Only points with `step >= since_step`.
+    #[param(maximum = 9223372036854775807_i64)]
     pub since_step: Option<u64>,
     /// `run` for run-level points only, or a rank number.
     pub rank: Option<String>,
@@ -151,7 +152,7 @@ pub async fn get(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<MetricsQuery>,
+    ApiQuery(q): ApiQuery<MetricsQuery>,
 ) -> Result<Json<MetricsResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -168,6 +169,13 @@ pub async fn get(
             ApiError::bad_request("invalid_rank", format!("rank `{r}`: a number or `run`"))
         })?)),
     };
+    // Steps are stored as SQLite integers (i64): a larger bound would wrap.
+    if q.since_step.is_some_and(|s| s > i64::MAX as u64) {
+        return Err(ApiError::bad_request(
+            "invalid_query",
+            format!("since_step: at most {}", i64::MAX),
+        ));
+    }
     let limit = q.limit.unwrap_or(10_000).clamp(1, 1_000_000);
     let points = state
         .store

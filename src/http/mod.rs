@@ -2,6 +2,7 @@
 //!
 //! - [`error`]: `ApiError`, the one place failures become statuses.
 //! - [`auth`]: bearer tokens (admin, per-run write and read).
+//! - [`conn`]: the accept loop; timeouts and caps per connection.
 //! - [`extract`]: JSON bodies and path segments that fail in the API's shape.
 //! - [`runs`]: runs and ranks, a rank's live EMA.
 //! - [`push`]: the push endpoint.
@@ -12,14 +13,17 @@
 //! - [`insight`]: tags, notes, alert rules and alerts, per-tensor drift,
 //!   effective averaging windows.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
+//! - [`openapi`]: what the document says of every operation (auth, errors).
 
 pub mod auth;
+pub mod conn;
 pub mod derived;
 pub mod error;
 pub mod events;
 pub mod extract;
 pub mod insight;
 pub mod metrics;
+pub mod openapi;
 pub mod ops;
 pub mod push;
 pub mod runs;
@@ -32,14 +36,16 @@ use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 
 use crate::state::AppState;
+use openapi::Contract;
 
 #[derive(OpenApi)]
 #[openapi(
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
+    modifiers(&Contract),
     paths(
         ops::livez, ops::readyz, ops::metrics,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
-        runs::list_ranks, runs::get_rank, runs::get_rank_ema,
+        runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run,
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
@@ -52,7 +58,8 @@ use crate::state::AppState;
         error::ErrorBody, error::ErrorDetail,
         crate::run::RunSpec, crate::run::RunConfig, crate::run::ProfileSpec,
         crate::run::EmaDtype, crate::run::NonfinitePolicy, crate::run::Retention,
-        runs::RunView, runs::CreatedRun, runs::RunList,
+        runs::RunView, runs::CreatedRun, runs::RunList, runs::FinishRequest,
+        runs::FinishResponse, crate::store::RunFinish,
         crate::state::RankView, push::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
@@ -60,7 +67,7 @@ use crate::state::AppState;
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
         snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
         snapshots::PersistResponse, derived::PosthocRequest, derived::SigmaRel,
-        derived::PosthocSweep, derived::MergeRequest, crate::snapshot::derived::Plan,
+        derived::PosthocSweep, derived::DerivedRow, derived::MergeRequest, crate::snapshot::derived::Plan,
         crate::snapshot::derived::PlannedTarget, crate::snapshot::derived::PowerSource,
         crate::snapshot::derived::MergeWeights, crate::snapshot::derived::Progress,
         crate::store::snapshots::SnapshotRow,
@@ -106,6 +113,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/runs/{run}/drift/tensors", get(insight::tensor_drift))
         .route("/v1/runs/{run}/window", get(insight::window))
+        .route(
+            "/v1/runs/{run}/finish",
+            axum::routing::post(runs::finish_run),
+        )
         .route("/v1/runs/{run}/ranks", get(runs::list_ranks))
         .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))
         .route("/v1/runs/{run}/ranks/{rank}/ema", get(runs::get_rank_ema))
@@ -153,6 +164,59 @@ pub fn router(state: AppState) -> Router {
         .merge(push_routes)
         .merge(api)
         .fallback(|| async { error::ApiError::not_found("not_found", "no such endpoint") })
-        .layer(TraceLayer::new_for_http())
+        .layer(TraceLayer::new_for_http().make_span_with(request_span))
         .with_state(state)
+}
+
+/// The router of `--metrics-bind`: `/metrics` alone, without a token.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(ops::metrics_open))
+        .fallback(|| async { error::ApiError::not_found("not_found", "no such endpoint") })
+        .with_state(state)
+}
+
+/// The span of a request, as tower-http's default but with tokens in the
+/// query replaced: the URI is logged at debug level.
+fn request_span(req: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    tracing::debug_span!(
+        "request",
+        method = %req.method(),
+        uri = %redact_uri(req.uri()),
+        version = ?req.version(),
+    )
+}
+
+/// The URI with the value of every `access_token` query parameter replaced.
+pub fn redact_uri(uri: &axum::http::Uri) -> String {
+    let Some(query) = uri.query() else {
+        return uri.to_string();
+    };
+    let redacted: Vec<String> = query
+        .split('&')
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("access_token") => format!("{k}=REDACTED"),
+            _ => kv.to_string(),
+        })
+        .collect();
+    format!("{}?{}", uri.path(), redacted.join("&"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_redacted_from_logged_uris() {
+        let uri: axum::http::Uri = "/v1/runs/r/events?since=3&access_token=s3cret-token&kinds=push"
+            .parse()
+            .unwrap();
+        let shown = redact_uri(&uri);
+        assert_eq!(
+            shown,
+            "/v1/runs/r/events?since=3&access_token=REDACTED&kinds=push"
+        );
+        let plain: axum::http::Uri = "/v1/runs?x=1".parse().unwrap();
+        assert_eq!(redact_uri(&plain), "/v1/runs?x=1");
+    }
 }

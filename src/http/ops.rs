@@ -10,7 +10,8 @@ use rust_embed::RustEmbed;
 use serde::Serialize;
 use utoipa::{OpenApi, ToSchema};
 
-use super::error::ApiError;
+use super::auth::Caller;
+use super::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
 /// Files under `static/`: embedded in release builds, read from disk in
@@ -25,6 +26,11 @@ pub struct Health {
     pub version: String,
     pub uptime_seconds: f64,
     pub runs: usize,
+    /// Free bytes on the data dir's filesystem (absent when it cannot be
+    /// asked).
+    pub disk_free_bytes: Option<u64>,
+    /// `--disk-reserve`: snapshot and state writes keep this much free.
+    pub disk_reserve_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
 }
@@ -35,6 +41,8 @@ fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
         version: env!("CARGO_PKG_VERSION").into(),
         uptime_seconds: state.started.elapsed().as_secs_f64(),
         runs: state.runs.read().expect("runs lock").len(),
+        disk_free_bytes: crate::snapshot::disk::refresh_gauge(state),
+        disk_reserve_bytes: state.args.disk_reserve.0,
         detail,
     }
 }
@@ -72,10 +80,24 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     Json(health(&state, "ok", None)).into_response()
 }
 
-/// Prometheus text exposition.
+/// Prometheus text exposition. With auth on it needs the admin token: the
+/// series name every run. (`--metrics-bind` serves it without one on a
+/// separate, loopback address, for scrapers.)
 #[utoipa::path(get, path = "/metrics", tag = "ops",
-    responses((status = 200, content_type = "text/plain", body = String)))]
-pub async fn metrics(State(state): State<AppState>) -> Response {
+    responses((status = 200, content_type = "text/plain", body = String),
+              (status = 401, body = ErrorBody, description = "auth is on and no valid token was given"),
+              (status = 403, body = ErrorBody, description = "a run's token: this needs the admin token")))]
+pub async fn metrics(State(state): State<AppState>, caller: Caller) -> Result<Response, ApiError> {
+    caller.require_admin()?;
+    Ok(exposition(&state).await)
+}
+
+/// `/metrics` on the `--metrics-bind` address: no token.
+pub async fn metrics_open(State(state): State<AppState>) -> Response {
+    exposition(&state).await
+}
+
+async fn exposition(state: &AppState) -> Response {
     for engine in state.engines() {
         state
             .metrics
@@ -83,6 +105,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
             .with_label_values(&[&crate::engine::device::name(engine.device())])
             .set(engine.queued() as i64);
     }
+    crate::snapshot::disk::refresh_gauge(state);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),

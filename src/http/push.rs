@@ -3,7 +3,8 @@
 //!
 //! The handler checks what is cheap first (auth, run, rank, update step,
 //! declared length), then receives the body into one buffer under the
-//! in-flight byte budget, validates it on a blocking thread (safetensors
+//! in-flight byte budget (taken as bytes arrive, never from the declared
+//! length: a client that only promises bytes holds nothing), validates it on a blocking thread (safetensors
 //! header, chunks, NaN/Inf, digest), and only then queues it on the engine,
 //! which checks the step rules and the layout and applies it.
 
@@ -44,14 +45,16 @@ const DRAIN_LIMIT: u64 = 64 << 20;
 
 /// Push one rank's tensors for one step (body: a safetensors file,
 /// optionally `Content-Encoding: zstd`).
-#[utoipa::path(put, path = "/v1/runs/{run}/ranks/{rank}/steps/{step}", tag = "push",
+#[utoipa::path(method(put, post), path = "/v1/runs/{run}/ranks/{rank}/steps/{step}", tag = "push",
     params(("run" = String, Path), ("rank" = u32, Path), ("step" = u64, Path)),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = PushResponse),
               (status = 400, body = ErrorBody, description = "malformed safetensors"),
               (status = 404, body = ErrorBody, description = "no such run or rank"),
               (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe"),
+              (status = 408, body = ErrorBody, description = "body_timeout: the body arrived too slowly"),
               (status = 413, body = ErrorBody, description = "body or header over the limit"),
+              (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd"),
               (status = 422, body = ErrorBody, description = "nonfinite, unsupported_dtype, invalid_shards"),
               (status = 429, body = ErrorBody, description = "busy; see Retry-After")))]
 pub async fn push(
@@ -152,9 +155,6 @@ async fn receive_and_apply(
 
     // Receive the body under the in-flight byte budget.
     let mut budget = Budget::new(state);
-    if let Some(len) = declared {
-        budget.reserve(len)?;
-    }
     let raw = read_body(body, declared, limit, &mut budget, &state.bodies).await?;
     let received = Instant::now();
     state
@@ -349,7 +349,7 @@ async fn drain(body: Body, declared: Option<u64>) {
 /// Push bytes held in memory, counted against the server's budget.
 struct Budget {
     state: AppState,
-    permits: Vec<OwnedSemaphorePermit>,
+    permit: Option<OwnedSemaphorePermit>,
     held_kib: usize,
 }
 
@@ -357,7 +357,7 @@ impl Budget {
     fn new(state: &AppState) -> Self {
         Budget {
             state: state.clone(),
-            permits: Vec::new(),
+            permit: None,
             held_kib: 0,
         }
     }
@@ -381,7 +381,10 @@ impl Budget {
                     self.state.args.retry_after_secs,
                 )
             })?;
-        self.permits.push(permit);
+        match &mut self.permit {
+            Some(held) => held.merge(permit),
+            None => self.permit = Some(permit),
+        }
         self.held_kib += more as usize;
         self.state.metrics.inflight_bytes.add(more as i64 * 1024);
         Ok(())
@@ -397,10 +400,11 @@ impl Drop for Budget {
     }
 }
 
-/// Collects the body into one (reused) buffer, sized from `Content-Length`
-/// when given, refusing to grow past `limit`. (Digesting each frame here,
-/// while it is in cache, measured slower: this loop is what bounds the
-/// receive rate, and the digest runs beside the NaN/Inf scan later.)
+/// Collects the body into one (reused) buffer that grows with the data,
+/// refusing to grow past `limit` and taking the budget for each byte as it
+/// arrives. (Digesting each frame here, while it is in cache, measured
+/// slower: this loop is what bounds the receive rate, and the digest runs
+/// beside the NaN/Inf scan later.)
 async fn read_body(
     mut body: Body,
     declared: Option<u64>,
@@ -408,19 +412,16 @@ async fn read_body(
     budget: &mut Budget,
     pool: &Arc<BodyPool>,
 ) -> Result<bytes::Bytes, ApiError> {
-    let mut buf = pool.take(declared.unwrap_or(0).min(limit) as usize);
+    let hint = usize::try_from(declared.unwrap_or(0).min(limit)).unwrap_or(usize::MAX);
+    let mut buf = pool.take(hint);
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| {
-            ApiError::bad_request("body_read_failed", format!("reading the body failed: {e}"))
-        })?;
+        let frame = frame.map_err(body_read_error)?;
         if let Some(data) = frame.data_ref() {
             let len = buf.len() as u64 + data.len() as u64;
             if len > limit {
                 return Err(too_large(len, limit));
             }
-            if declared.is_none() {
-                budget.reserve(len)?;
-            }
+            budget.reserve(len)?;
             buf.extend_from_slice(data);
         }
     }
@@ -433,6 +434,15 @@ async fn read_body(
         }
     }
     Ok(buf.freeze())
+}
+
+/// A failed body read: 408 when the client was too slow, else 400.
+pub fn body_read_error(e: axum::Error) -> ApiError {
+    if super::conn::is_body_timeout(&e) {
+        ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", e.to_string())
+    } else {
+        ApiError::bad_request("body_read_failed", format!("reading the body failed: {e}"))
+    }
 }
 
 /// zstd, refusing output past `limit`.

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,11 +13,13 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{rank_of, run_named, ApiJson};
+use super::extract::{rank_of, run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::engine::device;
 use crate::run::{RunConfig, RunSpec};
 use crate::snapshot::format::profile_part;
 use crate::state::{now_ms, token_hash, AppState, RankView, RunHandle, RunTokens};
+use crate::store::snapshots::SnapshotRow;
+use crate::store::RunFinish;
 use crate::wire::DType;
 
 /// A run as listed.
@@ -36,8 +38,12 @@ pub struct RunView {
     /// EMA + copied + mirror bytes held on the device.
     pub resident_bytes: u64,
     /// `healthy` (every rank live), `degraded` (some rank stale or not
-    /// restored), `waiting` (some ranks never pushed) or `idle` (none did).
+    /// restored), `waiting` (some ranks never pushed), `idle` (none did) or
+    /// `finished` (`POST .../finish`; its ranks show `finished` too).
     pub health: String,
+    /// How the run ended, once finished.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finished: Option<RunFinish>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ranks: Option<Vec<RankView>>,
     /// Labels and a free-text note (`PATCH /v1/runs/{run}` edits them).
@@ -68,13 +74,23 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         .map(|r| run.rank(r).unwrap_or_default())
         .collect();
     let furthest = summaries.iter().filter_map(|s| s.last_step).max();
+    let finished = run.finished();
     let ranks: Vec<RankView> = summaries
         .iter()
         .enumerate()
-        .map(|(r, s)| RankView::new(r as u32, s, furthest, false))
+        .map(|(r, s)| {
+            let mut view = RankView::new(r as u32, s, furthest, false);
+            // A finished run's ranks stopped on purpose: not stale.
+            if finished.is_some() && matches!(view.status.as_str(), "live" | "stale") {
+                view.status = "finished".into();
+            }
+            view
+        })
         .collect();
     let seen: Vec<&RankView> = ranks.iter().filter(|r| r.status != "never_seen").collect();
-    let health = if seen.is_empty() {
+    let health = if finished.is_some() {
+        "finished"
+    } else if seen.is_empty() {
         "idle"
     } else if seen.iter().any(|r| r.status != "live") {
         "degraded"
@@ -97,6 +113,7 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         ranks_seen: seen.len() as u32,
         resident_bytes: ranks.iter().map(|r| r.resident_bytes).sum(),
         health: health.into(),
+        finished,
         ranks: with_ranks.then_some(ranks),
         tags,
         note,
@@ -109,12 +126,24 @@ pub fn rfc3339(ms: i64) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct CreateQuery {
+    /// An existing run of the same name with the same configuration (every
+    /// field, defaults resolved) is answered `200` instead of `409`; one
+    /// with another configuration is refused with the differences.
+    #[serde(default)]
+    pub exist_ok: bool,
+}
+
 /// Create a run.
-#[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = RunSpec,
-    responses((status = 201, body = CreatedRun), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+#[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = RunSpec, params(CreateQuery),
+    responses((status = 201, body = CreatedRun),
+              (status = 200, body = CreatedRun, description = "exist_ok: the run exists with this configuration"),
+              (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn create_run(
     State(state): State<AppState>,
     caller: Caller,
+    ApiQuery(q): ApiQuery<CreateQuery>,
     ApiJson(spec): ApiJson<RunSpec>,
 ) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
     caller.require_admin()?;
@@ -122,11 +151,28 @@ pub async fn create_run(
     let config = spec.validate(&state.default_device, |d| {
         device::resolve(d).map(device::name)
     })?;
-    if state.run(&config.name).is_some() {
-        return Err(ApiError::conflict(
-            "run_exists",
-            format!("run `{}` already exists", config.name),
-        ));
+    if let Some(existing) = state.run(&config.name) {
+        let differences = config_differences(&existing.config, &config);
+        if q.exist_ok && differences.is_empty() {
+            return Ok((
+                StatusCode::OK,
+                Json(CreatedRun {
+                    run: run_view(&existing, true),
+                    write_token: None,
+                    read_token: None,
+                }),
+            ));
+        }
+        let message = if differences.is_empty() {
+            format!("run `{}` already exists", config.name)
+        } else {
+            format!(
+                "run `{}` already exists with another configuration: {} (existing != asked)",
+                config.name,
+                differences.join("; ")
+            )
+        };
+        return Err(ApiError::conflict("run_exists", message));
     }
     let tokens = state.args.token.as_ref().map(|_| {
         (
@@ -172,6 +218,84 @@ pub async fn create_run(
     ))
 }
 
+/// `field: existing != asked` for every configuration value that differs,
+/// with dotted paths (`profiles[0].beta`).
+pub fn config_differences(existing: &RunConfig, asked: &RunConfig) -> Vec<String> {
+    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        use serde_json::Value;
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                for k in keys {
+                    let sub = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    walk(
+                        &sub,
+                        x.get(k).unwrap_or(&Value::Null),
+                        y.get(k).unwrap_or(&Value::Null),
+                        out,
+                    );
+                }
+            }
+            (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+                for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                    walk(&format!("{path}[{i}]"), p, q, out);
+                }
+            }
+            _ if a != b => out.push(format!("{path}: {a} != {b}")),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    match (serde_json::to_value(existing), serde_json::to_value(asked)) {
+        (Ok(a), Ok(b)) => walk("", &a, &b, &mut out),
+        _ => out.push("the configurations could not be compared".into()),
+    }
+    out
+}
+
+/// The body of `POST /v1/runs/{run}/finish`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FinishRequest {
+    /// Label of the final snapshot (default `final`).
+    pub label: Option<String>,
+}
+
+/// The answer to `POST /v1/runs/{run}/finish`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FinishResponse {
+    pub run: RunView,
+    /// The final snapshot, cut at the furthest rank's last step (pending
+    /// until every rank has applied that step); `null` when nothing was
+    /// pushed.
+    pub snapshot: Option<SnapshotRow>,
+}
+
+/// Finish a run: take its final snapshot and refuse later pushes. Health
+/// and ranks then say `finished`. Finishing a finished run answers how it
+/// ended.
+#[utoipa::path(post, path = "/v1/runs/{run}/finish", tag = "runs",
+    params(("run" = String, Path, description = "run name")), request_body = FinishRequest,
+    responses((status = 200, body = FinishResponse), (status = 404, body = ErrorBody)))]
+pub async fn finish_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    MaybeJson(req): MaybeJson<FinishRequest>,
+) -> Result<Json<FinishResponse>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_write(&run)?;
+    let (_, snapshot) = crate::snapshot::finish(&state, &run, req.label).await?;
+    Ok(Json(FinishResponse {
+        run: run_view(&run, true),
+        snapshot,
+    }))
+}
+
 fn random_hex() -> String {
     let bytes: [u8; 24] = rand::random();
     hex::encode(bytes)
@@ -183,7 +307,7 @@ pub async fn list_runs(
     State(state): State<AppState>,
     caller: Caller,
 ) -> Result<Json<RunList>, ApiError> {
-    if matches!(caller, Caller::Anonymous) {
+    if matches!(caller, Caller::Anonymous | Caller::Unknown) {
         caller.require_admin()?;
     }
     let runs: Vec<Arc<RunHandle>> = state
@@ -216,7 +340,8 @@ pub async fn get_run(
     Ok(Json(run_view(&run, true)))
 }
 
-/// Delete a run: its EMA is freed and its catalog rows removed.
+/// Delete a run: its EMA is freed, its catalog rows and its files on disk
+/// (snapshots) removed.
 #[utoipa::path(delete, path = "/v1/runs/{run}", tag = "runs",
     params(("run" = String, Path, description = "run name")),
     responses((status = 204), (status = 404, body = ErrorBody)))]
@@ -232,6 +357,11 @@ pub async fn delete_run(
     let _ = run.engine.call(move |e| e.drop_run(&name)).await;
     state.metrics.forget_run(&run.config.name);
     state.alerts.forget(&run.config.name);
+    // The catalog no longer lists them: without this they stayed on disk
+    // until the next start.
+    if let Err(e) = crate::snapshot::remove_run_files(&state, &run.config.name).await {
+        tracing::warn!(run = %run.config.name, error = %e, "removing a deleted run's files failed");
+    }
     tracing::info!(run = %run.config.name, "run deleted");
     Ok(StatusCode::NO_CONTENT)
 }
@@ -265,7 +395,7 @@ pub async fn get_rank(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, rank)): Path<(String, String)>,
-    Query(q): Query<RankQuery>,
+    ApiQuery(q): ApiQuery<RankQuery>,
 ) -> Result<Json<RankView>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -295,7 +425,7 @@ pub async fn get_rank_ema(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, rank)): Path<(String, String)>,
-    Query(q): Query<EmaQuery>,
+    ApiQuery(q): ApiQuery<EmaQuery>,
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;

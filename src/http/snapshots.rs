@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,7 +15,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson, MaybeJson};
+use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::engine::host_bytes;
 use crate::engine::rank::{RankLayout, Slot};
 use crate::snapshot::assemble::{self, Layout};
@@ -32,9 +32,16 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::Conflict(m) => ApiError::conflict("snapshot_conflict", m),
             SnapshotError::NotFound(m) => ApiError::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => ApiError::unprocessable("invalid_request", m),
+            SnapshotError::Older(m) => ApiError::conflict("snapshot_older", m),
+            SnapshotError::Internal(m) => ApiError::internal(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
             SnapshotError::Io(e) => ApiError::internal(e),
+            SnapshotError::NoSpace(e) => ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                e.to_string(),
+            ),
         }
     }
 }
@@ -53,7 +60,10 @@ impl From<assemble::AssembleError> for ApiError {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
-    /// The step; default the next update step after the furthest rank.
+    /// The step; default the ranks' current step when every rank has
+    /// applied it (cut at once), else the next update step after the
+    /// furthest rank. The answer's `detail.cut` says which (`current`,
+    /// `next_update`, or `requested`).
     pub step: Option<u64>,
     /// Profiles to capture; default all.
     pub profiles: Option<Vec<String>>,
@@ -80,7 +90,8 @@ pub struct SnapshotView {
 /// Schedule a consistent snapshot.
 #[utoipa::path(post, path = "/v1/runs/{run}/snapshots", tag = "snapshots",
     params(("run" = String, Path)), request_body = SnapshotRequest,
-    responses((status = 202, body = SnapshotRow), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    responses((status = 202, body = SnapshotRow), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody),
+              (status = 507, body = ErrorBody, description = "insufficient_storage: the write would pass --disk-reserve")))]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
@@ -108,7 +119,7 @@ pub async fn list(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<ListQuery>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Json<SnapshotList>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -230,7 +241,7 @@ pub async fn download(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, id)): Path<(String, String)>,
-    Query(q): Query<DownloadQuery>,
+    ApiQuery(q): ApiQuery<DownloadQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
@@ -285,8 +296,11 @@ pub async fn download(
         ("polyak.profile".to_string(), part.clone()),
     ]);
     let sid = id.clone();
-    let dl = tokio::task::spawn_blocking(move || assemble::build(&sid, meta, &parts, layout, cast))
-        .await??;
+    let mtime = (row.completed_at_ms.unwrap_or(row.created_at_ms).max(0) / 1000) as u64;
+    let dl = tokio::task::spawn_blocking(move || {
+        assemble::build(&sid, meta, &parts, layout, cast, mtime)
+    })
+    .await??;
     let etag = HeaderValue::from_str(&dl.etag).map_err(ApiError::internal)?;
     if headers
         .get(header::IF_NONE_MATCH)
@@ -407,7 +421,7 @@ pub async fn compare(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
-    Query(q): Query<CompareQuery>,
+    ApiQuery(q): ApiQuery<CompareQuery>,
 ) -> Result<Json<CompareResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
@@ -546,23 +560,37 @@ fn live_tensors(layout: &RankLayout, ema: tch::Tensor, copied: Vec<tch::Tensor>)
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResumeRequest {
-    /// Restore from the newest complete snapshot at or before this step.
+    /// The last step the trainer's checkpoint pushed (optimizer steps
+    /// taken minus one): restore from the newest complete snapshot at or
+    /// before it.
     pub step: u64,
+    /// Restore even when that snapshot is older than `step`'s last update
+    /// step (the EMA then misses those updates); refused (409
+    /// `snapshot_older`) otherwise.
+    #[serde(default)]
+    pub allow_older: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ResumeResponse {
     pub snapshot: String,
     pub step: u64,
-    /// Per rank, the step it now continues from.
+    /// Per rank, the step it now continues from. JSON object keys are
+    /// strings: the rank number written in decimal.
+    #[schema(value_type = BTreeMap<String, u64>)]
     pub rank_steps: BTreeMap<u32, u64>,
+    /// The step asked for.
+    pub requested_step: u64,
+    /// The snapshot is older than the step asked for (`allow_older`).
+    pub older: bool,
 }
 
 /// Restore every rank's EMA (and mirror) from the newest complete snapshot
 /// at or before `step`; pushes continue from there.
 #[utoipa::path(post, path = "/v1/runs/{run}/resume", tag = "snapshots",
     params(("run" = String, Path)), request_body = ResumeRequest,
-    responses((status = 200, body = ResumeResponse), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = ResumeResponse), (status = 404, body = ErrorBody),
+              (status = 409, body = ErrorBody, description = "snapshot_older: the newest snapshot misses updates before `step`")))]
 pub async fn resume(
     State(state): State<AppState>,
     caller: Caller,
@@ -571,12 +599,15 @@ pub async fn resume(
 ) -> Result<Json<ResumeResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let (row, rank_steps) = snap::resume(&state, &run, req.step).await?;
+    let resumed = snap::resume(&state, &run, req.step, req.allow_older).await?;
+    let row = resumed.row;
     tracing::info!(run = %name, snapshot = %row.id, step = row.step, "resumed");
     Ok(Json(ResumeResponse {
         snapshot: row.id,
         step: row.step,
-        rank_steps,
+        rank_steps: resumed.rank_steps,
+        requested_step: req.step,
+        older: resumed.older,
     }))
 }
 
@@ -588,7 +619,8 @@ pub struct PersistResponse {
 
 /// Take a crash-recovery `state` snapshot now.
 #[utoipa::path(post, path = "/v1/runs/{run}/persist", tag = "snapshots",
-    params(("run" = String, Path)), responses((status = 200, body = PersistResponse)))]
+    params(("run" = String, Path)), responses((status = 200, body = PersistResponse),
+        (status = 507, body = ErrorBody, description = "insufficient_storage: the write would pass --disk-reserve")))]
 pub async fn persist(
     State(state): State<AppState>,
     caller: Caller,

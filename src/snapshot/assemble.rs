@@ -161,6 +161,7 @@ fn read_table(part: &StoredPart) -> Result<Vec<(String, StoredTensor)>, Assemble
 }
 
 /// The pieces of each tensor, per name, after the tiling check.
+#[derive(Clone)]
 struct Whole {
     name: String,
     dtype: DType,
@@ -238,6 +239,26 @@ fn wholes(parts: &[StoredPart]) -> Result<Vec<Whole>, AssembleError> {
             chunks,
         });
     }
+    // Tied names were pushed and stored once; every layout writes them
+    // under each name so that strict `load_state_dict` finds them all.
+    let aliases: BTreeMap<&str, &str> = parts
+        .iter()
+        .flat_map(|p| p.meta.layout.aliases.iter())
+        .map(|(a, t)| (a.as_str(), t.as_str()))
+        .collect();
+    for (alias, target) in aliases {
+        if out.iter().any(|w| w.name == alias) {
+            continue;
+        }
+        if let Some(w) = out.iter().find(|w| w.name == target) {
+            let tied = Whole {
+                name: alias.to_string(),
+                ..w.clone()
+            };
+            out.push(tied);
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
 }
 
@@ -317,13 +338,13 @@ fn full_file(wholes: &[&Whole], cast: Option<DType>, meta: BTreeMap<String, Stri
     pieces
 }
 
-fn tar_entry(name: &str, len: u64) -> Piece {
+fn tar_entry(name: &str, len: u64, mtime: u64) -> Piece {
     let mut header = tar::Header::new_ustar();
     // Names here are short and ASCII.
     let _ = header.set_path(name);
     header.set_size(len);
     header.set_mode(0o644);
-    header.set_mtime(0);
+    header.set_mtime(mtime);
     header.set_entry_type(tar::EntryType::Regular);
     header.set_cksum();
     Piece::Bytes(Bytes::copy_from_slice(header.as_bytes()))
@@ -334,20 +355,23 @@ fn tar_padding(len: u64) -> Piece {
     Piece::Bytes(Bytes::from(vec![0u8; pad as usize]))
 }
 
-fn tar_file(out: &mut Vec<Piece>, name: &str, pieces: Vec<Piece>) {
+fn tar_file(out: &mut Vec<Piece>, name: &str, pieces: Vec<Piece>, mtime: u64) {
     let len: u64 = pieces.iter().map(Piece::len).sum();
-    out.push(tar_entry(name, len));
+    out.push(tar_entry(name, len, mtime));
     out.extend(pieces);
     out.push(tar_padding(len));
 }
 
-/// Builds the download of `profile` of a snapshot in `layout`.
+/// Builds the download of `profile` of a snapshot in `layout`. Files in a
+/// tar carry `mtime` (seconds since the epoch: when the snapshot was
+/// taken), so unpacked files tell their age.
 pub fn build(
     snapshot_id: &str,
     meta: BTreeMap<String, String>,
     parts: &[StoredPart],
     layout: Layout,
     cast: Option<DType>,
+    mtime: u64,
 ) -> Result<Download, AssembleError> {
     if parts.is_empty() {
         return Err(AssembleError::Missing(
@@ -422,7 +446,7 @@ pub fn build(
                 }
                 let mut meta = meta.clone();
                 meta.insert("format".into(), "pt".into());
-                tar_file(&mut out, &name, full_file(shard, cast, meta));
+                tar_file(&mut out, &name, full_file(shard, cast, meta), mtime);
             }
             let index =
                 serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -431,6 +455,7 @@ pub fn build(
                 &mut out,
                 "model.safetensors.index.json",
                 vec![Piece::Bytes(index)],
+                mtime,
             );
             out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
             (
@@ -491,7 +516,12 @@ pub fn build(
                 for (_, t) in &tensors {
                     pieces.push(data_piece(t, out_dtype(t.dtype, cast)));
                 }
-                tar_file(&mut out, &format!("rank-{rank:05}.safetensors"), pieces);
+                tar_file(
+                    &mut out,
+                    &format!("rank-{rank:05}.safetensors"),
+                    pieces,
+                    mtime,
+                );
             }
             out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
             (

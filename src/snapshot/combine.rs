@@ -85,12 +85,10 @@ pub fn combine_rank(
         let table = format::read_tensor_table(&mut file)?;
         opened.push(Source { file, table });
     }
-    for o in &outputs {
-        if o.weights.len() != opened.len() {
-            return Err(CombineError::Mismatch(
-                "one weight per source is needed".into(),
-            ));
-        }
+    if outputs.iter().any(|o| o.weights.len() != opened.len()) {
+        return Err(CombineError::Mismatch(
+            "one weight per source is needed".into(),
+        ));
     }
     let segments = averaged_segments(layout, &opened)?;
     // Progress counts every byte of every source file: what is not read
@@ -114,68 +112,16 @@ pub fn combine_rank(
         fills = order;
     }
     let weights: Vec<&[f64]> = outputs.iter().map(|o| o.weights.as_slice()).collect();
-    let mut acc = vec![vec![0f64; CHUNK.min(layout.ema_numel.max(0) as usize)]; outputs.len()];
-    let mut scratch = Vec::new();
-    let mut bytes = Vec::new();
+    let mut sums = WeightedSums::new(&weights, out_dtype, layout.ema_numel);
     for fill in fills {
         match fill {
             BlockFill::Averaged => {
                 for seg in &segments {
-                    let mut done = 0usize;
-                    while done < seg.numel {
-                        let n = CHUNK.min(seg.numel - done);
-                        for a in acc.iter_mut() {
-                            a[..n].fill(0.0);
-                        }
-                        for (s, src) in opened.iter().enumerate() {
-                            let (dtype, offset) = seg.at[s];
-                            let size = dtype.size();
-                            bytes.resize(n * size, 0);
-                            src.file
-                                .read_exact_at(&mut bytes, offset + (done * size) as u64)?;
-                            progress(bytes.len() as u64);
-                            widen(dtype, &bytes, &mut scratch);
-                            for (a, w) in acc.iter_mut().zip(&weights) {
-                                let w = w[s];
-                                for (x, v) in a[..n].iter_mut().zip(&scratch) {
-                                    *x += w * v;
-                                }
-                            }
-                        }
-                        for (a, w) in acc.iter().zip(writers.iter_mut()) {
-                            narrow(out_dtype, &a[..n], &mut bytes);
-                            w.write_all(&bytes)?;
-                        }
-                        done += n;
-                    }
+                    sums.write_segment(seg, &opened, &mut writers, progress)?;
                 }
             }
             BlockFill::Copied(group) => {
-                let base = &opened[base];
-                for i in format::copied_members(layout, group) {
-                    let t = &layout.tensors[i];
-                    let range = base.table.get(&t.name).ok_or_else(|| {
-                        CombineError::Mismatch(format!("`{}` is missing from a source", t.name))
-                    })?;
-                    let want = layout.copied_groups[group].dtype;
-                    if range.dtype != want || range.numel != t.numel {
-                        return Err(CombineError::Mismatch(format!(
-                            "`{}` is stored as {} x {}, the layout says {want} x {}",
-                            t.name, range.dtype, range.numel, t.numel
-                        )));
-                    }
-                    let total = t.numel as u64 * want.size() as u64;
-                    let mut at = 0u64;
-                    while at < total {
-                        let n = (total - at).min((CHUNK * 8) as u64) as usize;
-                        bytes.resize(n, 0);
-                        base.file.read_exact_at(&mut bytes, range.offset + at)?;
-                        for w in writers.iter_mut() {
-                            w.write_all(&bytes)?;
-                        }
-                        at += n as u64;
-                    }
-                }
+                copy_group(layout, group, &opened[base], &mut writers)?;
             }
         }
     }
@@ -184,6 +130,104 @@ pub fn combine_rank(
         written.push(w.finish()?);
     }
     Ok(written)
+}
+
+/// The float64 accumulators of every output and the buffers a chunk goes
+/// through, reused for every chunk.
+struct WeightedSums<'a> {
+    /// Per output: the weight of each source.
+    weights: &'a [&'a [f64]],
+    out_dtype: DType,
+    acc: Vec<Vec<f64>>,
+    widened: Vec<f64>,
+    bytes: Vec<u8>,
+}
+
+impl<'a> WeightedSums<'a> {
+    fn new(weights: &'a [&'a [f64]], out_dtype: DType, numel: i64) -> Self {
+        let chunk = CHUNK.min(numel.max(0) as usize);
+        WeightedSums {
+            weights,
+            out_dtype,
+            acc: vec![vec![0f64; chunk]; weights.len()],
+            widened: Vec::new(),
+            bytes: Vec::new(),
+        }
+    }
+
+    /// Every output's weighted sum of one segment, chunk by chunk: each
+    /// source chunk is read once and added into every accumulator.
+    fn write_segment(
+        &mut self,
+        seg: &Segment,
+        sources: &[Source],
+        writers: &mut [PartWriter],
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<(), CombineError> {
+        let mut done = 0usize;
+        while done < seg.numel {
+            let n = CHUNK.min(seg.numel - done);
+            for a in self.acc.iter_mut() {
+                a[..n].fill(0.0);
+            }
+            for (s, src) in sources.iter().enumerate() {
+                let (dtype, offset) = seg.at[s];
+                let size = dtype.size();
+                self.bytes.resize(n * size, 0);
+                src.file
+                    .read_exact_at(&mut self.bytes, offset + (done * size) as u64)?;
+                progress(self.bytes.len() as u64);
+                widen(dtype, &self.bytes, &mut self.widened);
+                for (a, w) in self.acc.iter_mut().zip(self.weights) {
+                    let w = w[s];
+                    for (x, v) in a[..n].iter_mut().zip(&self.widened) {
+                        *x += w * v;
+                    }
+                }
+            }
+            for (a, w) in self.acc.iter().zip(writers.iter_mut()) {
+                narrow(self.out_dtype, &a[..n], &mut self.bytes);
+                w.write_all(&self.bytes)?;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Copies the members of a copied group from `base` into every output.
+fn copy_group(
+    layout: &RankLayout,
+    group: usize,
+    base: &Source,
+    writers: &mut [PartWriter],
+) -> Result<(), CombineError> {
+    let want = layout.copied_groups[group].dtype;
+    let mut bytes = Vec::new();
+    for i in format::copied_members(layout, group) {
+        let t = &layout.tensors[i];
+        let range = base.table.get(&t.name).ok_or_else(|| {
+            CombineError::Mismatch(format!("`{}` is missing from a source", t.name))
+        })?;
+        if range.dtype != want || range.numel != t.numel {
+            return Err(CombineError::Mismatch(format!(
+                "`{}` is stored as {} x {}, the layout says {want} x {}",
+                t.name, range.dtype, range.numel, t.numel
+            )));
+        }
+        let total = t.numel as u64 * want.size() as u64;
+        let mut at = 0u64;
+        while at < total {
+            let n = (total - at).min((CHUNK * 8) as u64) as usize;
+            bytes.resize(n, 0);
+            base.file.read_exact_at(&mut bytes, range.offset + at)?;
+            for w in writers.iter_mut() {
+                w.write_all(&bytes)?;
+            }
+            at += n as u64;
+        }
+    }
+    Ok(())
 }
 
 /// The averaged tensors of `layout`, located in every source by name and
@@ -324,6 +368,7 @@ mod tests {
             ema_numel: offset,
             copied_groups: Vec::new(),
             mirror_groups: Vec::new(),
+            aliases: Default::default(),
         };
         layout.rebuild_index();
         layout

@@ -281,6 +281,7 @@ mod tests {
             ema_numel: 0,
             copied_groups: vec![],
             mirror_groups: vec![],
+            aliases: Default::default(),
         };
         l.rebuild_index();
         l

@@ -25,9 +25,9 @@ use super::format::MIRROR_PART;
 use super::posthoc::{self, PosthocError, Source};
 use super::{files, format, remove_files, SnapshotError, MANUAL, PERIODIC};
 use crate::engine::capture::RankMeta;
-use crate::engine::schedule::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
 use crate::engine::snapshot_id;
 use crate::run::{ProfileSpec, RunConfig};
+use crate::sigma_rel::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
 use crate::state::{now_ms, AppState, RunHandle};
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -288,9 +288,16 @@ struct JobOutput {
     weights: Vec<f64>,
 }
 
+/// Derived snapshots just recorded, and the source bytes their job reads.
+#[derive(Debug)]
+pub struct Started {
+    /// Pending rows, in request order.
+    pub rows: Vec<SnapshotRow>,
+    pub total: u64,
+}
+
 /// `POST /posthoc`: one derived snapshot per `sigma_rel` (kind `posthoc`,
-/// one profile `name`), written in one pass over the sources. Returns the
-/// pending rows, in request order.
+/// one profile `name`), written in one pass over the sources.
 pub async fn posthoc(
     state: &AppState,
     run: &RunHandle,
@@ -298,7 +305,7 @@ pub async fn posthoc(
     step: Option<u64>,
     name: Option<String>,
     profiles: Option<&[String]>,
-) -> Result<Vec<SnapshotRow>, SnapshotError> {
+) -> Result<Started, SnapshotError> {
     let name = profile_name(name, POSTHOC)?;
     let plan = plan(state, run, sigma_rels, step, profiles).await?;
     let sweep_ids: Vec<String> = plan
@@ -360,6 +367,16 @@ pub enum MergeWeights {
     Exp,
 }
 
+impl MergeWeights {
+    pub fn name(self) -> &'static str {
+        match self {
+            MergeWeights::Uniform => "uniform",
+            MergeWeights::Linear => "linear",
+            MergeWeights::Exp => "exp",
+        }
+    }
+}
+
 /// The normalised weights of `k` snapshots, oldest first.
 pub fn merge_weights(scheme: MergeWeights, k: usize, alpha: f64) -> Vec<f64> {
     let raw: Vec<f64> = (0..k)
@@ -389,7 +406,7 @@ pub async fn merge(
     scheme: MergeWeights,
     alpha: Option<f64>,
     name: Option<String>,
-) -> Result<SnapshotRow, SnapshotError> {
+) -> Result<Started, SnapshotError> {
     let config = &run.config;
     if !config.mirror {
         return Err(SnapshotError::Invalid(format!(
@@ -398,32 +415,81 @@ pub async fn merge(
         )));
     }
     let name = profile_name(name, "merged")?;
-    let alpha = match (scheme, alpha) {
-        (MergeWeights::Exp, None) => 0.5,
-        (MergeWeights::Exp, Some(a)) if a.is_finite() && a > 0.0 && a <= 1.0 => a,
-        (MergeWeights::Exp, Some(a)) => {
-            return Err(SnapshotError::Invalid(format!(
-                "alpha: {a} is out of range (0, 1]"
-            )))
-        }
-        (_, Some(_)) => {
-            return Err(SnapshotError::Invalid(
-                "alpha: only the exp weights take an alpha".into(),
-            ))
-        }
-        (_, None) => 1.0,
-    };
+    let alpha = merge_alpha(scheme, alpha)?;
     let rows = state.store.snapshots(&config.name).await?;
-    let mergeable =
-        |r: &SnapshotRow| r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC);
-    let mut chosen: Vec<SnapshotRow> = match selection {
+    let chosen = choose_merged(&config.name, rows, selection)?;
+    for row in &chosen {
+        let files = state.store.snapshot_files(&row.id).await?;
+        if !files.iter().any(|f| f.part == MIRROR_PART) {
+            return Err(SnapshotError::Invalid(format!(
+                "snapshot `{}` holds no online weights",
+                row.id
+            )));
+        }
+    }
+    let weights = merge_weights(scheme, chosen.len(), alpha);
+    let newest = chosen.last().map(|r| r.step).unwrap_or(0);
+    let id = snapshot_id(MERGE, newest);
+    let detail = serde_json::json!({
+        "weights": scheme,
+        "alpha": (scheme == MergeWeights::Exp).then_some(alpha),
+        "sources": chosen.iter().zip(&weights).map(|(r, w)| serde_json::json!({
+            "snapshot": r.id, "step": r.step, "weight": w,
+        })).collect::<Vec<_>>(),
+    });
+    let label = format!("merge of {} ({})", chosen.len(), scheme.name());
+    let row = derived_row(run, &id, MERGE, newest, label, &name, detail);
+    let sources: Vec<JobSource> = chosen
+        .iter()
+        .map(|r| JobSource {
+            snapshot: r.id.clone(),
+            part: MIRROR_PART.to_string(),
+        })
+        .collect();
+    let base = sources.len() - 1;
+    let output = JobOutput {
+        id,
+        profile: name,
+        weights,
+    };
+    start(state, run, vec![row], sources, base, vec![output]).await
+}
+
+/// `alpha` of the exp weights (default 0.5); the others take none.
+fn merge_alpha(scheme: MergeWeights, alpha: Option<f64>) -> Result<f64, SnapshotError> {
+    match (scheme, alpha) {
+        (MergeWeights::Exp, None) => Ok(0.5),
+        (MergeWeights::Exp, Some(a)) if a.is_finite() && a > 0.0 && a <= 1.0 => Ok(a),
+        (MergeWeights::Exp, Some(a)) => Err(SnapshotError::Invalid(format!(
+            "alpha: {a} is out of range (0, 1]"
+        ))),
+        (_, Some(_)) => Err(SnapshotError::Invalid(
+            "alpha: only the exp weights take an alpha".into(),
+        )),
+        (_, None) => Ok(1.0),
+    }
+}
+
+/// Complete manual and periodic snapshots hold a consistent cut of the
+/// online weights; the others do not.
+fn mergeable(r: &SnapshotRow) -> bool {
+    r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC)
+}
+
+/// The snapshots a merge averages, oldest first.
+fn choose_merged(
+    run: &str,
+    rows: Vec<SnapshotRow>,
+    selection: MergeSelection,
+) -> Result<Vec<SnapshotRow>, SnapshotError> {
+    let mut chosen = match selection {
         MergeSelection::Last(k) => {
             if k == 0 || k > MAX_MERGE {
                 return Err(SnapshotError::Invalid(format!(
                     "last: between 1 and {MAX_MERGE} snapshots"
                 )));
             }
-            let mut all: Vec<SnapshotRow> = rows.into_iter().filter(|r| mergeable(r)).collect();
+            let mut all: Vec<SnapshotRow> = rows.into_iter().filter(mergeable).collect();
             all.sort_by_key(|r| (r.step, r.created_at_ms));
             // One snapshot per step: the online weights of a step are the same.
             all.dedup_by_key(|r| r.step);
@@ -450,7 +516,7 @@ pub async fn merge(
                     )));
                 }
                 let row = rows.iter().find(|r| r.id == id).ok_or_else(|| {
-                    SnapshotError::NotFound(format!("no snapshot `{id}` in run `{}`", config.name))
+                    SnapshotError::NotFound(format!("no snapshot `{id}` in run `{run}`"))
                 })?;
                 if !mergeable(row) {
                     return Err(SnapshotError::Invalid(format!(
@@ -461,53 +527,11 @@ pub async fn merge(
                 }
                 out.push(row.clone());
             }
-            out.sort_by_key(|r| (r.step, r.created_at_ms));
             out
         }
     };
-    for row in &chosen {
-        let files = state.store.snapshot_files(&row.id).await?;
-        if !files.iter().any(|f| f.part == MIRROR_PART) {
-            return Err(SnapshotError::Invalid(format!(
-                "snapshot `{}` holds no online weights",
-                row.id
-            )));
-        }
-    }
-    let weights = merge_weights(scheme, chosen.len(), alpha);
-    let newest = chosen.last_mut().map(|r| r.step).unwrap_or(0);
-    let id = snapshot_id(MERGE, newest);
-    let detail = serde_json::json!({
-        "weights": scheme,
-        "alpha": (scheme == MergeWeights::Exp).then_some(alpha),
-        "sources": chosen.iter().zip(&weights).map(|(r, w)| serde_json::json!({
-            "snapshot": r.id, "step": r.step, "weight": w,
-        })).collect::<Vec<_>>(),
-    });
-    let label = format!(
-        "merge of {} ({})",
-        chosen.len(),
-        serde_json::to_value(scheme)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default()
-    );
-    let row = derived_row(run, &id, MERGE, newest, label, &name, detail);
-    let sources: Vec<JobSource> = chosen
-        .iter()
-        .map(|r| JobSource {
-            snapshot: r.id.clone(),
-            part: MIRROR_PART.to_string(),
-        })
-        .collect();
-    let base = sources.len() - 1;
-    let output = JobOutput {
-        id,
-        profile: name,
-        weights,
-    };
-    let mut rows = start(state, run, vec![row], sources, base, vec![output]).await?;
-    Ok(rows.remove(0))
+    chosen.sort_by_key(|r| (r.step, r.created_at_ms));
+    Ok(chosen)
 }
 
 fn profile_name(name: Option<String>, default: &str) -> Result<String, SnapshotError> {
@@ -563,7 +587,7 @@ async fn start(
     sources: Vec<JobSource>,
     base: usize,
     outputs: Vec<JobOutput>,
-) -> Result<Vec<SnapshotRow>, SnapshotError> {
+) -> Result<Started, SnapshotError> {
     // Every source's files are looked up before anything is recorded, so a
     // request that cannot run changes nothing.
     let mut files = Vec::with_capacity(sources.len());
@@ -576,14 +600,18 @@ async fn start(
             .filter(|f| f.part == s.part)
             .collect();
         if rows.is_empty() {
-            return Err(SnapshotError::Invalid(format!(
-                "snapshot `{}` holds no `{}` part",
+            return Err(SnapshotError::Internal(format!(
+                "complete snapshot `{}` holds no `{}` part",
                 s.snapshot, s.part
             )));
         }
         files.push(rows);
     }
     let total: u64 = files.iter().flatten().map(|f| f.bytes).sum();
+    // Each output is about the size of one source: refuse early rather than
+    // fail on a full disk halfway.
+    let per_output = total / files.len().max(1) as u64;
+    super::disk::check(state, per_output * outputs.len() as u64)?;
     for row in &rows {
         state.store.insert_snapshot(row).await?;
     }
@@ -617,7 +645,7 @@ async fn start(
         total,
     };
     spawn_job(state.clone(), job);
-    Ok(rows)
+    Ok(Started { rows, total })
 }
 
 struct Job {
@@ -671,10 +699,9 @@ fn spawn_job(state: AppState, job: Job) {
             Err(reason) => {
                 tracing::warn!(run = %run, kind = %kind, snapshots = ?ids, "derived snapshots failed: {reason}");
                 for id in &ids {
-                    if let Err(e) = state.store.fail_snapshot(id, &reason, now_ms()).await {
-                        tracing::error!(snapshot = %id, error = %e, "recording the failure failed");
-                    }
+                    // Files first: on a full disk the catalog needs the room.
                     remove_files(&state, &run, id);
+                    super::record_failure(&state, id, &reason).await;
                     state.events.emit(
                         &run,
                         "snapshot",
@@ -753,7 +780,7 @@ fn write_outputs(
         let mut paths = Vec::with_capacity(job.files.len());
         for files in &job.files {
             let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
-                SnapshotError::Invalid(format!("rank {rank} is missing from a source snapshot"))
+                SnapshotError::Internal(format!("rank {rank} is missing from a source snapshot"))
             })?;
             paths.push(data_dir.join(&f.path));
         }
@@ -762,7 +789,7 @@ fn write_outputs(
             .find(|f| f.rank == rank)
             .expect("ranks come from the base");
         let mut meta: RankMeta = serde_json::from_str(&base_file.state)
-            .map_err(|e| SnapshotError::Invalid(format!("stored rank metadata: {e}")))?;
+            .map_err(|e| SnapshotError::Internal(format!("stored rank metadata: {e}")))?;
         meta.layout.rebuild_index();
         let specs = job
             .outputs
@@ -791,10 +818,10 @@ fn write_outputs(
         )
         .map_err(|e| match e {
             combine::CombineError::Io(e) => SnapshotError::Io(e),
-            other => SnapshotError::Invalid(other.to_string()),
+            other => SnapshotError::Internal(other.to_string()),
         })?;
         let state_json =
-            serde_json::to_string(&meta).map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+            serde_json::to_string(&meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
         for ((o, w), rows) in job.outputs.iter().zip(written).zip(out.iter_mut()) {
             rows.push(FileRow {
                 rank,

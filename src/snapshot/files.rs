@@ -23,9 +23,14 @@ pub struct WrittenFile {
     pub bytes: u64,
 }
 
+/// `runs/<run>`: everything a run keeps on disk (relative to the data dir).
+pub fn run_rel_dir(run: &str) -> PathBuf {
+    Path::new("runs").join(run)
+}
+
 /// `runs/<run>/snapshots/<id>` (relative to the data dir).
 pub fn snapshot_rel_dir(run: &str, id: &str) -> PathBuf {
-    Path::new("runs").join(run).join("snapshots").join(id)
+    run_rel_dir(run).join("snapshots").join(id)
 }
 
 /// File name of one rank's part.

@@ -16,7 +16,7 @@ use tch::{Kind, Tensor};
 use crate::engine::capture::{RankMeta, RestoredRank};
 use crate::engine::host_bytes;
 use crate::engine::rank::{RankLayout, Slot};
-use crate::wire::push::SHARDS_KEY;
+use crate::wire::push::{ALIASES_KEY, SHARDS_KEY};
 use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
 
 /// The part name of the mirror.
@@ -91,6 +91,12 @@ fn assemble<T>(
         }
     }
     shards_metadata(layout, &mut meta);
+    if !layout.aliases.is_empty() {
+        meta.insert(
+            ALIASES_KEY.to_string(),
+            serde_json::json!(layout.aliases).to_string(),
+        );
+    }
     let header = SafetensorsHeader::new(entries, meta);
     (header, blocks.into_iter().map(|(_, _, b)| b).collect())
 }

@@ -3,6 +3,7 @@
 //! crash recovery.
 //!
 //! - [`format`]: the safetensors layout of one rank's part.
+//! - [`disk`]: free space, checked before every snapshot or state write.
 //! - [`files`]: durable writes (tmp, fsync, rename, dir fsync) and clean-up.
 //! - [`vfile`]: downloads as recipes of pieces, streamed with `Range`.
 //! - [`assemble`]: `full`, `hf`, `sharded` and `rank` downloads.
@@ -24,6 +25,7 @@ pub mod assemble;
 pub mod combine;
 pub mod compare;
 pub mod derived;
+pub mod disk;
 pub mod files;
 pub mod format;
 pub mod posthoc;
@@ -41,7 +43,7 @@ use crate::engine::{snapshot_id, EngineError};
 use crate::run::RunConfig;
 use crate::state::{now_ms, AppState, RunHandle};
 use crate::store::snapshots::{FileRow, SnapshotRow};
-use crate::store::StoreError;
+use crate::store::{RunFinish, StoreError};
 use compare::CompareResult;
 use format::MIRROR_PART;
 
@@ -61,12 +63,21 @@ pub enum SnapshotError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
+    /// `resume` found only a snapshot older than the step asked for.
+    #[error("{0}")]
+    Older(String),
+    /// The server's fault (a worker that panicked, catalog data that does
+    /// not hold together): answered 500, never blamed on the request.
+    #[error("{0}")]
+    Internal(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("snapshot files: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    NoSpace(#[from] disk::NoSpace),
 }
 
 /// How a snapshot ended, for those waiting on it.
@@ -99,6 +110,9 @@ pub struct Snapshots {
     last_state: Mutex<HashMap<String, Instant>>,
     /// Derived snapshots being written: how far along.
     progress: Mutex<HashMap<String, derived::Progress>>,
+    /// Failures the catalog did not take yet (`id -> reason`), retried by
+    /// the ticker: a failed snapshot must never read `pending` forever.
+    unrecorded: Mutex<HashMap<String, String>>,
 }
 
 impl Snapshots {
@@ -109,6 +123,7 @@ impl Snapshots {
             compare_cache: Mutex::new(HashMap::new()),
             last_state: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),
+            unrecorded: Mutex::new(HashMap::new()),
         }
     }
 
@@ -177,8 +192,30 @@ pub fn next_step(config: &RunConfig, furthest: Option<u64>) -> u64 {
     }
 }
 
-/// Schedules a consistent cut of `run` at `step` (or the next update step
-/// after the furthest rank). Returns the catalog row.
+/// Where a snapshot without a step cuts: at the ranks' current step when
+/// every rank has applied it (`current`: nothing to wait for), else at the
+/// next update step after the furthest rank (`next_update`: ranks are mid
+/// step, or some never pushed), as v1 did.
+pub fn cut_now(config: &RunConfig, steps: &[Option<u64>]) -> (u64, &'static str) {
+    let first = steps.first().copied().flatten();
+    if let Some(s) = first {
+        if steps.iter().all(|r| *r == Some(s)) && config.is_update_step(s) {
+            return (s, CUT_CURRENT);
+        }
+    }
+    let furthest = steps.iter().flatten().copied().max();
+    (next_step(config, furthest), CUT_NEXT_UPDATE)
+}
+
+/// `detail.cut` of a manual snapshot: how its step was chosen.
+pub const CUT_CURRENT: &str = "current";
+pub const CUT_NEXT_UPDATE: &str = "next_update";
+pub const CUT_REQUESTED: &str = "requested";
+pub const CUT_FINAL: &str = "final";
+
+/// Schedules a consistent cut of `run` at `step`; without one, at the
+/// ranks' current step or the next update step (see [`cut_now`]; the row's
+/// `detail.cut` says which). Returns the catalog row.
 pub async fn create(
     state: &AppState,
     run: &RunHandle,
@@ -187,6 +224,29 @@ pub async fn create(
     label: Option<String>,
 ) -> Result<SnapshotRow, SnapshotError> {
     let config = run.config.clone();
+    let (names, indices) = profile_choice(&config, profiles)?;
+    // A push may move a rank past the step read here before the cut is
+    // scheduled; a cut of "now" then looks again (a bounded number of times).
+    let mut attempt = 0;
+    loop {
+        let run_name = config.name.clone();
+        let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
+        let (at, cut) = match step {
+            Some(s) => (s, CUT_REQUESTED),
+            None => cut_now(&config, &steps),
+        };
+        match schedule_manual(state, run, at, &names, &indices, label.clone(), cut).await {
+            Err(SnapshotError::Conflict(_)) if step.is_none() && attempt < 3 => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+/// The profile names and indices a snapshot captures (default all).
+fn profile_choice(
+    config: &RunConfig,
+    profiles: Option<Vec<String>>,
+) -> Result<(Vec<String>, Vec<usize>), SnapshotError> {
     let names = match profiles {
         None => config
             .profiles
@@ -206,16 +266,30 @@ pub async fn create(
             SnapshotError::Invalid(format!("profiles: no profile `{name}` in this run"))
         })?);
     }
-    let run_name = config.name.clone();
-    let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
-    let furthest = steps.iter().flatten().copied().max();
-    let step = step.unwrap_or_else(|| next_step(&config, furthest));
+    Ok((names, indices))
+}
+
+/// Records a pending manual snapshot at `step` and asks the engine for the
+/// cut (ranks already at `step` are captured at once).
+async fn schedule_manual(
+    state: &AppState,
+    run: &RunHandle,
+    step: u64,
+    names: &[String],
+    indices: &[usize],
+    label: Option<String>,
+    cut: &str,
+) -> Result<SnapshotRow, SnapshotError> {
+    let config = run.config.clone();
     if !config.is_update_step(step) {
         return Err(SnapshotError::Invalid(format!(
             "step: {step} is not an update step (update_every = {})",
             config.update_every
         )));
     }
+    // The run's resident bytes bound what the cut writes (every profile,
+    // copied tensors, mirror).
+    disk::check(state, run.resident_bytes())?;
     let id = snapshot_id(MANUAL, step);
     let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
     let row = SnapshotRow {
@@ -224,14 +298,14 @@ pub async fn create(
         step,
         kind: MANUAL.into(),
         label,
-        profiles: names,
+        profiles: names.to_vec(),
         status: "pending".into(),
         reason: None,
         created_at_ms: now_ms(),
         completed_at_ms: None,
         deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
         bytes: 0,
-        detail: serde_json::json!({}),
+        detail: serde_json::json!({"cut": cut}),
     };
     state.store.insert_snapshot(&row).await?;
     state.snapshots.register(
@@ -242,7 +316,7 @@ pub async fn create(
         Some(Instant::now() + timeout),
         None,
     );
-    let (run_name, sid) = (config.name.clone(), id.clone());
+    let (run_name, sid, indices) = (config.name.clone(), id.clone(), indices.to_vec());
     let scheduled = run
         .engine
         .call(move |e| e.schedule_cut(&run_name, &sid, step, indices))
@@ -262,9 +336,62 @@ pub async fn create(
         "snapshot",
         None,
         Some(step),
-        serde_json::json!({"id": id, "status": "pending", "kind": MANUAL}),
+        serde_json::json!({"id": id, "status": "pending", "kind": MANUAL, "cut": cut}),
     );
     Ok(row)
+}
+
+/// `POST /finish`: marks the run finished at its furthest rank's last step
+/// (later pushes are refused from here on) and takes the final snapshot
+/// there: ranks already at that step are captured at once, ranks behind
+/// when they push it. A finished run answers with how it ended.
+pub async fn finish(
+    state: &AppState,
+    run: &RunHandle,
+    label: Option<String>,
+) -> Result<(RunFinish, Option<SnapshotRow>), SnapshotError> {
+    let name = run.config.name.clone();
+    if let Some(done) = run.finished() {
+        let row = match &done.snapshot {
+            Some(id) => state.store.snapshot(&name, id).await?,
+            None => None,
+        };
+        return Ok((done, row));
+    }
+    let run_name = name.clone();
+    let at = run.engine.call(move |e| e.finish(&run_name)).await??;
+    let (names, indices) = profile_choice(&run.config, None)?;
+    let row = match at.0 {
+        Some(step) => Some(
+            schedule_manual(
+                state,
+                run,
+                step,
+                &names,
+                &indices,
+                Some(label.unwrap_or_else(|| "final".into())),
+                CUT_FINAL,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    let done = RunFinish {
+        at_ms: now_ms(),
+        step: at.0,
+        snapshot: row.as_ref().map(|r| r.id.clone()),
+    };
+    state.store.finish_run(&name, &done).await?;
+    *run.finished.lock().expect("run finish lock") = Some(done.clone());
+    state.events.emit(
+        &name,
+        "finished",
+        None,
+        at.0,
+        serde_json::json!({"snapshot": done.snapshot}),
+    );
+    tracing::info!(run = %name, step = ?at.0, "run finished");
+    Ok((done, row))
 }
 
 /// Push receive buffers idle this long are freed (a trainer that pushes
@@ -290,6 +417,8 @@ pub fn spawn_tasks(
                 },
                 _ = tick.tick() => {
                     fail_late(&state).await;
+                    retry_unrecorded(&state).await;
+                    disk::refresh_gauge(&state);
                     persist_due(&state).await;
                     ticks += 1;
                     if ticks % 2 == 0 {
@@ -411,6 +540,10 @@ fn write_capture(state: AppState, capture: RankCapture) {
         }
     }
     tokio::spawn(async move {
+        if let Err(e) = disk::check(&state, capture_bytes(&capture)) {
+            fail(&state, &id, &format!("rank {rank} not written: {e}")).await;
+            return;
+        }
         let data_dir = state.snapshots.data_dir.clone();
         let written = tokio::task::spawn_blocking(move || write_rank(&data_dir, capture)).await;
         let result = match written {
@@ -423,6 +556,15 @@ fn write_capture(state: AppState, capture: RankCapture) {
             Err(reason) => fail(&state, &id, &reason).await,
         }
     });
+}
+
+/// Bytes of tensor data a capture writes (headers aside).
+fn capture_bytes(capture: &RankCapture) -> u64 {
+    let bytes = |t: &tch::Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    let profiles: u64 = capture.profiles.iter().map(|(_, t)| bytes(t)).sum();
+    let copied: u64 = capture.copied.iter().map(bytes).sum();
+    let mirror: u64 = capture.mirror.iter().flatten().map(bytes).sum();
+    profiles + copied * capture.profiles.len() as u64 + mirror
 }
 
 /// Writes every part of a rank; returns their catalog rows.
@@ -489,7 +631,13 @@ fn write_rank(data_dir: &Path, capture: RankCapture) -> Result<Vec<FileRow>, Sna
 async fn rank_written(state: &AppState, id: &str, rank: u32, rows: Vec<FileRow>) {
     let done = {
         let mut pending = state.snapshots.pending.lock().expect("pending lock");
-        let Some(p) = pending.get_mut(id) else { return };
+        let Some(p) = pending.get_mut(id) else {
+            // Failed, or its run deleted, while this rank was being
+            // written: nothing will list these files.
+            drop(pending);
+            discard_files(state, &rows);
+            return;
+        };
         p.writing.remove(&rank);
         p.expected.remove(&rank);
         p.written.extend(rows);
@@ -544,7 +692,10 @@ async fn finalize(state: &AppState, id: &str, p: Pending) {
     }
 }
 
-/// Fails a pending snapshot: catalog, engine, files.
+/// Fails a pending snapshot: files, engine, catalog.
+///
+/// The partial files go first: when the disk filled up they hold the space
+/// the catalog (on the same filesystem) needs to record the failure.
 pub async fn fail(state: &AppState, id: &str, reason: &str) {
     let Some(p) = state
         .snapshots
@@ -556,12 +707,12 @@ pub async fn fail(state: &AppState, id: &str, reason: &str) {
         return;
     };
     tracing::warn!(run = %p.run, snapshot = %id, "snapshot failed: {reason}");
-    let _ = state.store.fail_snapshot(id, reason, now_ms()).await;
     if let Some(run) = state.run(&p.run) {
         let (r, s) = (p.run.clone(), id.to_string());
         let _ = run.engine.call(move |e| e.cancel_cut(&r, &s)).await;
     }
     remove_files(state, &p.run, id);
+    record_failure(state, id, reason).await;
     state.events.emit(
         &p.run,
         "snapshot",
@@ -572,6 +723,103 @@ pub async fn fail(state: &AppState, id: &str, reason: &str) {
     for w in p.waiters {
         let _ = w.send(Finished::Failed(reason.to_string()));
     }
+}
+
+/// Attempts at recording a failure before it is left to the ticker.
+const RECORD_ATTEMPTS: u32 = 4;
+
+/// Marks a snapshot failed in the catalog, retrying with backoff; what
+/// still does not go through is kept and retried every second
+/// ([`retry_unrecorded`]), and a stop leaves the row `pending`, which the
+/// next start fails ([`recover`]).
+pub async fn record_failure(state: &AppState, id: &str, reason: &str) {
+    let mut delay = Duration::from_millis(50);
+    for attempt in 1..=RECORD_ATTEMPTS {
+        match state.store.fail_snapshot(id, reason, now_ms()).await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(snapshot = %id, attempt, error = %e, "recording a snapshot failure failed");
+                if attempt < RECORD_ATTEMPTS {
+                    tokio::time::sleep(delay).await;
+                    delay *= 4;
+                }
+            }
+        }
+    }
+    let mut unrecorded = state.snapshots.unrecorded.lock().expect("unrecorded lock");
+    unrecorded.insert(id.to_string(), reason.to_string());
+    state
+        .metrics
+        .unrecorded_failures
+        .set(unrecorded.len() as i64);
+}
+
+/// Retries the failures the catalog did not take.
+async fn retry_unrecorded(state: &AppState) {
+    let due: Vec<(String, String)> = state
+        .snapshots
+        .unrecorded
+        .lock()
+        .expect("unrecorded lock")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (id, reason) in due {
+        match state.store.fail_snapshot(&id, &reason, now_ms()).await {
+            Ok(_) => {
+                let mut unrecorded = state.snapshots.unrecorded.lock().expect("unrecorded lock");
+                unrecorded.remove(&id);
+                state
+                    .metrics
+                    .unrecorded_failures
+                    .set(unrecorded.len() as i64);
+                tracing::info!(snapshot = %id, "snapshot failure recorded");
+            }
+            Err(e) => {
+                tracing::debug!(snapshot = %id, error = %e, "recording a snapshot failure failed again");
+                return;
+            }
+        }
+    }
+}
+
+fn discard_files(state: &AppState, rows: &[FileRow]) {
+    for row in rows {
+        let path = state.snapshots.data_dir.join(&row.path);
+        if let Err(e) = std::fs::remove_file(&path) {
+            tracing::warn!(path = %path.display(), error = %e, "removing an orphaned snapshot file failed");
+        }
+        if let Some(dir) = path.parent() {
+            // Only succeeds once the directory is empty.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+/// After a run is deleted: fails its pending snapshots and removes every
+/// file it had (`runs/<run>/`), so a deleted run's disk space comes back at
+/// once, not at the next start.
+pub async fn remove_run_files(state: &AppState, run: &str) -> Result<(), SnapshotError> {
+    let pending: Vec<String> = state
+        .snapshots
+        .pending
+        .lock()
+        .expect("pending lock")
+        .iter()
+        .filter(|(_, p)| p.run == run)
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in pending {
+        fail(state, &id, "the run was deleted").await;
+    }
+    let dir = state.snapshots.data_dir.join(files::run_rel_dir(run));
+    tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    })
+    .await
+    .map_err(|e| SnapshotError::Invalid(e.to_string()))??;
+    Ok(())
 }
 
 fn remove_files(state: &AppState, run: &str, id: &str) {
@@ -670,18 +918,21 @@ pub async fn persist_state(
     run: &RunHandle,
     force: bool,
 ) -> Result<Option<String>, SnapshotError> {
-    let id = snapshot_id(STATE, 0);
-    let (run_name, sid) = (run.config.name.clone(), id.clone());
-    let captures = run
-        .engine
-        .call(move |e| e.capture_state(&run_name, &sid, force))
-        .await??;
+    // Counted as an attempt even when refused, so a full disk is reported
+    // once per interval, not on every tick.
     state
         .snapshots
         .last_state
         .lock()
         .expect("state lock")
         .insert(run.config.name.clone(), Instant::now());
+    disk::check(state, run.resident_bytes())?;
+    let id = snapshot_id(STATE, 0);
+    let (run_name, sid) = (run.config.name.clone(), id.clone());
+    let captures = run
+        .engine
+        .call(move |e| e.capture_state(&run_name, &sid, force))
+        .await??;
     let Some(captures) = captures else {
         return Ok(None);
     };
@@ -908,12 +1159,36 @@ pub async fn restore_from(
     Ok(steps)
 }
 
+/// The lowest step any rank of a restorable snapshot sits at: a cut's
+/// step, or for a `state` snapshot the lowest of its ranks' steps.
+fn lowest_rank_step(row: &SnapshotRow) -> u64 {
+    row.detail["rank_steps"]
+        .as_object()
+        .and_then(|steps| steps.values().filter_map(|v| v.as_u64()).min())
+        .unwrap_or(row.step)
+}
+
+/// What `resume` restored.
+pub struct Resumed {
+    pub row: SnapshotRow,
+    pub rank_steps: BTreeMap<u32, u64>,
+    /// The snapshot misses updates up to the step asked for (only with
+    /// `allow_older`).
+    pub older: bool,
+}
+
 /// `POST /resume`: the newest restorable snapshot at or before `step`.
+///
+/// `step` is the last step the trainer's checkpoint pushed (the number of
+/// optimizer steps it took, minus one). A snapshot older than the last
+/// update step at or before it would leave the EMA without updates the
+/// trainer will not push again: refused unless `allow_older`.
 pub async fn resume(
     state: &AppState,
     run: &RunHandle,
     step: u64,
-) -> Result<(SnapshotRow, BTreeMap<u32, u64>), SnapshotError> {
+    allow_older: bool,
+) -> Result<Resumed, SnapshotError> {
     let rows = state.store.snapshots(&run.config.name).await?;
     let mut best: Option<(u64, &SnapshotRow)> = None;
     for row in rows.iter().filter(|r| restorable(&run.config, r)) {
@@ -934,16 +1209,39 @@ pub async fn resume(
             run.config.name
         )));
     };
+    let wanted = step - step % run.config.update_every;
+    let lowest = lowest_rank_step(row);
+    let older = lowest < wanted;
+    if older && !allow_older {
+        return Err(SnapshotError::Older(format!(
+            "the newest complete snapshot of run `{}` at or before step {step} is `{}`, at step {lowest}: \
+             restoring it would leave the EMA without the updates of steps {}..={wanted}. \
+             `step` is the last step the checkpoint pushed (the optimizer steps it took minus one; \
+             Lightning's and HF's global_step minus one); take a snapshot at that step when you \
+             checkpoint, or pass allow_older: true to restore step {lowest} anyway",
+            run.config.name,
+            row.id,
+            lowest + 1
+        )));
+    }
     let row = row.clone();
     let steps = restore_from(state, run, &row).await?;
+    if older {
+        tracing::warn!(run = %run.config.name, snapshot = %row.id, asked = step, restored = lowest,
+            "resumed from an older snapshot (allow_older)");
+    }
     state.events.emit(
         &run.config.name,
         "resumed",
         None,
         Some(row.step),
-        serde_json::json!({"snapshot": row.id, "rank_steps": steps}),
+        serde_json::json!({"snapshot": row.id, "rank_steps": steps, "requested_step": step, "older": older}),
     );
-    Ok((row, steps))
+    Ok(Resumed {
+        row,
+        rank_steps: steps,
+        older,
+    })
 }
 
 /// At start: fails snapshots a stop interrupted, removes files the catalog

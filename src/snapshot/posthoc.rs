@@ -157,7 +157,7 @@ fn all_finite(x: &Tensor) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::schedule::sigma_rel_to_gamma;
+    use crate::sigma_rel::sigma_rel_to_gamma;
 
     fn s(t: f64, gamma: f64) -> Source {
         Source { t, gamma }

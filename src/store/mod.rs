@@ -40,6 +40,18 @@ pub struct StoredRun {
     pub created_at_ms: i64,
     pub write_token_hash: Option<String>,
     pub read_token_hash: Option<String>,
+    pub finished: Option<RunFinish>,
+}
+
+/// How a finished run ended.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct RunFinish {
+    pub at_ms: i64,
+    /// The furthest rank's last step when the run was finished (`None`:
+    /// nothing was pushed); pushes past it are refused.
+    pub step: Option<u64>,
+    /// The final snapshot (`None` when nothing was pushed).
+    pub snapshot: Option<String>,
 }
 
 /// A rank's row.
@@ -141,7 +153,8 @@ impl Store {
 
     pub async fn list_runs(&self) -> Result<Vec<StoredRun>, StoreError> {
         let rows = sqlx::query(
-            "SELECT config, created_at_ms, write_token_hash, read_token_hash FROM runs ORDER BY created_at_ms, name",
+            "SELECT config, created_at_ms, write_token_hash, read_token_hash, finished_at_ms, \
+             finished_step, finished_snapshot FROM runs ORDER BY created_at_ms, name",
         )
         .fetch_all(&self.pool)
         .await?;
@@ -152,9 +165,30 @@ impl Store {
                     created_at_ms: row.get("created_at_ms"),
                     write_token_hash: row.get("write_token_hash"),
                     read_token_hash: row.get("read_token_hash"),
+                    finished: row
+                        .get::<Option<i64>, _>("finished_at_ms")
+                        .map(|at_ms| RunFinish {
+                            at_ms,
+                            step: row.get::<Option<i64>, _>("finished_step").map(|s| s as u64),
+                            snapshot: row.get("finished_snapshot"),
+                        }),
                 })
             })
             .collect()
+    }
+
+    /// Marks a run finished (kept across restarts).
+    pub async fn finish_run(&self, name: &str, finish: &RunFinish) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE runs SET finished_at_ms = ?, finished_step = ?, finished_snapshot = ? WHERE name = ?",
+        )
+        .bind(finish.at_ms)
+        .bind(finish.step.map(|s| s as i64))
+        .bind(finish.snapshot.as_deref())
+        .bind(name)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// Deletes a run and (by cascade) its ranks and events.

@@ -9,6 +9,11 @@
 //! dropped (on the engine thread, after the apply). Buffers left idle for a
 //! while are freed ([`BodyPool::trim`], from the server's ticker), so a
 //! server whose runs stopped pushing does not keep their memory.
+//!
+//! A declared `Content-Length` is only a promise: a new buffer starts small
+//! and grows with the bytes that arrive (toward the declared length, so a
+//! body that keeps its promise is not over-allocated), and an idle buffer
+//! is reused only if it already holds the declared length.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -30,21 +35,23 @@ impl BodyPool {
         })
     }
 
-    /// An empty buffer with room for at least `len` bytes: the smallest idle
-    /// one that is large enough, else a new one.
-    pub fn take(self: &Arc<Self>, len: usize) -> PooledBuf {
+    /// An empty buffer for a body of about `hint` bytes: the smallest idle
+    /// one that holds `hint` already, else a new one of at most
+    /// [`FIRST_ALLOCATION`] bytes that grows as data arrives.
+    pub fn take(self: &Arc<Self>, hint: usize) -> PooledBuf {
         let reused = {
             let mut idle = self.idle.lock().expect("body pool");
             let best = idle
                 .iter()
                 .enumerate()
-                .filter(|(_, (b, _))| b.capacity() >= len)
+                .filter(|(_, (b, _))| b.capacity() >= hint)
                 .min_by_key(|(_, (b, _))| b.capacity())
                 .map(|(i, _)| i);
             best.map(|i| idle.swap_remove(i).0)
         };
         PooledBuf {
-            buf: reused.unwrap_or_else(|| fresh(len)),
+            buf: reused.unwrap_or_else(|| fresh(hint.min(FIRST_ALLOCATION))),
+            hint,
             pool: Arc::clone(self),
         }
     }
@@ -82,6 +89,9 @@ impl BodyPool {
     }
 }
 
+/// The most a new receive buffer holds before any data arrives.
+pub const FIRST_ALLOCATION: usize = 1 << 20;
+
 /// A new, untouched buffer, advised for huge pages before the body is
 /// copied in (see [`crate::hugepages`]).
 fn fresh(len: usize) -> Vec<u8> {
@@ -93,6 +103,9 @@ fn fresh(len: usize) -> Vec<u8> {
 /// A receive buffer that returns to its pool when dropped.
 pub struct PooledBuf {
     buf: Vec<u8>,
+    /// The length the sender declared (0 when unknown): growth stops there
+    /// while the body keeps to it.
+    hint: usize,
     pool: Arc<BodyPool>,
 }
 
@@ -105,7 +118,26 @@ impl PooledBuf {
         self.buf.is_empty()
     }
 
+    /// Room for at least `len` bytes in all.
+    pub fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// Appends `data`, growing by doubling (capped at the declared length
+    /// while the body stays within it). A large realloc is an `mremap`, so
+    /// growing costs no copy of what arrived.
     pub fn extend_from_slice(&mut self, data: &[u8]) {
+        let need = self.buf.len() + data.len();
+        if need > self.buf.capacity() {
+            let doubled = self.buf.capacity().saturating_mul(2).max(64 << 10);
+            let target = if self.hint >= need {
+                doubled.min(self.hint)
+            } else {
+                doubled
+            };
+            self.buf.reserve_exact(target.max(need) - self.buf.len());
+            crate::hugepages::advise(self.buf.as_ptr(), self.buf.capacity());
+        }
         self.buf.extend_from_slice(data);
     }
 
@@ -157,6 +189,21 @@ mod tests {
             assert!(idle.iter().any(|(b, _)| b.capacity() >= 4000));
             assert!(idle.iter().any(|(b, _)| b.capacity() >= 1000));
         }
+        // A declared length is not allocated up front: the buffer grows
+        // with the data, and stops at the declared length.
+        let mut big = pool.take(10 << 30);
+        assert!(big.capacity() <= FIRST_ALLOCATION, "{}", big.capacity());
+        let chunk = vec![1u8; 300 << 10];
+        for _ in 0..4 {
+            big.extend_from_slice(&chunk);
+        }
+        assert_eq!(big.len(), 1200 << 10);
+        assert!(big.capacity() <= 4 << 20, "{}", big.capacity());
+        let mut exact = pool.take(1500);
+        exact.extend_from_slice(&[3u8; 1200]);
+        exact.extend_from_slice(&[3u8; 300]);
+        assert_eq!((exact.len(), exact.capacity() >= 1500), (1500, true));
+        drop((big, exact));
         // Recently returned buffers stay; idle ones are freed.
         assert_eq!(pool.trim(Duration::from_secs(3600)), 0);
         let held = pool.idle_bytes();

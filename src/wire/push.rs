@@ -8,7 +8,7 @@
 //! `polyak.kind`, and the NaN/Inf scan. Nothing is copied: the result holds
 //! byte ranges into the body it was given.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use bytes::Bytes;
@@ -22,6 +22,9 @@ use crate::run::NonfinitePolicy;
 pub const SHARDS_KEY: &str = "polyak.shards";
 /// Metadata key selecting `full` or `delta`.
 pub const KIND_KEY: &str = "polyak.kind";
+/// `__metadata__` key: JSON `{alias: name}` for names that share one
+/// tensor's storage (tied weights), pushed once under `name`.
+pub const ALIASES_KEY: &str = "polyak.aliases";
 
 /// Where a tensor chunk sits in its whole (unsharded) tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,6 +72,8 @@ pub struct ParsedPush {
     /// The body's digest (see [`super::check`]): a repeated push is
     /// recognised by it.
     pub digest: u128,
+    /// Tied names: alias -> the pushed name whose tensor it shares.
+    pub aliases: BTreeMap<String, String>,
 }
 
 impl ParsedPush {
@@ -152,9 +157,28 @@ pub fn parse_push(
             .map_err(|e| WireError::InvalidShards(format!("not a JSON object of chunks: {e}")))?,
     };
 
+    let aliases: BTreeMap<String, String> = match extra.get(ALIASES_KEY) {
+        None => BTreeMap::new(),
+        Some(json) => serde_json::from_str(json).map_err(|e| {
+            WireError::InvalidMetadata(format!("{ALIASES_KEY} is not a JSON object of names: {e}"))
+        })?,
+    };
+
     let names = metadata.offset_keys();
     if names.is_empty() {
         return Err(WireError::Empty);
+    }
+    for (alias, target) in &aliases {
+        if metadata.info(alias).is_some() {
+            return Err(WireError::InvalidMetadata(format!(
+                "{ALIASES_KEY}: `{alias}` is pushed as a tensor and named as an alias"
+            )));
+        }
+        if metadata.info(target).is_none() {
+            return Err(WireError::InvalidMetadata(format!(
+                "{ALIASES_KEY}: `{alias}` aliases `{target}`, which is not in the push"
+            )));
+        }
     }
     let mut tensors = Vec::with_capacity(names.len());
     for name in names {
@@ -210,6 +234,7 @@ pub fn parse_push(
         tensors,
         kind,
         digest,
+        aliases,
     })
 }
 

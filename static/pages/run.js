@@ -184,7 +184,7 @@ function ranksPanel(worldSize) {
         f.rejections.classList.toggle('bad-text', r.rejections > 0);
       });
       summary.textContent = [
-        `${counts.live} live`,
+        counts.finished ? `${counts.finished} finished` : `${counts.live} live`,
         counts.stale ? `${counts.stale} stale` : null,
         counts.never_seen ? `${counts.never_seen} never seen` : null,
         counts.not_restored ? `${counts.not_restored} not restored` : null,
@@ -659,7 +659,11 @@ export function render(root, { run }, ctx) {
     ranks = next.ranks || [];
     const skews = ranks.filter((r) => r.last_push_at_ms && r.age_seconds !== null).map((r) => Date.now() - (r.last_push_at_ms + r.age_seconds * 1000));
     if (skews.length) skewMs = skews.sort((a, b) => a - b)[skews.length >> 1];
-    header.badges.replaceChildren(healthBadge(next.health), badge(`${next.config.world_size} rank${next.config.world_size === 1 ? '' : 's'}`, 'muted'));
+    header.badges.replaceChildren(
+      healthBadge(next.health),
+      badge(`${next.config.world_size} rank${next.config.world_size === 1 ? '' : 's'}`, 'muted'),
+      next.finished ? badge(next.finished.step === null ? 'finished before any push' : `finished at step ${fmtStep(next.finished.step)}`, 'muted', { dataset: { testid: 'finished' } }) : null,
+    );
   }
 
   async function refreshRun() {
@@ -700,7 +704,7 @@ export function render(root, { run }, ctx) {
     if (e.kind === 'push') onPush(e);
     else if (e.kind === 'metrics') trainer.onEvent(e);
     else if (e.kind === 'alert') extras.refresh();
-    else if (e.kind === 'rank_registered' || e.kind === 'rejection' || e.kind === 'restored' || e.kind === 'resumed') refreshRun();
+    else if (e.kind === 'rank_registered' || e.kind === 'rejection' || e.kind === 'restored' || e.kind === 'resumed' || e.kind === 'finished') refreshRun();
   }
 
   async function startEvents() {

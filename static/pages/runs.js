@@ -122,6 +122,8 @@ export function render(root, { query }, ctx) {
   const filter = { q: query.get('q') || '', tag: query.get('tag') || '', since: query.get('since') || '' };
   const selected = new Set();
   const summary = h('span', { class: 'muted' });
+  // Free space on the server's data dir: snapshots stop at the reserve.
+  const disk = h('span', { class: 'muted small', id: 'disk-free', title: 'Free space on the data directory; snapshot and state writes keep the reserve free' });
   const body = h('div', {}, loadingBox('Loading runs…'));
   const updated = h('span', { class: 'muted small', 'aria-live': 'polite' });
   const search = h('input', { type: 'search', placeholder: 'filter by name, tag or note', 'aria-label': 'filter runs', value: filter.q, dataset: { testid: 'runs-filter' } });
@@ -136,7 +138,7 @@ export function render(root, { query }, ctx) {
     h(
       'div',
       { class: 'page' },
-      h('div', { class: 'page-head' }, h('div', { class: 'title-row' }, h('h1', {}, 'Runs'), summary, h('span', { class: 'spacer' }), updated)),
+      h('div', { class: 'page-head' }, h('div', { class: 'title-row' }, h('h1', {}, 'Runs'), summary, h('span', { class: 'spacer' }), disk, updated)),
       h('div', { class: 'runs-filter' }, search, since, tagNote, h('span', { class: 'spacer' }), compare),
       body,
     ),
@@ -192,6 +194,12 @@ export function render(root, { query }, ctx) {
       if (!ctx.active) return;
       all = [...data.runs].sort((a, b) => b.created_at_ms - a.created_at_ms);
       draw();
+      const health = await api('/livez', { signal: ctx.signal }).catch(() => null);
+      if (health && health.disk_free_bytes != null) {
+        const low = health.disk_free_bytes < 2 * health.disk_reserve_bytes;
+        disk.textContent = `disk free ${fmtBytes(health.disk_free_bytes)} (reserve ${fmtBytes(health.disk_reserve_bytes)})`;
+        disk.classList.toggle('warn', low);
+      }
       updated.textContent = `updated ${new Date().toLocaleTimeString()}`;
       loaded = true;
     } catch (err) {

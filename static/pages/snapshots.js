@@ -152,7 +152,7 @@ export function render(root, { run }, ctx) {
               `Show all ${matching.length} (${matching.length - shown.length} older)`,
             ),
           )
-        : null,
+        : '', // replaceChildren would show a null as the text "null"
     );
   }
 

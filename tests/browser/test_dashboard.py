@@ -42,6 +42,10 @@ def test_runs_list_shows_the_run(page: Page, dash_server, feeder):
     expect(row.locator('[data-field="device"]')).to_have_text("cpu")
     expect(row.locator('[data-field="health"]')).to_have_text("healthy")
     expect(row.locator('[data-field="created"]')).to_contain_text("ago")
+    # The data dir's free space and the reserve, from /livez.
+    expect(page.locator("#disk-free")).to_contain_text(
+        re.compile(r"disk free [\d.]+ \w+ \(reserve 512 MiB\)")
+    )
     expect(row.locator('[data-field="resident_bytes"]')).to_have_text(
         re.compile(r"^\d[\d.]* (B|KiB)$")
     )
@@ -267,13 +271,13 @@ def test_compare_matches_the_api(page: Page, dash_server, feeder):
 
 
 def test_auth_asks_for_a_token_once(page: Page, console, tmp_path):
-    srv = PolyakServer(tmp_path / "data", "--token", "admin-secret")
+    srv = PolyakServer(tmp_path / "data", "--token", "admin-secret-0123456789")
     srv.start()
     try:
         created = httpx.post(
             f"{srv.url}/v1/runs",
             json={"name": "secret-run", "world_size": 1},
-            headers={"Authorization": "Bearer admin-secret"},
+            headers={"Authorization": "Bearer admin-secret-0123456789"},
         )
         assert created.status_code == 201
         read_token = created.json()["read_token"]

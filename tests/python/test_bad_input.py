@@ -327,7 +327,8 @@ def test_busy_answers_429_with_retry_after(fresh_server):
             f"PUT /v1/runs/busy/ranks/0/steps/0 HTTP/1.1\r\nHost: {host}\r\n"
             f"Content-Length: {len(slow)}\r\nContent-Type: application/octet-stream\r\n\r\n"
         ).encode()
-        sock.sendall(head + slow[:100])  # the server reserves the budget and waits
+        # The 100 bytes that arrived take the budget (counted in KiB: all of it).
+        sock.sendall(head + slow[:100])
         time.sleep(0.5)
         r = c.put("/v1/runs/busy/ranks/1/steps/0", content=body({"w": torch.ones(4096)}))
         assert r.status_code == 429, r.text

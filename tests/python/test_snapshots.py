@@ -406,7 +406,10 @@ def test_resume_after_a_trainer_crash_is_exact(client):
     # The trainer crashes and restarts from its own checkpoint at step 20.
     resumed = Trainer(seed=8)
     resumed.restore(ckpt20)
+    # Step 25 would silently lose the updates of steps 21..25: refused.
     r = client.post(f"/v1/runs/{run}/resume", json={"step": 25})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "snapshot_older", r.text
+    r = client.post(f"/v1/runs/{run}/resume", json={"step": 20})
     assert r.status_code == 200, r.text
     assert r.json()["snapshot"] == s20["id"] and r.json()["rank_steps"] == {"0": 20, "1": 20}
     ranks = client.get(f"/v1/runs/{run}/ranks").json()

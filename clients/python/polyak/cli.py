@@ -1,16 +1,19 @@
 """``python -m polyak``: runs, ranks and push status, snapshots, downloads,
-compare, resume and post-hoc EMA, for scripts and terminals.
+compare, resume, finish and post-hoc EMA, for scripts and terminals.
 
 Every command takes ``--url`` (default ``$POLYAK_URL`` or
 ``http://127.0.0.1:8080``) and ``--token`` (default ``$POLYAK_TOKEN``);
-``--json`` prints the server's JSON instead of a table. Exit status: 0 on
-success, 1 when the server refused the request, 2 on a usage error.
+``--json`` prints the server's JSON instead of a table. These three go
+before or after the subcommand. Exit status: 0 on success, 1 when the
+server refused the request, 2 on a usage error, 141 when the reader of the
+output went away (``| head``; nothing is printed about it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -137,7 +140,12 @@ def cmd_snapshot(client: Client, args: argparse.Namespace) -> None:
     if args.json:
         _print_json(snap)
     else:
-        print(f"snapshot {snap.get('id')} at step {_dash(snap.get('step'))}: {snap.get('status')}")
+        cut = (snap.get("detail") or {}).get("cut")
+        how = {"current": " (the current step)", "next_update": " (the next update step)"}
+        print(
+            f"snapshot {snap.get('id')} at step {_dash(snap.get('step'))}"
+            f"{how.get(cut, '')}: {snap.get('status')}"
+        )
 
 
 def cmd_snapshots(client: Client, args: argparse.Namespace) -> None:
@@ -199,11 +207,27 @@ def cmd_compare(client: Client, args: argparse.Namespace) -> None:
 
 
 def cmd_resume(client: Client, args: argparse.Namespace) -> None:
-    answer = client.run(args.run).resume(args.step)
+    answer = client.run(args.run).resume(args.step, allow_older=args.allow_older)
     if args.json:
         _print_json(answer)
     else:
-        print(f"resumed from snapshot {answer['snapshot']} at step {answer['step']}")
+        older = " (older than the step asked for)" if answer.get("older") else ""
+        print(f"resumed from snapshot {answer['snapshot']} at step {answer['step']}{older}")
+
+
+def cmd_finish(client: Client, args: argparse.Namespace) -> None:
+    answer = client.run(args.run).finish(label=args.label, wait=not args.no_wait)
+    if args.json:
+        _print_json(answer)
+        return
+    snap = answer.get("snapshot")
+    if snap is None:
+        print(f"run {args.run} finished (nothing was pushed: no final snapshot)")
+    else:
+        print(
+            f"run {args.run} finished at step {_dash(snap.get('step'))}: "
+            f"final snapshot {snap.get('id')} {snap.get('status')}"
+        )
 
 
 def _sigma_list(text: str) -> list[float]:
@@ -281,72 +305,126 @@ def cmd_log(client: Client, args: argparse.Namespace) -> None:
     client.run(args.run).log(args.step, rank=args.rank, **values)
 
 
+def _common(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    """``--url``, ``--token`` and ``--json``, accepted before the subcommand
+    and after it (``default`` is ``argparse.SUPPRESS`` on the subcommands,
+    so a value given before is not reset)."""
+    parser.add_argument(
+        "--url",
+        default=default,
+        help="server URL (default $POLYAK_URL or http://127.0.0.1:8080)",
+    )
+    parser.add_argument(
+        "--token", default=default, help="admin or run token (default $POLYAK_TOKEN)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=default if default is argparse.SUPPRESS else False,
+        help="print the server's JSON instead of a table",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m polyak", description="polyak: runs, push status, snapshots and downloads."
     )
-    parser.add_argument(
-        "--url", default=None, help="server URL (default $POLYAK_URL or http://127.0.0.1:8080)"
-    )
-    parser.add_argument("--token", default=None, help="admin or run token (default $POLYAK_TOKEN)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    _common(parser, default=None)
+    common = argparse.ArgumentParser(add_help=False)
+    _common(common, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("runs", help="list runs").set_defaults(func=cmd_runs)
+    def command(name: str, help: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common], **kw)
 
-    p = sub.add_parser("status", aliases=["ranks"], help="a run and the push status of each rank")
-    p.add_argument("run")
+    run_help = "run name"
+    command("runs", "list runs").set_defaults(func=cmd_runs)
+
+    p = command("status", "a run and the push status of each rank", aliases=["ranks"])
+    p.add_argument("run", help=run_help)
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("ema", help="save one rank's live EMA as safetensors")
-    p.add_argument("run")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--profile", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("-o", "--output", required=True)
+    p = command("ema", "save one rank's live EMA as safetensors")
+    p.add_argument("run", help=run_help)
+    p.add_argument("--rank", type=int, default=0, help="which rank's EMA (default 0)")
+    p.add_argument("--profile", default=None, help="profile (default the run's first)")
+    p.add_argument(
+        "--dtype", default=None, help="cast averaged tensors: float32, bfloat16, float16, float64"
+    )
+    p.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
     p.set_defaults(func=cmd_ema)
 
-    p = sub.add_parser("delete", help="delete a run")
-    p.add_argument("run")
+    p = command("delete", "delete a run")
+    p.add_argument("run", help=run_help)
     p.set_defaults(func=cmd_delete)
 
-    p = sub.add_parser("snapshot", help="take a snapshot (waits until it is complete)")
-    p.add_argument("run")
-    p.add_argument("--step", type=int, default=None)
-    p.add_argument("--profiles", default=None, help="comma-separated profile names")
-    p.add_argument("--label", default=None)
-    p.add_argument("--no-wait", action="store_true")
+    p = command(
+        "snapshot",
+        "take a snapshot: of the EMA as it is now when every rank applied the same step, "
+        "else at the next update step (waits until it is complete)",
+    )
+    p.add_argument("run", help=run_help)
+    p.add_argument("--step", type=int, default=None, help="cut at this step instead")
+    p.add_argument("--profiles", default=None, help="comma-separated profile names (default all)")
+    p.add_argument("--label", default=None, help="a label shown in listings and the dashboard")
+    p.add_argument("--no-wait", action="store_true", help="return the pending snapshot at once")
     p.set_defaults(func=cmd_snapshot)
 
-    p = sub.add_parser("snapshots", help="list a run's snapshots")
-    p.add_argument("run")
+    p = command("snapshots", "list a run's snapshots")
+    p.add_argument("run", help=run_help)
     p.set_defaults(func=cmd_snapshots)
 
-    p = sub.add_parser("download", help="download a snapshot with a progress bar")
-    p.add_argument("run")
-    p.add_argument("snapshot")
-    p.add_argument("--profile", default=None)
-    p.add_argument("--layout", choices=["full", "sharded", "hf"], default="full")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("-o", "--output", default=".")
-    p.add_argument("--no-progress", action="store_true")
+    p = command("download", "download a snapshot with a progress bar")
+    p.add_argument("run", help=run_help)
+    p.add_argument("snapshot", help="snapshot id")
+    p.add_argument("--profile", default=None, help="profile (default the snapshot's first)")
+    p.add_argument(
+        "--layout",
+        choices=["full", "sharded", "hf"],
+        default="full",
+        help="full: one safetensors file; sharded: one file per rank (torch DCP); "
+        "hf: HF-style shards and index",
+    )
+    p.add_argument("--dtype", default=None, help="cast floating point tensors: fp32, bf16, fp16")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=".",
+        help="a directory (default .), or with --layout full a file name ending in .safetensors",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_download)
 
-    p = sub.add_parser("compare", help="per-tensor differences between two snapshots")
-    p.add_argument("run")
+    p = command("compare", "per-tensor differences between two snapshots")
+    p.add_argument("run", help=run_help)
     p.add_argument("a", help="snapshot id")
     p.add_argument("b", nargs="?", default="live", help="snapshot id or `live` (default)")
-    p.add_argument("--profile", default=None)
-    p.add_argument("--profile-b", default=None)
+    p.add_argument("--profile", default=None, help="profile of A (default the run's first)")
+    p.add_argument("--profile-b", default=None, help="profile of B (default --profile)")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("resume", help="restore the EMA from the newest snapshot <= STEP")
-    p.add_argument("run")
-    p.add_argument("step", type=int)
+    p = command("resume", "restore the EMA from the snapshot of STEP (refused when older)")
+    p.add_argument("run", help=run_help)
+    p.add_argument(
+        "step",
+        type=int,
+        help="the last step the trainer's checkpoint pushed (optimizer steps taken minus one)",
+    )
+    p.add_argument(
+        "--allow-older",
+        action="store_true",
+        help="restore the newest snapshot before STEP even if it misses updates",
+    )
     p.set_defaults(func=cmd_resume)
 
-    p = sub.add_parser("posthoc", help="synthesise post-hoc EMAs (EDM2) as snapshots")
-    p.add_argument("run")
+    p = command("finish", "take the final snapshot and mark the run finished")
+    p.add_argument("run", help=run_help)
+    p.add_argument("--label", default=None, help="label of the final snapshot (default final)")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for the final snapshot")
+    p.set_defaults(func=cmd_finish)
+
+    p = command("posthoc", "synthesise post-hoc EMAs (EDM2) as snapshots")
+    p.add_argument("run", help=run_help)
     p.add_argument(
         "--sigma-rel",
         type=_sigma_list,
@@ -362,31 +440,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return while it is being written")
     p.set_defaults(func=cmd_posthoc)
 
-    p = sub.add_parser("merge", help="average the online weights of stored snapshots")
-    p.add_argument("run")
+    p = command("merge", "average the online weights of stored snapshots")
+    p.add_argument("run", help=run_help)
     p.add_argument("--snapshots", default=None, help="comma-separated snapshot ids")
     p.add_argument("--last", type=int, default=None, help="or: the newest N snapshots")
-    p.add_argument("--weights", choices=["uniform", "linear", "exp"], default="uniform")
+    p.add_argument(
+        "--weights",
+        choices=["uniform", "linear", "exp"],
+        default="uniform",
+        help="uniform, linear (newest heaviest) or exp (alpha ** age)",
+    )
     p.add_argument("--alpha", type=float, default=None, help="exp: ratio per step of age")
     p.add_argument("--name", default=None, help="profile name of the result (default merged)")
     p.add_argument("--no-wait", action="store_true", help="return while it is being written")
     p.set_defaults(func=cmd_merge)
 
-    p = sub.add_parser("log", help="send trainer scalars: log RUN STEP loss=0.1 lr=3e-4")
-    p.add_argument("run")
-    p.add_argument("step", type=int)
-    p.add_argument("values", nargs="+")
-    p.add_argument("--rank", type=int, default=None)
+    p = command("log", "send trainer scalars: log RUN STEP loss=0.1 lr=3e-4")
+    p.add_argument("run", help=run_help)
+    p.add_argument("step", type=int, help="the trainer's step")
+    p.add_argument("values", nargs="+", help="name=value pairs")
+    p.add_argument("--rank", type=int, default=None, help="a rank's series (default the run's)")
     p.set_defaults(func=cmd_log)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with Client(args.url, args.token) as client:
-        try:
-            args.func(client, args)
-        except PolyakError as e:
-            print(f"polyak: {e}", file=sys.stderr)
-            return 1
+    try:
+        with Client(args.url, args.token) as client:
+            try:
+                args.func(client, args)
+            except PolyakError as e:
+                print(f"polyak: {e}", file=sys.stderr)
+                return 1
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, as a command
+        # killed by SIGPIPE would; Python would print a traceback at exit
+        # while flushing stdout into the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     return 0

@@ -26,7 +26,7 @@ from . import downloads
 from .errors import PolyakError, error_from_response, parse_retry_after
 from .shards import assemble
 from .sysmetrics import SystemSampler
-from .wire import Chunk, parse_chunks, read_safetensors
+from .wire import Chunk, expand_aliases, parse_chunks, read_safetensors
 
 if TYPE_CHECKING:
     from .pusher import Pusher
@@ -161,8 +161,10 @@ class Client:
         """Creates a run (``POST /v1/runs``).
 
         With ``exist_ok`` an existing run of the same name is attached to
-        instead, after checking its ``world_size``, ``update_every`` and
-        profile names (so every rank may call this).
+        instead (so every rank may call this), when its whole configuration
+        (every field, defaults resolved by the server) is the one asked for;
+        a different one raises ``run_exists`` with the differences
+        (``profiles[0].beta: 0.9 != 0.5``, existing first).
         """
         body: dict[str, Any] = {
             "name": name,
@@ -185,14 +187,13 @@ class Client:
             if value is not None:
                 body[key] = value
         body.update(extra)
-        try:
-            info = self.request("POST", "/v1/runs", json=body, what=f"create run `{name}`").json()
-        except PolyakError as e:
-            if not (exist_ok and e.code == "run_exists"):
-                raise
-            run = self.run(name)
-            run._check_matches(body)
-            return run
+        info = self.request(
+            "POST",
+            "/v1/runs",
+            json=body,
+            params={"exist_ok": "true"} if exist_ok else None,
+            what=f"create run `{name}`",
+        ).json()
         return Run(
             self,
             info,
@@ -278,20 +279,6 @@ class Run:
     def copy_patterns(self) -> list[str]:
         return [str(p) for p in self.config.get("copy_patterns", [])]
 
-    def _check_matches(self, body: Mapping[str, Any]) -> None:
-        want: dict[str, Any] = {
-            "world_size": body["world_size"],
-            "update_every": body["update_every"],
-        }
-        have: dict[str, Any] = {"world_size": self.world_size, "update_every": self.update_every}
-        if "profiles" in body:
-            want["profiles"] = [p["name"] for p in body["profiles"]]
-            have["profiles"] = self.profiles
-        if want != have:
-            raise PolyakError(
-                f"run `{self.name}` exists with {have}, not {want}", status=409, code="run_exists"
-            )
-
     def _get(self, path: str = "", **params: Any) -> Any:
         return self.client.request(
             "GET", self.path + path, params=params, token=self.read_token
@@ -329,13 +316,15 @@ class Run:
             token=self.read_token,
         )
         tensors, metadata = read_safetensors(r.content)
+        chunks = parse_chunks(metadata)
+        expand_aliases(tensors, chunks, metadata)  # tied names, pushed once
         step = metadata.get("polyak.step")
         return RankEma(
             rank=int(rank),
             profile=metadata.get("polyak.profile", profile or ""),
             step=int(step) if step is not None else None,
             tensors=tensors,
-            chunks=parse_chunks(metadata),
+            chunks=chunks,
             metadata=metadata,
         )
 
@@ -481,10 +470,14 @@ class Run:
         poll: float = 0.5,
     ) -> dict[str, Any]:
         """Asks for a consistent cut (``POST .../snapshots``): every rank's
-        EMA right after it applied ``step`` (default: the next update step
-        after the furthest rank; a step some rank has passed is refused with
-        409). With ``wait`` polls it until it is complete, and raises if it
-        failed; else returns the pending row (``id``, ``step``, ``status``)."""
+        EMA right after it applied ``step``. Without ``step``: the EMA as it
+        is now, when every rank has applied the same step (after training,
+        or between steps: complete at once); while ranks are mid-step, the
+        next update step after the furthest rank. The row's
+        ``detail["cut"]`` says which (``current`` or ``next_update``). A step
+        some rank has passed is refused with 409. With ``wait`` polls it
+        until it is complete, and raises if it failed; else returns the
+        pending row (``id``, ``step``, ``status``)."""
         body: dict[str, Any] = {}
         if step is not None:
             body["step"] = int(step)
@@ -580,7 +573,8 @@ class Run:
         (or directory) renamed into place (``fsync``: made durable before
         the rename, so a crash leaves the old file or the whole new one).
         ``layout="full"`` writes one ``.safetensors``
-        file of whole tensors and returns its path; ``"sharded"`` unpacks
+        file of whole tensors (named ``RUN-ID[-PROFILE][-DTYPE].safetensors``,
+        or the path given when it ends in ``.safetensors``) and returns its path; ``"sharded"`` unpacks
         one file per rank (``rank-0000k.safetensors`` with
         ``DCP_SHARDING_INFO``, for ``torch.distributed.checkpoint.load``
         with ``HuggingFaceStorageReader``) and ``"hf"`` HF-style shards with
@@ -621,18 +615,87 @@ class Run:
             )
         )
 
-    def resume(self, step: int) -> dict[str, Any]:
+    def resume(
+        self,
+        step: int | None = None,
+        *,
+        steps_taken: int | None = None,
+        allow_older: bool = False,
+    ) -> dict[str, Any]:
         """Restores every rank's EMA from the newest complete snapshot at or
         before ``step`` (``POST .../resume``), for a trainer restarting
-        from its own checkpoint. Answers ``{snapshot, step, rank_steps}``:
-        the trainer goes on from ``step`` (``attach(..., start_step=step +
-        1)``) and the EMA is exactly that of a run that never stopped,
-        provided a snapshot at the trainer's checkpoint step exists."""
-        return dict(
+        from its own checkpoint.
+
+        ``step`` is the *last step the checkpoint pushed*: the 0-based index
+        of its last optimizer step, i.e. the number of optimizer steps taken
+        minus one. Frameworks count steps taken (Lightning's and HF's
+        ``global_step``, a checkpoint's ``step`` counter): pass that as
+        ``steps_taken=N`` instead (``step = N - 1``). Give one of the two.
+
+        When the newest snapshot is older than that step (the EMA would miss
+        updates the trainer will not push again, e.g. a step off by one) the
+        server refuses with ``snapshot_older``; ``allow_older=True`` restores
+        it anyway, logs a warning and answers ``older: True``.
+
+        Answers ``{snapshot, step, rank_steps, requested_step, older}``: the
+        trainer goes on with ``attach(..., start_step=requested_step + 1)``
+        and the EMA is exactly that of a run that never stopped."""
+        if (step is None) == (steps_taken is None):
+            raise ValueError("give `step` (the last step pushed) or `steps_taken`, not both")
+        last = int(step) if step is not None else int(steps_taken) - 1  # type: ignore[arg-type]
+        if last < 0:
+            raise ValueError(
+                f"step {last}: nothing was pushed before it (steps_taken counts from 1)"
+            )
+        body: dict[str, Any] = {"step": last}
+        if allow_older:
+            body["allow_older"] = True
+        answer = dict(
             self.client.request(
-                "POST", f"{self.path}/resume", json={"step": int(step)}, token=self.write_token
+                "POST", f"{self.path}/resume", json=body, token=self.write_token
             ).json()
         )
+        if answer.get("older"):
+            import logging
+
+            logging.getLogger("polyak").warning(
+                "polyak: run %s resumed from snapshot %s at step %s, older than step %s "
+                "(allow_older): the EMA misses the updates in between",
+                self.name,
+                answer.get("snapshot"),
+                answer.get("step"),
+                last,
+            )
+        return answer
+
+    def finish(
+        self,
+        *,
+        label: str | None = None,
+        wait: bool = True,
+        timeout: float = 600.0,
+        poll: float = 0.5,
+    ) -> dict[str, Any]:
+        """Ends the run (``POST .../finish``): takes the final snapshot at the
+        furthest rank's last step (``label`` default ``final``) and marks the
+        run finished, so that its health and ranks say ``finished`` rather
+        than going stale, and pushes past that step are refused
+        (``run_finished``). Call it once every rank has flushed its pushes.
+        With ``wait`` the final snapshot is polled until complete. Answers
+        ``{run, snapshot}``; finishing again answers the same."""
+        answer = dict(
+            self.client.request(
+                "POST",
+                f"{self.path}/finish",
+                json={"label": label} if label is not None else {},
+                token=self.write_token,
+            ).json()
+        )
+        self.info = dict(answer["run"])
+        snap = answer.get("snapshot")
+        if wait and snap is not None:
+            answer["snapshot"] = self.wait_snapshot(snap, timeout=timeout, poll=poll)
+        return answer
 
     def posthoc_plan(
         self,
@@ -753,11 +816,13 @@ class Run:
         from tqdm.auto import tqdm
 
         ids = [downloads.snapshot_id(r) for r in rows]
+        # The server answers a derived snapshot with its job's total.
+        total = next((r["progress"]["total"] for r in rows if r.get("progress")), None)
         deadline = time.monotonic() + timeout
         delay = min(0.05, poll)
         done: dict[str, dict[str, Any]] = {}
         with tqdm(
-            total=None,
+            total=total,
             unit="B",
             unit_scale=True,
             unit_divisor=1024,

@@ -324,11 +324,17 @@ def download_to(
 ) -> Path:
     if layout not in ("full", "sharded", "hf"):
         raise ValueError(f"layout must be `full`, `sharded` or `hf`, not {layout!r}")
-    directory.mkdir(parents=True, exist_ok=True)
     sid = snapshot_id(snapshot)
-    stem = f"{run.name}-{sid}" + (f"-{profile}" if profile else "")
+    # A path that names a .safetensors file is that file, not a directory.
+    named = layout == "full" and directory.suffix == ".safetensors" and not directory.is_dir()
+    final_name = directory.name if named else None
+    if named:
+        directory = directory.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    # Each dtype gets a name of its own: a bf16 copy never replaces the fp32 one.
+    stem = f"{run.name}-{sid}" + (f"-{profile}" if profile else "") + (f"-{dtype}" if dtype else "")
     if layout == "full":
-        final = directory / f"{stem}.safetensors"
+        final = directory / (final_name or f"{stem}.safetensors")
         tmp = final.with_suffix(".safetensors.part")
         try:
             with open(tmp, "w+b") as f:  # readable too, to be mapped

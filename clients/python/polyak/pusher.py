@@ -50,7 +50,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlsplit
@@ -59,8 +59,16 @@ import torch
 from torch import nn
 
 from .errors import PolyakError, error_from_response, parse_retry_after
-from .shards import LocalPart, LocalState, copy_into_parts, local_state, matches, push_pieces
-from .wire import Chunk, HostBody, TensorSpec, WireLayout
+from .shards import (
+    LocalPart,
+    LocalState,
+    copy_into_parts,
+    local_state,
+    matches,
+    push_pieces,
+    tied_pieces,
+)
+from .wire import ALIASES_KEY, Chunk, HostBody, TensorSpec, WireLayout
 
 if TYPE_CHECKING:
     from .client import Run
@@ -283,6 +291,7 @@ class Pusher:
         self._free: list[HostBody] = []
         self._allocated = 0
         self._layout: WireLayout | None = None
+        self._aliases: dict[str, str] = {}
         self._keeps_dtype: dict[str, bool] = {}
         self._pending_error: PolyakError | None = None
         self._more_errors = 0
@@ -378,12 +387,12 @@ class Pusher:
                 step=step,
             )
         state = self._local_state(model_or_state_dict)
-        pieces = push_pieces(state.parts, self.skip)
+        pieces, aliases = tied_pieces(push_pieces(state.parts, self.skip))
         specs = [
             TensorSpec(p.name, self._wire_dtype(p.name, p.tensor), tuple(p.tensor.shape), p.chunk)
             for p in pieces
         ]
-        layout = self._layout_for(specs, pieces)
+        layout = self._layout_for(specs, pieces, aliases)
         pin = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
         later: list[int] = []
         if defer and not any(p.tensor.is_cuda for p in pieces):
@@ -459,9 +468,18 @@ class Pusher:
             self._keeps_dtype[name] = keep
         return t.dtype if keep else self.dtype
 
-    def _layout_for(self, specs: list[TensorSpec], pieces: Sequence[Any]) -> WireLayout:
+    def _layout_for(
+        self, specs: list[TensorSpec], pieces: Sequence[Any], aliases: Mapping[str, str]
+    ) -> WireLayout:
         layout = self._layout
         if layout is not None:
+            if aliases != self._aliases:
+                raise PolyakError(
+                    f"tied names changed since the first push ({self._aliases} -> "
+                    f"{dict(aliases)}); a run's layout is fixed",
+                    code="layout_changed",
+                    rank=self.rank,
+                )
             if tuple((s.name, s.dtype, s.shape, s.chunk) for s in specs) != layout.signature:
                 raise PolyakError(
                     "the pushed tensors differ from the first push's "
@@ -486,7 +504,11 @@ class Pusher:
                     code="copy_only_not_configured",
                     rank=self.rank,
                 )
-        self._layout = WireLayout(specs)
+        # Tied names travel once; the server records the aliases and writes
+        # every name back in downloads and the live EMA.
+        self._aliases = dict(aliases)
+        meta = {ALIASES_KEY: json.dumps(self._aliases, sort_keys=True)} if aliases else None
+        self._layout = WireLayout(specs, meta)
         return self._layout
 
     def _acquire(self, layout: WireLayout, step: int, pin: bool) -> HostBody:
@@ -731,16 +753,33 @@ class Pusher:
 
     @contextlib.contextmanager
     def ema_weights(
-        self, model: nn.Module | Mapping[str, Any], profile: str | None = None
+        self,
+        model: nn.Module | Mapping[str, Any],
+        profile: str | None = None,
+        *,
+        bn_loader: Iterable[Any] | None = None,
     ) -> Iterator[nn.Module | Mapping[str, Any]]:
         """``with pusher.ema_weights(model, "ema"): evaluate(model)``: the EMA
         in place of the online weights, which are restored bit for bit on
-        exit (from a host copy of this rank's part)."""
+        exit (from a host copy of this rank's part, buffers included).
+
+        ``bn_loader``: after loading the EMA, BatchNorm statistics are
+        recomputed for the averaged weights with torch's own
+        ``torch.optim.swa_utils.update_bn(bn_loader, model)`` (the SWA
+        recipe: averaged weights need their own statistics); the online
+        statistics come back on exit with the rest."""
         self.flush()
         parts, _ = self._targets(model)
         # A host copy: the point of polyak is not to hold extra weights on the device.
         saved = [p.tensor.detach().to("cpu", copy=True) for p in parts]
         self.load_ema_into(model, profile, flush=False)
+        if bn_loader is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError("bn_loader needs the module, not a state dict")
+            from torch.optim.swa_utils import update_bn
+
+            device = next((p.device for p in model.parameters()), None)
+            update_bn(bn_loader, model, device=device)
         try:
             yield model
         finally:

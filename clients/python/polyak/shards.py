@@ -53,6 +53,7 @@ __all__ = [
     "local_state",
     "push_pieces",
     "split_range",
+    "tied_pieces",
 ]
 
 # Key segments that wrappers insert and the unsharded ``state_dict()`` lacks.
@@ -341,6 +342,29 @@ def push_pieces(parts: Sequence[LocalPart], skip: Sequence[str] = ()) -> list[Pi
         chunk = Chunk(part.global_shape, tuple(offsets)) if chunked else None
         pieces.append(Piece(part.name, tensor, chunk))
     return pieces
+
+
+def tied_pieces(pieces: Sequence[Piece]) -> tuple[list[Piece], dict[str, str]]:
+    """Pieces that are the same tensor under several names (tied weights:
+    HF's ``lm_head.weight`` and ``transformer.wte.weight``) are pushed once:
+    returns the pieces to push and ``{alias: pushed name}`` for the rest.
+    Only exact views count (same memory, shape, strides, dtype, chunk), so
+    a tensor that merely overlaps another is pushed as itself."""
+    first: dict[tuple[Any, ...], str] = {}
+    kept: list[Piece] = []
+    aliases: dict[str, str] = {}
+    for p in pieces:
+        t = p.tensor
+        if t.numel() == 0:
+            kept.append(p)
+            continue
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), p.chunk)
+        if key in first:
+            aliases[p.name] = first[key]
+        else:
+            first[key] = p.name
+            kept.append(p)
+    return kept, aliases
 
 
 def _overlap(

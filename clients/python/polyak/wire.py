@@ -30,11 +30,13 @@ import torch
 from .errors import PolyakError
 
 __all__ = [
+    "ALIASES_KEY",
     "SHARDS_KEY",
     "Chunk",
     "HostBody",
     "TensorSpec",
     "WireLayout",
+    "expand_aliases",
     "parse_chunks",
     "read_safetensors",
     "wire_dtype",
@@ -44,6 +46,9 @@ __all__ = [
 SHARDS_KEY = "polyak.shards"
 #: ``__metadata__`` key selecting ``full`` or ``delta`` pushes.
 KIND_KEY = "polyak.kind"
+#: ``__metadata__`` key: JSON ``{alias: name}`` of tied names (one storage,
+#: several state-dict names), pushed and stored once under ``name``.
+ALIASES_KEY = "polyak.aliases"
 
 # The dtypes the server keeps: averaged floats, copied integers and bools.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -275,6 +280,21 @@ def read_safetensors(
     metadata = header.get("__metadata__") or {}
     tensors = safetensors.torch.load(raw)
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def expand_aliases(
+    tensors: dict[str, torch.Tensor], chunks: dict[str, Chunk], metadata: Mapping[str, str]
+) -> None:
+    """Adds the tied names a file's ``polyak.aliases`` lists, each the same
+    tensor (and chunk) as the name it aliases, in place."""
+    text = metadata.get(ALIASES_KEY)
+    if not text:
+        return
+    for alias, target in json.loads(text).items():
+        if target in tensors and alias not in tensors:
+            tensors[alias] = tensors[target]
+            if target in chunks:
+                chunks[alias] = chunks[target]
 
 
 def parse_chunks(metadata: Mapping[str, str]) -> dict[str, Chunk]:

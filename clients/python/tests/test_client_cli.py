@@ -101,9 +101,9 @@ def test_cli_snapshots_downloads_compare_resume_posthoc(server, client, run_name
     pusher = run.pusher()
     train_and_push(tr, [pusher], 5)
 
-    # No step: the next update step after the furthest rank.
+    # A step ahead of every rank: pending until they apply it.
     args = ["--url", url, "--json", "snapshot", run_name, "--no-wait", "--label", "cli"]
-    assert main(args) == 0
+    assert main([*args, "--step", "5"]) == 0
     pending = json.loads(capsys.readouterr().out)
     assert (pending["step"], pending["status"], pending["label"]) == (5, "pending", "cli")
     tr.step()

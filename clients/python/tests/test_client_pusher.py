@@ -553,8 +553,8 @@ def test_only_update_steps_are_sent(client, run_name):
 def test_auth_tokens(fresh_server, run_name):
     """With ``--token``: the admin creates the run, the pusher sends with the
     run's write token, reads use its read token."""
-    fresh_server.start("--token", "admin-secret")
-    admin = polyak.Client(fresh_server.url, token="admin-secret")
+    fresh_server.start("--token", "admin-secret-0123456789")
+    admin = polyak.Client(fresh_server.url, token="admin-secret-0123456789")
     run = admin.create_run(run_name, profiles=constant())
     assert run.write_token and run.read_token
     anonymous = polyak.Client(fresh_server.url, token="")

@@ -192,9 +192,10 @@ def test_refused_failed_and_deleted_snapshots(client, run_name):
 
 def test_resume_after_a_trainer_crash_is_exact(client, run_name):
     """The trainer crashes after step 14 and restarts from its own
-    checkpoint of step 10; ``run.resume(12)`` restores the snapshot of step
-    10, the trainer pushes on with ``attach(start_step=11)``, and the EMA
-    is bit for bit that of a run that never crashed."""
+    checkpoint of step 10 (11 steps taken); ``run.resume(12)`` is refused
+    (the snapshot of step 10 misses two updates), ``run.resume(10)``
+    restores it, the trainer pushes on with ``attach(start_step=11)``, and
+    the EMA is bit for bit that of a run that never crashed."""
     profiles = [constant("ema", 0.8), constant("slow", 0.95)]
     run = client.create_run(run_name, world_size=2, profiles=profiles)
     mid = run.snapshot(step=10, wait=False)
@@ -223,8 +224,20 @@ def test_resume_after_a_trainer_crash_is_exact(client, run_name):
     with pytest.raises(polyak.PolyakError) as e:
         run.resume(5)  # no snapshot at or before step 5
     assert (e.value.status, e.value.code) == (404, "snapshot_not_found")
-    answer = run.resume(12)
-    assert answer == {"snapshot": mid["id"], "step": 10, "rank_steps": {"0": 10, "1": 10}}
+    # The checkpoint's last push was step 10; 12 would lose two updates.
+    with pytest.raises(polyak.PolyakError) as e:
+        run.resume(12)
+    assert (e.value.status, e.value.code) == (409, "snapshot_older")
+    older = run.resume(12, allow_older=True)
+    assert (older["step"], older["older"], older["requested_step"]) == (10, True, 12)
+    answer = run.resume(steps_taken=11)
+    assert answer == {
+        "snapshot": mid["id"],
+        "step": 10,
+        "rank_steps": {"0": 10, "1": 10},
+        "requested_step": 10,
+        "older": False,
+    }
     assert [r["last_step"] for r in run.ranks()] == [10, 10]
 
     resumed = Trainer(seed=22)

@@ -1,0 +1,470 @@
+//! Connections: the accept loop and what one connection may hold.
+//!
+//! axum's own `serve` has no read timeouts and no connection cap, so one
+//! client could keep a connection (and what it reserved) forever. Here:
+//!
+//! - at most `--max-connections` are served at once; the next ones wait in
+//!   the listen backlog;
+//! - a request head must arrive within `--header-timeout-secs` (from the
+//!   connection's start, or from the first byte of a later request);
+//! - a keep-alive connection with no request in flight is closed after
+//!   `--idle-timeout-secs`;
+//! - a request body must keep up with `--body-min-rate` after a grace of
+//!   `--body-timeout-secs` ([`TimedBody`]); a slower one fails the request, which
+//!   is answered 408 and the connection closed.
+//!
+//! The head and idle clocks live in [`GuardedIo`], the socket wrapper: it
+//! is what hyper polls while it waits for a head, and a request in flight
+//! (counted by [`Activity`] from the handler's start to the end of its
+//! response body) stops them.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::Router;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::time::{Instant, Sleep};
+use tower::ServiceExt;
+
+use crate::config::ServeArgs;
+
+/// The per-connection limits, from the command line.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    pub header: Duration,
+    pub idle: Duration,
+    pub body: Duration,
+    /// Bytes per second that extend the body's deadline by one second.
+    pub body_min_rate: u64,
+    pub max_connections: usize,
+}
+
+impl ConnLimits {
+    pub fn from_args(args: &ServeArgs) -> Self {
+        ConnLimits {
+            header: Duration::from_secs(args.header_timeout_secs.max(1)),
+            idle: Duration::from_secs(args.idle_timeout_secs.max(1)),
+            body: Duration::from_secs(args.body_timeout_secs.max(1)),
+            body_min_rate: args.body_min_rate.0.max(1),
+            max_connections: args.max_connections.max(1),
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves; then stops
+/// accepting and waits up to `drain` for the connections in flight.
+/// `open` counts the connections being served (a gauge).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnLimits,
+    open: prometheus::IntGauge,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain: Duration,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let graceful = GracefulShutdown::new();
+    let mut builder = Builder::new(TokioExecutor::new());
+    // Our own clocks (GuardedIo) time the head; hyper's header timer would
+    // also run while a keep-alive connection idles, merging the two limits.
+    builder.http1().header_read_timeout(None);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        // Wait for a free slot before accepting: past the cap, clients wait
+        // in the kernel's backlog instead of being served half-way.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = &mut shutdown => break,
+        };
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of
+                    // spinning.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let activity = Arc::new(Activity::new());
+        let io = TokioIo::new(GuardedIo::new(stream, activity.clone(), limits));
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let guard = ActiveGuard::start(activity.clone());
+            let req = req.map(|body| {
+                let body = Body::new(body);
+                if http_body::Body::is_end_stream(&body) {
+                    body
+                } else {
+                    Body::new(TimedBody::new(body, limits))
+                }
+            });
+            let app = app.clone();
+            async move {
+                let response = app.oneshot(req).await?;
+                // The request counts as in flight until its response body
+                // is sent (downloads and event streams included).
+                Ok::<_, std::convert::Infallible>(response.map(|body| {
+                    Body::new(GuardedBody {
+                        body,
+                        _guard: guard,
+                    })
+                }))
+            }
+        });
+        let conn = builder.serve_connection_with_upgrades(io, service);
+        let conn = graceful.watch(conn.into_owned());
+        let open = open.clone();
+        tokio::spawn(async move {
+            open.inc();
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            open.dec();
+            drop(slot);
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: waiting for requests in flight");
+    if tokio::time::timeout(drain, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still in flight after {drain:?}; stopping anyway");
+    }
+}
+
+/// What one connection is doing, shared by its socket wrapper and its
+/// requests.
+struct Activity {
+    inner: Mutex<ActivityState>,
+}
+
+struct ActivityState {
+    /// Requests whose response is not yet fully sent.
+    in_flight: usize,
+    /// When the connection last became idle (or was accepted).
+    idle_since: Instant,
+    /// When the first byte of the next request head arrived.
+    head_started: Option<Instant>,
+    /// No request has started on this connection yet.
+    fresh: bool,
+    /// The task polling the socket, woken when the connection goes idle
+    /// so that it arms the idle clock.
+    reader: Option<Waker>,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            inner: Mutex::new(ActivityState {
+                in_flight: 0,
+                idle_since: Instant::now(),
+                head_started: None,
+                fresh: true,
+                reader: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ActivityState> {
+        // A poisoned lock only means a panic elsewhere; the counters are
+        // still meaningful.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// When the connection must be closed if nothing more arrives: `None`
+    /// while a request is in flight (its body has its own clock).
+    fn deadline(&self, limits: &ConnLimits) -> Option<Instant> {
+        let s = self.lock();
+        if s.in_flight > 0 {
+            return None;
+        }
+        Some(match s.head_started {
+            Some(at) => at + limits.header,
+            None if s.fresh => s.idle_since + limits.header,
+            None => s.idle_since + limits.idle,
+        })
+    }
+
+    fn bytes_arrived(&self) {
+        let mut s = self.lock();
+        if s.in_flight == 0 && s.head_started.is_none() {
+            s.head_started = Some(Instant::now());
+        }
+    }
+}
+
+/// Counts one request as in flight until dropped.
+struct ActiveGuard(Arc<Activity>);
+
+impl ActiveGuard {
+    fn start(activity: Arc<Activity>) -> Self {
+        {
+            let mut s = activity.lock();
+            s.in_flight += 1;
+            s.fresh = false;
+            s.head_started = None;
+        }
+        ActiveGuard(activity)
+    }
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        let reader = {
+            let mut s = self.0.lock();
+            s.in_flight = s.in_flight.saturating_sub(1);
+            if s.in_flight > 0 {
+                return;
+            }
+            s.idle_since = Instant::now();
+            s.head_started = None;
+            s.reader.take()
+        };
+        if let Some(w) = reader {
+            w.wake();
+        }
+    }
+}
+
+/// The socket, with the head and idle clocks on its read side.
+struct GuardedIo {
+    io: TcpStream,
+    activity: Arc<Activity>,
+    limits: ConnLimits,
+    timer: Option<(Instant, Pin<Box<Sleep>>)>,
+}
+
+impl GuardedIo {
+    fn new(io: TcpStream, activity: Arc<Activity>, limits: ConnLimits) -> Self {
+        GuardedIo {
+            io,
+            activity,
+            limits,
+            timer: None,
+        }
+    }
+}
+
+fn timed_out(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, what.to_string())
+}
+
+impl AsyncRead for GuardedIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    this.activity.bytes_arrived();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => {
+                this.activity.lock().reader = Some(cx.waker().clone());
+                let Some(deadline) = this.activity.deadline(&this.limits) else {
+                    this.timer = None;
+                    return Poll::Pending;
+                };
+                match &mut this.timer {
+                    Some((at, sleep)) if *at == deadline => {
+                        if sleep.as_mut().poll(cx).is_ready() {
+                            return Poll::Ready(Err(timed_out("connection idle or head too slow")));
+                        }
+                    }
+                    _ => {
+                        let mut sleep = Box::pin(tokio::time::sleep_until(deadline));
+                        if sleep.as_mut().poll(cx).is_ready() {
+                            return Poll::Ready(Err(timed_out("connection idle or head too slow")));
+                        }
+                        this.timer = Some((deadline, sleep));
+                    }
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl AsyncWrite for GuardedIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// A request body that fails once it falls behind the minimum rate: its
+/// deadline is `start + body_timeout + received / body_min_rate`, the rule
+/// Apache's `mod_reqtimeout` uses (a fixed gap timeout would let one byte
+/// a second through forever).
+pub struct TimedBody {
+    inner: Body,
+    limits: ConnLimits,
+    started: Instant,
+    received: u64,
+    sleep: Pin<Box<Sleep>>,
+}
+
+/// The error a [`TimedBody`] ends with; the push and JSON readers turn it
+/// into a 408.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the request body arrived too slowly: {received} bytes after {elapsed:.1} s \
+     (at least {min_rate} bytes/s are needed after the first {grace} s)"
+)]
+pub struct BodyTimedOut {
+    pub received: u64,
+    pub elapsed: f64,
+    pub min_rate: u64,
+    pub grace: u64,
+}
+
+impl TimedBody {
+    fn new(inner: Body, limits: ConnLimits) -> Self {
+        let started = Instant::now();
+        TimedBody {
+            inner,
+            limits,
+            started,
+            received: 0,
+            sleep: Box::pin(tokio::time::sleep_until(started + limits.body)),
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        let earned =
+            Duration::from_secs_f64(self.received as f64 / self.limits.body_min_rate as f64);
+        self.started + self.limits.body + earned
+    }
+}
+
+impl http_body::Body for TimedBody {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.received += data.len() as u64;
+                    let deadline = self.deadline();
+                    self.sleep.as_mut().reset(deadline);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => {
+                if self.sleep.as_mut().poll(cx).is_ready() {
+                    let err = BodyTimedOut {
+                        received: self.received,
+                        elapsed: self.started.elapsed().as_secs_f64(),
+                        min_rate: self.limits.body_min_rate,
+                        grace: self.limits.body.as_secs(),
+                    };
+                    tracing::info!("{err}; cutting the request");
+                    return Poll::Ready(Some(Err(Box::new(err))));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Whether `err` (a body read error, at any depth) is a [`BodyTimedOut`].
+pub fn is_body_timeout(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if e.is::<BodyTimedOut>() {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// A response body that keeps its request counted as in flight.
+struct GuardedBody {
+    body: Body,
+    _guard: ActiveGuard,
+}
+
+impl http_body::Body for GuardedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
