@@ -118,21 +118,8 @@ fn read_table(part: &StoredPart) -> Result<Vec<(String, StoredTensor)>, Assemble
             continue;
         }
         let dtype_name = info["dtype"].as_str().unwrap_or_default();
-        let dtype = [
-            DType::F64,
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::I64,
-            DType::I32,
-            DType::I16,
-            DType::I8,
-            DType::U8,
-            DType::BOOL,
-        ]
-        .into_iter()
-        .find(|d| d.safetensors_name() == dtype_name)
-        .ok_or_else(|| AssembleError::Malformed(format!("dtype {dtype_name}")))?;
+        let dtype = DType::from_name(dtype_name)
+            .ok_or_else(|| AssembleError::Malformed(format!("dtype {dtype_name}")))?;
         let shape: Vec<i64> = info["shape"]
             .as_array()
             .map(|a| a.iter().filter_map(|d| d.as_i64()).collect())

@@ -417,16 +417,9 @@ pub async fn merge(
     let name = profile_name(name, "merged")?;
     let alpha = merge_alpha(scheme, alpha)?;
     let rows = state.store.snapshots(&config.name).await?;
+    // A mirror run captures the mirror in every cut; `start` reads each
+    // source's files and refuses one without its part.
     let chosen = choose_merged(&config.name, rows, selection)?;
-    for row in &chosen {
-        let files = state.store.snapshot_files(&row.id).await?;
-        if !files.iter().any(|f| f.part == MIRROR_PART) {
-            return Err(SnapshotError::Invalid(format!(
-                "snapshot `{}` holds no online weights",
-                row.id
-            )));
-        }
-    }
     let weights = merge_weights(scheme, chosen.len(), alpha);
     let newest = chosen.last().map(|r| r.step).unwrap_or(0);
     let id = snapshot_id(MERGE, newest);
@@ -554,19 +547,9 @@ fn derived_row(
     detail: serde_json::Value,
 ) -> SnapshotRow {
     SnapshotRow {
-        id: id.to_string(),
-        run: run.config.name.clone(),
-        step,
-        kind: kind.into(),
         label: Some(label),
-        profiles: vec![profile.to_string()],
-        status: "pending".into(),
-        reason: None,
-        created_at_ms: now_ms(),
-        completed_at_ms: None,
-        deadline_ms: None,
-        bytes: 0,
         detail,
+        ..SnapshotRow::pending(id, &run.config.name, step, kind, vec![profile.to_string()])
     }
 }
 

@@ -293,19 +293,10 @@ async fn schedule_manual(
     let id = snapshot_id(MANUAL, step);
     let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
     let row = SnapshotRow {
-        id: id.clone(),
-        run: config.name.clone(),
-        step,
-        kind: MANUAL.into(),
         label,
-        profiles: names.to_vec(),
-        status: "pending".into(),
-        reason: None,
-        created_at_ms: now_ms(),
-        completed_at_ms: None,
         deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
-        bytes: 0,
         detail: serde_json::json!({"cut": cut}),
+        ..SnapshotRow::pending(&id, &config.name, step, MANUAL, names.to_vec())
     };
     state.store.insert_snapshot(&row).await?;
     state.snapshots.register(
@@ -471,19 +462,8 @@ async fn on_event(state: &AppState, event: CaptureEvent) {
                 Some(backlog),
             );
             let row = SnapshotRow {
-                id: snapshot.clone(),
-                run: run.clone(),
-                step,
-                kind: PERIODIC.into(),
-                label: None,
-                profiles,
-                status: "pending".into(),
-                reason: None,
-                created_at_ms: now_ms(),
-                completed_at_ms: None,
                 deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
-                bytes: 0,
-                detail: serde_json::json!({}),
+                ..SnapshotRow::pending(&snapshot, &run, step, PERIODIC, profiles)
             };
             if let Err(e) = state.store.insert_snapshot(&row).await {
                 tracing::error!(run = %run, error = %e, "recording a periodic snapshot failed");
@@ -940,27 +920,17 @@ pub async fn persist_state(
         return Ok(None);
     }
     let step = captures.iter().map(|c| c.step).max().unwrap_or(0);
+    let profiles = run
+        .config
+        .profiles
+        .iter()
+        .map(|p| p.name().to_string())
+        .collect();
     let row = SnapshotRow {
-        id: id.clone(),
-        run: run.config.name.clone(),
-        step,
-        kind: STATE.into(),
-        label: None,
-        profiles: run
-            .config
-            .profiles
-            .iter()
-            .map(|p| p.name().to_string())
-            .collect(),
-        status: "pending".into(),
-        reason: None,
-        created_at_ms: now_ms(),
-        completed_at_ms: None,
-        deadline_ms: None,
-        bytes: 0,
         detail: serde_json::json!({
             "rank_steps": captures.iter().map(|c| (c.rank.to_string(), c.step)).collect::<BTreeMap<_, _>>()
         }),
+        ..SnapshotRow::pending(&id, &run.config.name, step, STATE, profiles)
     };
     state.store.insert_snapshot(&row).await?;
     state.snapshots.register(

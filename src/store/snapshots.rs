@@ -30,6 +30,28 @@ pub struct SnapshotRow {
     pub detail: serde_json::Value,
 }
 
+impl SnapshotRow {
+    /// A new `pending` row (no label, deadline or detail yet; callers set
+    /// the fields their kind needs).
+    pub fn pending(id: &str, run: &str, step: u64, kind: &str, profiles: Vec<String>) -> Self {
+        SnapshotRow {
+            id: id.to_string(),
+            run: run.to_string(),
+            step,
+            kind: kind.to_string(),
+            label: None,
+            profiles,
+            status: "pending".into(),
+            reason: None,
+            created_at_ms: crate::state::now_ms(),
+            completed_at_ms: None,
+            deadline_ms: None,
+            bytes: 0,
+            detail: serde_json::json!({}),
+        }
+    }
+}
+
 /// One stored file of a complete snapshot.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct FileRow {

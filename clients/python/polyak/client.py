@@ -756,9 +756,7 @@ class Run:
             body["profiles"] = list(profiles)
         if name is not None:
             body["name"] = name
-        answer = self.client.request(
-            "POST", f"{self.path}/posthoc", json=body, token=self.write_token
-        ).json()
+        answer = self._post("posthoc", body)
         rows = list(answer["snapshots"]) if sweep else [dict(answer)]
         if wait:
             rows = self._wait_derived(rows, timeout=timeout, poll=poll, progress=progress)
@@ -794,11 +792,7 @@ class Run:
             body["alpha"] = float(alpha)
         if name is not None:
             body["name"] = name
-        row = dict(
-            self.client.request(
-                "POST", f"{self.path}/merge", json=body, token=self.write_token
-            ).json()
-        )
+        row = dict(self._post("merge", body))
         if not wait:
             return row
         return self._wait_derived([row], timeout=timeout, poll=poll, progress=progress)[0]
@@ -855,16 +849,18 @@ class Run:
                 time.sleep(delay)
                 delay = min(poll, delay * 2)
 
+    def _post(self, endpoint: str, body: dict[str, Any]) -> Any:
+        """``POST .../{endpoint}`` with the run's write token; the JSON answer."""
+        return self.client.request(
+            "POST", f"{self.path}/{endpoint}", json=body, token=self.write_token
+        ).json()
+
     def _start_snapshot(
         self, endpoint: str, body: dict[str, Any], *, wait: bool, timeout: float, poll: float
     ) -> dict[str, Any]:
         """POSTs ``body`` to ``.../{endpoint}``; with ``wait`` polls the
         snapshot it created until it is complete."""
-        snap = dict(
-            self.client.request(
-                "POST", f"{self.path}/{endpoint}", json=body, token=self.write_token
-            ).json()
-        )
+        snap = dict(self._post(endpoint, body))
         if not wait:
             return snap
         return self.wait_snapshot(snap, timeout=timeout, poll=poll)
