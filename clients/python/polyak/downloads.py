@@ -121,30 +121,45 @@ def download_to(
     directory.mkdir(parents=True, exist_ok=True)
     # Each dtype gets a name of its own: a bf16 copy never replaces the fp32 one.
     stem = f"{run.name}-{sid}" + (f"-{profile}" if profile else "") + (f"-{dtype}" if dtype else "")
-    if layout == "full":
-        final = directory / (final_name or f"{stem}.safetensors")
-        tmp = final.with_suffix(".safetensors.part")
-        try:
-            with open(tmp, "w+b") as f:  # readable too, to be mapped
-                _stream_into(run, snapshot, profile, layout, dtype, f, progress, on_progress)
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
+
+    def stream(out: BinaryIO) -> None:
+        _stream_into(run, snapshot, profile, layout, dtype, out, progress, on_progress)
+
+    if layout == DownloadLayout.FULL:
+        return _write_file(directory / (final_name or f"{stem}.safetensors"), stream, fsync)
+    target = directory / (stem if layout == DownloadLayout.SHARDED else f"{stem}-hf")
+    return _unpack_tree(target, stream, fsync)
+
+
+def _write_file(final: Path, stream: Callable[[BinaryIO], None], fsync: bool) -> Path:
+    """``stream`` into a temporary file beside ``final``, renamed into place
+    (made durable first with ``fsync``)."""
+    tmp = final.with_suffix(".safetensors.part")
+    try:
+        with open(tmp, "w+b") as f:  # readable too, to be mapped
+            stream(f)
+            f.flush()
             if fsync:
-                _fsync_dir(directory)  # the rename itself
-        finally:
-            tmp.unlink(missing_ok=True)
-        return final
-    target = directory / (stem if layout == "sharded" else f"{stem}-hf")
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if fsync:
+            _fsync_dir(final.parent)  # the rename itself
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def _unpack_tree(target: Path, stream: Callable[[BinaryIO], None], fsync: bool) -> Path:
+    """``stream`` (a tar) into a temporary file, unpacked beside ``target``
+    and renamed into place: a crash leaves the old directory or the whole
+    new one, never a half-unpacked one."""
+    directory = target.parent
     tmp_tar = directory / f"{target.name}.tar.part"
-    # Unpacked beside the target and renamed into place: a crash leaves the
-    # old directory or the whole new one, never a half-unpacked one.
     staging = directory / f".{target.name}.part"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         with open(tmp_tar, "w+b") as f:
-            _stream_into(run, snapshot, profile, layout, dtype, f, progress, on_progress)
+            stream(f)
         with tarfile.open(tmp_tar) as tar:
             staging.mkdir()
             _extract(tar, staging)
