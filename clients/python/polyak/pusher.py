@@ -259,12 +259,11 @@ class Pusher:
         job = self._fill(body, step, pieces, later)
         with self._queue.cond:
             self._counters.copy_seconds += time.perf_counter() - started
-            self._queue.jobs.append(job)
             if later:
                 self._copier.submit(job)
             self._counters.pushed += 1
             self._last_queued = step
-            self._queue.cond.notify_all()
+            self._queue.put(job)
         self._sender.start()
         if later:
             self._copier.start()

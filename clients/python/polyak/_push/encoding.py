@@ -1,9 +1,11 @@
 """What a filled host body becomes on the wire.
 
 An encoding runs on the sender's thread, between the copy and the PUT, so
-the training thread never pays for it; it sees the bodies of one rank in
-step order, so an encoding that keeps state between pushes (a client-side
-copy of the server's mirror, for deltas) may keep it here.
+the training thread never pays for it. With one connection slot it sees a
+rank's bodies in step order; an encoding that keeps state between pushes
+(a client-side copy of the server's mirror, for deltas) relies on that, and
+with several slots it would encode in step order before a body is handed
+to a slot.
 """
 
 from __future__ import annotations

@@ -125,6 +125,11 @@ class PushQueue:
         )
         return dropped.body
 
+    def put(self, job: Job) -> None:
+        """Queues a filled (or deferred) job behind the others (lock held)."""
+        self.jobs.append(job)
+        self.cond.notify_all()
+
     def release(self, body: HostBody) -> None:
         """A body back to the pool (its push was abandoned before queueing)."""
         with self.cond:
