@@ -292,9 +292,7 @@ def send_with_retries(
     failing_since: float | None = None
     while True:
         if abort.is_set():
-            raise PolyakError(
-                "the pusher was closed before this push was delivered", code="aborted"
-            )
+            raise PolyakError("closed before this request was delivered", code="aborted")
         retry_after: float | None = None
         try:
             status, data, retry_header = send()

@@ -3,7 +3,10 @@
 ``layout=full`` is one safetensors stream of whole tensors; ``layout=sharded``
 is a tar of one safetensors file per rank (``hf``: HF-style shards and their
 index). All are streamed: to memory for :meth:`Run.download`, to a temporary
-file renamed into place (or unpacked) for :meth:`Run.download_to`.
+file renamed into place (or unpacked) for :meth:`Run.download_to`. The bytes
+move through the client's transport (:class:`polyak._transport.BodySink`:
+spliced socket to file where the platform allows); this module names the
+files, shows the progress and makes the result durable.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def fetch_bytes(
     progress: bool | IO[str],
     on_progress: Callable[[int, int | None], None] | None = None,
 ) -> bytes:
+    """The whole download in memory (``Run.download``)."""
     buf = io.BytesIO()
     _stream_into(run, snapshot, profile, layout, dtype, buf, progress, on_progress)
     return buf.getvalue()
