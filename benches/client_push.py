@@ -47,6 +47,7 @@ from typing import Any
 import polyak
 import torch
 from ema_pytorch import EMA
+from polyak._push.sender import Sender
 from polyak.testing import PolyakServer
 from torch import nn
 
@@ -183,15 +184,20 @@ def measure(
     )
 
 
-class CopyOnlyPusher(polyak.Pusher):
-    """A pusher whose sender acknowledges without sending (bench
-    instrumentation): what is left is the training thread's part and the
-    copy thread's, as with a server on another machine that keeps up,
-    minus the network."""
+class CopyOnlySender(Sender):
+    """A sender that acknowledges without sending (bench instrumentation)."""
 
-    def _deliver(self, conn: Any, job: Any) -> dict[str, Any]:
+    def deliver(self, conn: Any, job: Any) -> dict[str, Any]:
         job.body.wait_ready()
         return {"applied": True, "duplicate": False}
+
+
+class CopyOnlyPusher(polyak.Pusher):
+    """A pusher whose sender acknowledges without sending: what is left is
+    the training thread's part and the copy thread's, as with a server on
+    another machine that keeps up, minus the network."""
+
+    _sender_class = CopyOnlySender
 
 
 def _cpu_seconds() -> float:

@@ -24,12 +24,16 @@ Layout:
   ``torch.compile``, plain), and joining chunks back.
 - :mod:`polyak.wire`: safetensors push bodies written in place; reading EMA files.
 - :mod:`polyak.downloads`: snapshot downloads with a progress bar.
+- :mod:`polyak.contract`: the values the server sends (snapshot statuses
+  and kinds, event kinds, download layouts) as enums.
+- :mod:`polyak._transport`: the one way to the server (connection reuse,
+  auth headers, retries, streamed bodies); :mod:`polyak._push`: the
+  pusher's queue, copy thread, encoding and sender.
 - :mod:`polyak.cli`: ``python -m polyak``.
 - :mod:`polyak.testing`: a real server on a free port, for tests.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .client import Client, RankEma, Run
 from .errors import PolyakError
 from .pusher import Attachment, Pusher, PushStats, RetryPolicy

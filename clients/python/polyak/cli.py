@@ -16,11 +16,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .client import Client
+from .contract import DownloadLayout
 from .errors import PolyakError
 
 
@@ -325,6 +326,10 @@ def _common(parser: argparse.ArgumentParser, *, default: Any) -> None:
     )
 
 
+Command = Callable[..., argparse.ArgumentParser]
+RUN_HELP = "run name"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m polyak", description="polyak: runs, push status, snapshots and downloads."
@@ -337,15 +342,23 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, **kw: Any) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common], **kw)
 
-    run_help = "run name"
+    _run_commands(command)
+    _snapshot_commands(command)
+    _derived_commands(command)
+    _log_command(command)
+    return parser
+
+
+def _run_commands(command: Command) -> None:
+    """runs, status, ema, delete."""
     command("runs", "list runs").set_defaults(func=cmd_runs)
 
     p = command("status", "a run and the push status of each rank", aliases=["ranks"])
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.set_defaults(func=cmd_status)
 
     p = command("ema", "save one rank's live EMA as safetensors")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--rank", type=int, default=0, help="which rank's EMA (default 0)")
     p.add_argument("--profile", default=None, help="profile (default the run's first)")
     p.add_argument(
@@ -355,15 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ema)
 
     p = command("delete", "delete a run")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.set_defaults(func=cmd_delete)
 
+
+def _snapshot_commands(command: Command) -> None:
+    """snapshot, snapshots, download, compare, resume, finish."""
     p = command(
         "snapshot",
         "take a snapshot: of the EMA as it is now when every rank applied the same step, "
         "else at the next update step (waits until it is complete)",
     )
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--step", type=int, default=None, help="cut at this step instead")
     p.add_argument("--profiles", default=None, help="comma-separated profile names (default all)")
     p.add_argument("--label", default=None, help="a label shown in listings and the dashboard")
@@ -371,16 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_snapshot)
 
     p = command("snapshots", "list a run's snapshots")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.set_defaults(func=cmd_snapshots)
 
     p = command("download", "download a snapshot with a progress bar")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("snapshot", help="snapshot id")
     p.add_argument("--profile", default=None, help="profile (default the snapshot's first)")
     p.add_argument(
         "--layout",
-        choices=["full", "sharded", "hf"],
+        choices=[layout.value for layout in DownloadLayout],
         default="full",
         help="full: one safetensors file; sharded: one file per rank (torch DCP); "
         "hf: HF-style shards and index",
@@ -396,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_download)
 
     p = command("compare", "per-tensor differences between two snapshots")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("a", help="snapshot id")
     p.add_argument("b", nargs="?", default="live", help="snapshot id or `live` (default)")
     p.add_argument("--profile", default=None, help="profile of A (default the run's first)")
@@ -404,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = command("resume", "restore the EMA from the snapshot of STEP (refused when older)")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument(
         "step",
         type=int,
@@ -418,13 +434,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_resume)
 
     p = command("finish", "take the final snapshot and mark the run finished")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--label", default=None, help="label of the final snapshot (default final)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the final snapshot")
     p.set_defaults(func=cmd_finish)
 
+
+def _derived_commands(command: Command) -> None:
+    """posthoc, merge."""
     p = command("posthoc", "synthesise post-hoc EMAs (EDM2) as snapshots")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument(
         "--sigma-rel",
         type=_sigma_list,
@@ -441,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_posthoc)
 
     p = command("merge", "average the online weights of stored snapshots")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--snapshots", default=None, help="comma-separated snapshot ids")
     p.add_argument("--last", type=int, default=None, help="or: the newest N snapshots")
     p.add_argument(
@@ -455,13 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return while it is being written")
     p.set_defaults(func=cmd_merge)
 
+
+def _log_command(command: Command) -> None:
     p = command("log", "send trainer scalars: log RUN STEP loss=0.1 lr=3e-4")
-    p.add_argument("run", help=run_help)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("step", type=int, help="the trainer's step")
     p.add_argument("values", nargs="+", help="name=value pairs")
     p.add_argument("--rank", type=int, default=None, help="a rank's series (default the run's)")
     p.set_defaults(func=cmd_log)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """``Client`` (the server) and ``Run`` (one training run): the control plane.
 
-Everything here is a small synchronous JSON call over one keep-alive
-``httpx.Client``; the data plane (pushes) lives in :mod:`polyak.pusher`,
-which sends from its own thread.
+Everything here is a small synchronous JSON call over the client's
+:class:`~polyak._transport.Transport` (one keep-alive session); the data
+plane (pushes) lives in :mod:`polyak.pusher`, which sends from its own
+thread over connections of the same transport.
 
 The methods under "Snapshots, downloads, metrics" follow the server's
 ``/snapshots``, ``/compare``, ``/resume``, ``/posthoc`` and ``/metrics``
@@ -14,33 +15,26 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 from urllib.parse import quote
 
 import httpx
 import torch
 
 from . import downloads
-from .errors import PolyakError, error_from_response, parse_retry_after
+from ._transport import Transport
+from .contract import snapshot_done, snapshot_id
+from .errors import PolyakError
+from .pusher import Pusher
 from .shards import assemble
 from .sysmetrics import SystemSampler
-from .wire import Chunk, expand_aliases, parse_chunks, read_safetensors
-
-if TYPE_CHECKING:
-    from .pusher import Pusher
+from .wire import RankEma, read_safetensors
 
 __all__ = ["DEFAULT_URL", "Client", "RankEma", "Run"]
 
 #: Where ``polyak serve`` listens by default; ``$POLYAK_URL`` overrides it.
 DEFAULT_URL = "http://127.0.0.1:8080"
-
-
-def _user_agent() -> str:
-    from . import __version__
-
-    return f"polyak-python/{__version__}"
 
 
 class Client:
@@ -57,20 +51,30 @@ class Client:
         *,
         timeout: float = 60.0,
     ) -> None:
-        self.url = (url or os.environ.get("POLYAK_URL") or DEFAULT_URL).rstrip("/")
-        self.token = token if token is not None else os.environ.get("POLYAK_TOKEN") or None
-        self.timeout = timeout
-        self._http = httpx.Client(
-            base_url=self.url,
-            timeout=timeout,
-            headers={"User-Agent": _user_agent()},
+        self.transport = Transport(
+            url or os.environ.get("POLYAK_URL") or DEFAULT_URL,
+            token if token is not None else os.environ.get("POLYAK_TOKEN") or None,
+            timeout,
         )
 
-    # -- plumbing ---------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.transport.url
 
-    def _headers(self, token: str | None) -> dict[str, str]:
-        token = token if token is not None else self.token
-        return {"Authorization": f"Bearer {token}"} if token else {}
+    @property
+    def token(self) -> str | None:
+        """The default token of every call (``None``: no ``Authorization``)."""
+        return self.transport.token
+
+    @token.setter
+    def token(self, value: str | None) -> None:
+        self.transport.token = value
+
+    @property
+    def timeout(self) -> float:
+        return self.transport.timeout
+
+    # -- plumbing ---------------------------------------------------------
 
     def request(
         self,
@@ -83,26 +87,9 @@ class Client:
         what: str = "",
     ) -> httpx.Response:
         """One call; a non-2xx answer raises :class:`PolyakError`."""
-        try:
-            r = self._http.request(
-                method,
-                path,
-                json=json,
-                params={k: v for k, v in (params or {}).items() if v is not None},
-                headers=self._headers(token),
-            )
-        except httpx.HTTPError as e:
-            raise PolyakError(
-                f"{method} {self.url}{path}: {type(e).__name__}: {e}", code="unavailable"
-            ) from e
-        if r.status_code >= 300:
-            raise error_from_response(
-                r.status_code,
-                r.content,
-                parse_retry_after(r.headers.get("retry-after")),
-                what=what,
-            )
-        return r
+        return self.transport.request(
+            method, path, json=json, params=params, token=token, what=what
+        )
 
     def stream(
         self,
@@ -112,24 +99,10 @@ class Client:
         token: str | None = None,
     ) -> httpx.Response:
         """A streamed GET (the caller closes it); errors raise as ``request``."""
-        req = self._http.build_request(
-            "GET",
-            path,
-            params={k: v for k, v in (params or {}).items() if v is not None},
-            headers=self._headers(token),
-        )
-        try:
-            r = self._http.send(req, stream=True)
-        except httpx.HTTPError as e:
-            raise PolyakError(f"GET {self.url}{path}: {e}", code="unavailable") from e
-        if r.status_code >= 300:
-            body = r.read()
-            r.close()
-            raise error_from_response(r.status_code, body)
-        return r
+        return self.transport.stream(path, params=params, token=token)
 
     def close(self) -> None:
-        self._http.close()
+        self.transport.close()
 
     def __enter__(self) -> Client:
         return self
@@ -215,22 +188,7 @@ class Client:
 
     def health(self) -> bool:
         """``GET /readyz`` answered 200."""
-        try:
-            return self._http.get("/readyz").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-
-@dataclass
-class RankEma:
-    """One rank's live EMA for one profile, as the server holds it."""
-
-    rank: int
-    profile: str
-    step: int | None
-    tensors: dict[str, torch.Tensor]
-    chunks: dict[str, Chunk]
-    metadata: dict[str, str]
+        return self.transport.ready()
 
 
 class Run:
@@ -262,6 +220,11 @@ class Run:
     @property
     def url(self) -> str:
         return self.client.url
+
+    @property
+    def transport(self) -> Transport:
+        """The client's way to the server (pushers and downloads use it)."""
+        return self.client.transport
 
     @property
     def world_size(self) -> int:
@@ -315,18 +278,7 @@ class Run:
             params={"profile": profile, "dtype": dtype},
             token=self.read_token,
         )
-        tensors, metadata = read_safetensors(r.content)
-        chunks = parse_chunks(metadata)
-        expand_aliases(tensors, chunks, metadata)  # tied names, pushed once
-        step = metadata.get("polyak.step")
-        return RankEma(
-            rank=int(rank),
-            profile=metadata.get("polyak.profile", profile or ""),
-            step=int(step) if step is not None else None,
-            tensors=tensors,
-            chunks=chunks,
-            metadata=metadata,
-        )
+        return RankEma.read(r.content, rank, profile)
 
     def fetch_ema(
         self, profile: str | None = None, *, dtype: str | None = None
@@ -341,8 +293,6 @@ class Run:
     def pusher(self, rank: int | None = None, **options: Any) -> Pusher:
         """A :class:`~polyak.Pusher` for ``rank`` (default: the
         ``torch.distributed`` rank, else 0). See ``Pusher`` for options."""
-        from .pusher import Pusher
-
         if rank is None:
             import torch.distributed as dist
 
@@ -497,12 +447,12 @@ class Run:
         """Polls a snapshot until it is ``complete`` (returned, with its
         files) or ``failed`` (raises ``snapshot_failed`` with the server's
         reason); ``snapshot_timeout`` after ``timeout`` seconds."""
-        sid = downloads.snapshot_id(snapshot)
+        sid = snapshot_id(snapshot)
         deadline = time.monotonic() + timeout
         delay = min(0.05, poll)
         while True:
             snap = self.get_snapshot(sid)
-            if downloads.snapshot_done(snap):
+            if snapshot_done(snap):
                 return snap
             if time.monotonic() > deadline:
                 raise PolyakError(
@@ -523,12 +473,12 @@ class Run:
 
     def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]:
         """One snapshot with its files (rank, part, sha256, bytes, step)."""
-        return dict(self._get(f"/snapshots/{downloads.snapshot_id(snapshot)}"))
+        return dict(self._get(f"/snapshots/{snapshot_id(snapshot)}"))
 
     def delete_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> None:
         self.client.request(
             "DELETE",
-            f"{self.path}/snapshots/{downloads.snapshot_id(snapshot)}",
+            f"{self.path}/snapshots/{snapshot_id(snapshot)}",
             token=self.write_token,
         )
 
@@ -608,8 +558,8 @@ class Run:
         return dict(
             self._get(
                 "/compare",
-                a=downloads.snapshot_id(a),
-                b=downloads.snapshot_id(b),
+                a=snapshot_id(a),
+                b=snapshot_id(b),
                 profile=profile,
                 profile_b=profile_b,
             )
@@ -785,7 +735,7 @@ class Run:
         other."""
         body: dict[str, Any] = {"weights": weights}
         if snapshots is not None:
-            body["snapshots"] = [downloads.snapshot_id(s) for s in snapshots]
+            body["snapshots"] = [snapshot_id(s) for s in snapshots]
         if last is not None:
             body["last"] = int(last)
         if alpha is not None:
@@ -809,7 +759,7 @@ class Run:
         showing the server's progress (source bytes read) on a tqdm bar."""
         from tqdm.auto import tqdm
 
-        ids = [downloads.snapshot_id(r) for r in rows]
+        ids = [snapshot_id(r) for r in rows]
         # The server answers a derived snapshot with its job's total.
         total = next((r["progress"]["total"] for r in rows if r.get("progress")), None)
         deadline = time.monotonic() + timeout
@@ -829,7 +779,7 @@ class Run:
                     if sid in done:
                         continue
                     snap = self.get_snapshot(sid)
-                    if downloads.snapshot_done(snap):
+                    if snapshot_done(snap):
                         done[sid] = snap
                     elif snap.get("progress"):
                         p = snap["progress"]

@@ -4,13 +4,25 @@ On the training thread, :meth:`Pusher.push` only finds this rank's tensors
 (:mod:`polyak.shards`) and copies them into a reusable host body
 (:class:`~polyak.wire.HostBody`: the safetensors header is already there; on
 CUDA the memory is pinned and the copies are ``non_blocking`` with an event).
-A sender thread takes bodies from a bounded queue and PUTs them over one
-keep-alive connection, retrying what can be retried.
+The rest happens in the parts of :mod:`polyak._push`, which this class
+wires together:
+
+- the bounded queue of bodies and their pool (:class:`~polyak._push.queue.PushQueue`:
+  ``max_queue`` bodies may wait while one is in flight; when it is full,
+  policy ``block`` waits for room and ``drop_oldest`` takes the buffer of
+  the oldest waiting push and counts it in :attr:`PushStats.dropped`);
+- the copy thread (:class:`~polyak._push.copier.CopyThread`) for deferred
+  parameter copies;
+- the sender (:class:`~polyak._push.sender.Sender`), which encodes each
+  body and PUTs it over a keep-alive connection of the client's transport
+  (:mod:`polyak._transport`), retrying connection errors, timeouts, 429 and
+  5xx with exponential backoff and jitter, at least as long as
+  ``Retry-After`` says.
 
 Deferred copies: parameters change only in ``optimizer.step()`` (forward
 and backward read them), so a push from :meth:`Pusher.attach` copies at
 once only the buffers and whatever else is not a parameter of the
-optimizer, and leaves the parameters' copy to a copy thread, which runs
+optimizer, and leaves the parameters' copy to the copy thread, which runs
 while the next forward and backward do (torch releases the GIL while it
 copies). An optimizer pre-step hook waits until those copies are done, so
 no step changes a parameter being copied; the wait is counted in
@@ -20,204 +32,67 @@ it returns unless asked ``defer=True`` (the caller then calls
 is not the sender: a slow server delays sending, never the copy the next
 step waits for.
 
-Queue and buffers: ``max_queue`` bodies may wait while one is in flight, so
-there are at most ``max_queue + 1`` bodies, allocated on first use and
-reused; the training thread never writes a body the sender is reading. When
-the queue is full, policy ``block`` waits for room and ``drop_oldest`` takes
-the buffer of the oldest waiting push (never the one in flight) and counts
-it in :attr:`PushStats.dropped`.
-
-Retries: connection errors, timeouts, 429 and 5xx are retried with
-exponential backoff and jitter, at least as long as ``Retry-After`` says.
-A PUT is idempotent: if a first attempt was applied and only its answer was
-lost, the retry carries the same bytes and the server answers
-``duplicate: true``. Nothing fails silently: a push the server refuses (4xx)
-is reported, and a push that could not be delivered for
-``RetryPolicy.report_after`` seconds is reported (and kept, and retried);
-either error is raised from the next :meth:`Pusher.push` or
-:meth:`Pusher.flush`.
+Nothing fails silently: a push the server refuses (4xx) is reported, and a
+push that could not be delivered for ``RetryPolicy.report_after`` seconds
+is reported (and kept, and retried); either error is raised from the next
+:meth:`Pusher.push` or :meth:`Pusher.flush`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import http.client
-import json
 import logging
-import random
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import quote, urlsplit
+from typing import Any, Literal, Protocol
+from urllib.parse import quote
 
 import torch
 from torch import nn
 
-from .errors import PolyakError, error_from_response, parse_retry_after
+from ._push.copier import CopyThread
+from ._push.encoding import encoding_for
+from ._push.layout import LayoutKeeper
+from ._push.queue import Job, PushQueue
+from ._push.sender import Sender
+from ._push.stats import Counters, PushStats
+from ._transport import RETRY_STATUSES, RetryPolicy, Transport
+from .errors import PolyakError
 from .shards import (
     LocalPart,
     LocalState,
+    Piece,
     copy_into_parts,
     local_state,
     matches,
     push_pieces,
     tied_pieces,
 )
-from .wire import ALIASES_KEY, Chunk, HostBody, TensorSpec, WireLayout
+from .wire import Chunk, HostBody, RankEma, WireLayout
 
-if TYPE_CHECKING:
-    from .client import Run
-
-__all__ = ["Attachment", "PushStats", "Pusher", "RetryPolicy"]
+__all__ = ["RETRY_STATUSES", "Attachment", "PushStats", "PushTarget", "Pusher", "RetryPolicy"]
 
 log = logging.getLogger("polyak")
 
-#: Answers worth another attempt.
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How the sender retries a push it could not deliver."""
-
-    #: First backoff delay; doubles per attempt up to ``max_delay``.
-    base_delay: float = 0.05
-    max_delay: float = 10.0
-    #: Seconds of failed delivery after which the failure is raised from
-    #: ``push``/``flush`` (the push stays queued and is still retried).
-    report_after: float = 60.0
-    #: Socket timeout of one request (connect, send, answer).
-    request_timeout: float = 300.0
-
-    def delay(self, attempt: int, retry_after: float | None) -> float:
-        """Exponential backoff with "equal jitter" (half fixed, half random),
-        never shorter than the server's ``Retry-After``."""
-        cap = min(float(self.max_delay), float(self.base_delay) * 2.0 ** min(attempt, 60))
-        d = cap / 2 + random.uniform(0, cap / 2)
-        return float(max(d, retry_after or 0.0))
-
-
-@dataclass(frozen=True)
-class PushStats:
-    """Counters of one pusher (a consistent copy)."""
-
-    #: ``push`` calls that queued a body.
-    pushed: int
-    #: ``push`` calls for steps that are not update steps (nothing sent).
-    skipped: int
-    #: Pushes the server answered 200 (applied or duplicate).
-    acknowledged: int
-    applied: int
-    duplicates: int
-    #: Queued pushes replaced by newer ones (policy ``drop_oldest``).
-    dropped: int
-    #: Pushes the server refused (4xx); each one was raised.
-    rejected: int
-    #: Attempts that failed and were retried.
-    retries: int
-    #: Queued plus in flight.
-    pending: int
-    #: The step being sent now, if any.
-    in_flight_step: int | None
-    #: Newest step the server acknowledged.
-    last_step: int | None
-    bytes_sent: int
-    #: Time ``push`` spent copying tensors on the calling (training) thread.
-    copy_seconds: float
-    #: Time ``push`` spent waiting for room in the queue (policy ``block``).
-    blocked_seconds: float
-    #: Time spent in ``push`` on the calling thread, all of it (finding the
-    #: tensors, copying what is copied at once, waiting for room).
-    push_seconds: float = 0.0
-    #: Time the calling thread waited in :meth:`Pusher.wait_copied` (the
-    #: optimizer pre-step hook of ``attach``) for deferred copies to finish.
-    wait_seconds: float = 0.0
-    #: Calls of ``wait_copied`` that had to wait.
-    waits: int = 0
-    #: Pushes whose parameter copy was deferred to the copy thread.
-    deferred: int = 0
-    #: Time the copy thread spent on deferred copies (not the training thread's).
-    deferred_copy_seconds: float = 0.0
+class PushTarget(Protocol):
+    """What a pusher needs of its run (:class:`polyak.Run` is one)."""
 
     @property
-    def training_thread_seconds(self) -> float:
-        """What the pushes cost the training thread: time in ``push`` plus
-        time waiting for deferred copies before ``optimizer.step()``."""
-        return self.push_seconds + self.wait_seconds
-
-
-@dataclass
-class _Job:
-    step: int
-    body: HostBody
-    queued_at: float
-    #: ``(view indices, sources)`` still to be copied into ``body`` by the
-    #: copy thread (deferred parameter copies); ``None`` once the body is full.
-    deferred: tuple[list[int], list[torch.Tensor]] | None = None
-    #: The body holds every tensor (the sender may read it).
-    copied: bool = True
-    #: Why the deferred copy failed (the push is then not sent).
-    copy_error: PolyakError | None = None
-
-
-class _Connection:
-    """One keep-alive HTTP/1.1 connection for pushes.
-
-    ``http.client`` rather than httpx here: the body is the host buffer
-    itself, handed to one ``socket.sendall`` (which releases the GIL for the
-    whole transfer); httpx's h11 path would copy it in 64 KiB ``bytes``
-    pieces on this thread.
-    """
-
-    def __init__(self, base_url: str, timeout: float) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https"):
-            raise ValueError(f"server URL must be http(s)://, not {base_url!r}")
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or (443 if self.https else 80)
-        self.prefix = parts.path.rstrip("/")
-        self.timeout = timeout
-        self.conn: http.client.HTTPConnection | None = None
-
-    def _connect(self) -> http.client.HTTPConnection:
-        if self.conn is None:
-            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            self.conn = cls(self.host, self.port, timeout=self.timeout)
-        return self.conn
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-    def put(
-        self, path: str, body: memoryview | bytes, headers: Mapping[str, str]
-    ) -> tuple[int, bytes, str | None]:
-        """Status, body and ``Retry-After`` of one PUT; connection problems
-        raise ``OSError`` / ``http.client.HTTPException``."""
-        conn = self._connect()
-        try:
-            try:
-                conn.request("PUT", self.prefix + path, body=body, headers=dict(headers))
-            except (BrokenPipeError, ConnectionResetError):
-                # The server may have answered early (a body over its limit)
-                # and closed; its answer is still worth reading.
-                resp = conn.getresponse()
-            else:
-                resp = conn.getresponse()
-            data = resp.read()
-        except BaseException:
-            self.close()
-            raise
-        if resp.will_close:
-            self.close()
-        return resp.status, data, resp.getheader("Retry-After")
+    def name(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def update_every(self) -> int: ...
+    @property
+    def copy_patterns(self) -> list[str]: ...
+    @property
+    def write_token(self) -> str | None: ...
+    @property
+    def transport(self) -> Transport: ...
+    def rank_ema(self, rank: int, profile: str | None = None) -> RankEma: ...
 
 
 class Pusher:
@@ -246,9 +121,12 @@ class Pusher:
       stages): they are pushed whole.
     """
 
+    #: The sender class (a bench swaps in one that does not send).
+    _sender_class: type[Sender] = Sender
+
     def __init__(
         self,
-        run: Run,
+        run: PushTarget,
         rank: int,
         *,
         max_queue: int = 2,
@@ -260,16 +138,7 @@ class Pusher:
         retry: RetryPolicy | None = None,
         split_replicated: bool = True,
     ) -> None:
-        if not 0 <= rank < run.world_size:
-            raise ValueError(
-                f"rank {rank} is outside run `{run.name}`'s world size {run.world_size}"
-            )
-        if max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
-        if policy not in ("block", "drop_oldest"):
-            raise ValueError(f"policy must be `block` or `drop_oldest`, not {policy!r}")
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating point dtype, not {dtype}")
+        _check_options(run, rank, max_queue, policy, dtype)
         self.run = run
         self.rank = int(rank)
         self.world_size = run.world_size
@@ -282,55 +151,48 @@ class Pusher:
         self.compress = compress
         self.retry = retry or RetryPolicy()
         self.split_replicated = bool(split_replicated)
-        self._token = run.write_token or run.client.token
-        self._path = f"/v1/runs/{quote(run.name, safe='')}/ranks/{self.rank}/steps/"
-
-        self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
-        self._in_flight: _Job | None = None
-        self._free: list[HostBody] = []
-        self._allocated = 0
-        self._layout: WireLayout | None = None
-        self._aliases: dict[str, str] = {}
-        self._keeps_dtype: dict[str, bool] = {}
-        self._pending_error: PolyakError | None = None
-        self._more_errors = 0
-        self._last_transient = ""
+        transport = run.transport
+        self._counters = Counters()
+        self._queue = PushQueue(
+            max_queue=self.max_queue,
+            policy=policy,
+            in_flight=self._sender_class.slots,
+            counters=self._counters,
+            who=f"run {run.name} rank {self.rank}",
+        )
+        self._copier = CopyThread(
+            self._queue, name=f"polyak-copy-{run.name}-{self.rank}", rank=self.rank
+        )
+        self._sender = self._sender_class(
+            self._queue,
+            transport,
+            path=f"/v1/runs/{quote(run.name, safe='')}/ranks/{self.rank}/steps/",
+            token=run.write_token or transport.token,
+            encoding=encoding_for(compress),
+            retry=self.retry,
+            rank=self.rank,
+            name=f"polyak-push-{run.name}-{self.rank}",
+        )
+        self._layouts = LayoutKeeper(
+            dtype=dtype,
+            copy_only=self.copy_only,
+            copy_patterns=run.copy_patterns,
+            run_name=run.name,
+            rank=self.rank,
+        )
+        self._storages = _ParamStorages()
         self._last_queued: int | None = None
         self._closed = False
-        self._stopping = False
-        self._abort = threading.Event()
-        self._thread: threading.Thread | None = None
-        # Deferred parameter copies, oldest first, for the copy thread.
-        self._copy_queue: deque[_Job] = deque()
-        self._copies_pending = 0
-        self._copier: threading.Thread | None = None
-        self._storages = _ParamStorages()
-        self._counts = {
-            "pushed": 0,
-            "skipped": 0,
-            "acknowledged": 0,
-            "applied": 0,
-            "duplicates": 0,
-            "dropped": 0,
-            "rejected": 0,
-            "retries": 0,
-            "bytes_sent": 0,
-        }
-        self._last_acked: int | None = None
-        self._copy_seconds = 0.0
-        self._blocked_seconds = 0.0
-        self._push_seconds = 0.0
-        self._wait_seconds = 0.0
-        self._waits = 0
-        self._deferred = 0
-        self._deferred_copy_seconds = 0.0
-        self._last_response: dict[str, Any] | None = None
         _LIVE_PUSHERS.add(self)
         atexit.register(_warn_if_pending, weakref.ref(self))
 
     def __repr__(self) -> str:
         return f"Pusher(run={self.run.name!r}, rank={self.rank}, policy={self.policy!r}, max_queue={self.max_queue})"
+
+    @property
+    def _layout(self) -> WireLayout | None:
+        """The wire layout of this rank's first push (``None`` before it)."""
+        return self._layouts.layout
 
     # -- the training thread ---------------------------------------------
 
@@ -371,13 +233,13 @@ class Pusher:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> bool:
         entered = time.perf_counter()
-        self._raise_pending()
+        self._queue.raise_failure()
         if self._closed:
             raise PolyakError("the pusher is closed", code="closed", rank=self.rank, step=step)
         step = int(step)
         if not self.should_push(step):
-            with self._cond:
-                self._counts["skipped"] += 1
+            with self._queue.cond:
+                self._counters.skipped += 1
             return False
         if self._last_queued is not None and step <= self._last_queued:
             raise PolyakError(
@@ -386,23 +248,47 @@ class Pusher:
                 rank=self.rank,
                 step=step,
             )
-        state = self._local_state(model_or_state_dict)
-        pieces, aliases = tied_pieces(push_pieces(state.parts, self.skip))
-        specs = [
-            TensorSpec(p.name, self._wire_dtype(p.name, p.tensor), tuple(p.tensor.shape), p.chunk)
-            for p in pieces
-        ]
-        layout = self._layout_for(specs, pieces, aliases)
+        pieces, aliases = tied_pieces(
+            push_pieces(self._local_state(model_or_state_dict).parts, self.skip)
+        )
+        layout = self._layouts.of(pieces, aliases)
+        later = self._deferrable(pieces, model_or_state_dict, optimizer) if defer else []
         pin = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
-        later: list[int] = []
-        if defer and not any(p.tensor.is_cuda for p in pieces):
-            # On CUDA the copies are already asynchronous (pinned memory,
-            # `non_blocking`, an event); on the CPU the parameters' copy is
-            # what a push costs, and it can wait for the copy thread.
-            stable = self._storages.of(model_or_state_dict, optimizer)
-            later = [i for i, p in enumerate(pieces) if _storage_key(p.tensor) in stable]
-        body = self._acquire(layout, step, pin)
+        body = self._queue.acquire(layout, step, pin)
         started = time.perf_counter()
+        job = self._fill(body, step, pieces, later)
+        with self._queue.cond:
+            self._counters.copy_seconds += time.perf_counter() - started
+            if later:
+                self._copier.submit(job)
+            self._counters.pushed += 1
+            self._last_queued = step
+            self._queue.put(job)
+        self._sender.start()
+        if later:
+            self._copier.start()
+        with self._queue.cond:
+            self._counters.push_seconds += time.perf_counter() - entered
+        return True
+
+    def _deferrable(
+        self,
+        pieces: Sequence[Piece],
+        model_or_state_dict: nn.Module | Mapping[str, Any],
+        optimizer: torch.optim.Optimizer | None,
+    ) -> list[int]:
+        """Indices of the pieces the copy thread may copy later: parameters
+        only ``optimizer.step()`` changes. None on CUDA, where the copies
+        are already asynchronous (pinned memory, ``non_blocking``, an
+        event); on the CPU the parameters' copy is what a push costs."""
+        if any(p.tensor.is_cuda for p in pieces):
+            return []
+        stable = self._storages.of(model_or_state_dict, optimizer)
+        return [i for i, p in enumerate(pieces) if _storage_key(p.tensor) in stable]
+
+    def _fill(self, body: HostBody, step: int, pieces: Sequence[Piece], later: list[int]) -> Job:
+        """Copies what must be copied now into ``body``; the job to queue,
+        holding the deferred rest. The body goes back to the pool on failure."""
         try:
             if later:
                 deferred = set(later)
@@ -411,28 +297,13 @@ class Pusher:
             else:
                 body.fill([p.tensor for p in pieces])
         except BaseException:
-            with self._cond:
-                self._free.append(body)
-                self._cond.notify_all()
+            self._queue.release(body)
             raise
-        job = _Job(step, body, time.monotonic())
+        job = Job(step, body, time.monotonic())
         if later:
             job.deferred = (later, [pieces[i].tensor for i in later])
             job.copied = False
-        with self._cond:
-            self._copy_seconds += time.perf_counter() - started
-            self._queue.append(job)
-            if later:
-                self._copy_queue.append(job)
-                self._copies_pending += 1
-                self._deferred += 1
-            self._counts["pushed"] += 1
-            self._last_queued = step
-            self._cond.notify_all()
-        self._ensure_threads(copier=bool(later))
-        with self._cond:
-            self._push_seconds += time.perf_counter() - entered
-        return True
+        return job
 
     def wait_copied(self, timeout: float | None = None) -> None:
         """Waits until the deferred copies of earlier pushes are done, so
@@ -440,125 +311,7 @@ class Pusher:
         pre-step hook; call it yourself before ``optimizer.step()`` (or any
         other change to the parameters) after ``push(..., defer=True)``.
         The time it waits is counted in :attr:`PushStats.wait_seconds`."""
-        with self._cond:
-            if not self._copies_pending:
-                return
-            started = time.perf_counter()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while self._copies_pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._cond.wait(remaining if remaining is not None else 1.0)
-            self._wait_seconds += time.perf_counter() - started
-            self._waits += 1
-            if self._copies_pending:
-                raise PolyakError(
-                    f"{self._copies_pending} deferred copies still running after {timeout:g}s",
-                    code="copy_timeout",
-                    rank=self.rank,
-                )
-
-    def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
-        if self.dtype is None or not t.is_floating_point():
-            return t.dtype
-        keep = self._keeps_dtype.get(name)
-        if keep is None:
-            keep = matches(name, self.copy_only) or matches(name, self.run.copy_patterns)
-            self._keeps_dtype[name] = keep
-        return t.dtype if keep else self.dtype
-
-    def _layout_for(
-        self, specs: list[TensorSpec], pieces: Sequence[Any], aliases: Mapping[str, str]
-    ) -> WireLayout:
-        layout = self._layout
-        if layout is not None:
-            if aliases != self._aliases:
-                raise PolyakError(
-                    f"tied names changed since the first push ({self._aliases} -> "
-                    f"{dict(aliases)}); a run's layout is fixed",
-                    code="layout_changed",
-                    rank=self.rank,
-                )
-            if tuple((s.name, s.dtype, s.shape, s.chunk) for s in specs) != layout.signature:
-                raise PolyakError(
-                    "the pushed tensors differ from the first push's "
-                    f"({layout.describe_difference(specs)}); a run's layout is fixed",
-                    code="layout_changed",
-                    rank=self.rank,
-                )
-            return layout
-        if self.copy_only:
-            uncovered = [
-                p.name
-                for p in pieces
-                if matches(p.name, self.copy_only)
-                and p.tensor.is_floating_point()
-                and not matches(p.name, self.run.copy_patterns)
-            ]
-            if uncovered:
-                raise PolyakError(
-                    f"copy_only names {uncovered[:5]} are floating point and not in run "
-                    f"`{self.run.name}`'s copy_patterns {self.run.copy_patterns}; the server "
-                    "would average them. Create the run with copy_patterns covering them.",
-                    code="copy_only_not_configured",
-                    rank=self.rank,
-                )
-        # Tied names travel once; the server records the aliases and writes
-        # every name back in downloads and the live EMA.
-        self._aliases = dict(aliases)
-        meta = {ALIASES_KEY: json.dumps(self._aliases, sort_keys=True)} if aliases else None
-        self._layout = WireLayout(specs, meta)
-        return self._layout
-
-    def _acquire(self, layout: WireLayout, step: int, pin: bool) -> HostBody:
-        """A body to fill: a free one, a new one, or (``drop_oldest``) the
-        oldest queued one. ``block`` waits for room; a failure reported
-        meanwhile is raised."""
-        waited_from: float | None = None
-        body: HostBody | None = None
-        allocate = False
-        with self._cond:
-            while self._pending_error is None:
-                if len(self._queue) < self.max_queue:
-                    if self._free:
-                        body = self._free.pop()
-                        break
-                    if self._allocated < self.max_queue + 1:
-                        self._allocated += 1
-                        allocate = True
-                        break
-                if self.policy == "drop_oldest" and self._queue:
-                    dropped = self._queue.popleft()
-                    if not dropped.copied:
-                        # Its deferred copy may be writing the body now.
-                        if waited_from is None:
-                            waited_from = time.perf_counter()
-                        while not dropped.copied:
-                            self._cond.wait(0.5)
-                    self._counts["dropped"] += 1
-                    log.warning(
-                        "polyak: run %s rank %d dropped the queued push of step %d for step %d "
-                        "(policy drop_oldest)",
-                        self.run.name,
-                        self.rank,
-                        dropped.step,
-                        step,
-                    )
-                    body = dropped.body
-                    break
-                if waited_from is None:
-                    waited_from = time.perf_counter()
-                self._cond.wait(0.5)
-            if waited_from is not None:
-                self._blocked_seconds += time.perf_counter() - waited_from
-        if allocate:
-            # Allocated outside the lock: pinning a large buffer takes a while.
-            return HostBody(layout, pin=pin)
-        if body is None:
-            self._raise_pending()
-            raise AssertionError("no body and no error")  # pragma: no cover
-        return body
+        self._copier.wait(timeout)
 
     def attach(
         self,
@@ -588,76 +341,36 @@ class Pusher:
         """Waits until every queued push is acknowledged; raises the first
         failure, or ``flush_timeout`` naming what is still pending."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while (self._queue or self._in_flight is not None) and self._pending_error is None:
+        queue = self._queue
+        with queue.cond:
+            while queue.busy() and not queue.has_failure():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    steps = ([self._in_flight.step] if self._in_flight else []) + [
-                        j.step for j in self._queue
-                    ]
+                    steps = queue.pending_steps()
                     raise PolyakError(
                         f"{len(steps)} push(es) not acknowledged after {timeout:g}s "
-                        f"(steps {_steps_text(steps)}); last attempt: {self._last_transient or 'in progress'}",
+                        f"(steps {_steps_text(steps)}); last attempt: "
+                        f"{self._sender.last_transient or 'in progress'}",
                         code="flush_timeout",
                         rank=self.rank,
                         step=steps[0],
                     )
-                self._cond.wait(remaining if remaining is not None else 1.0)
-        self._raise_pending()
-
-    def _raise_pending(self) -> None:
-        with self._cond:
-            err, self._pending_error = self._pending_error, None
-            more, self._more_errors = self._more_errors, 0
-        if err is not None:
-            if more:
-                err = PolyakError(
-                    f"{err.message} (and {more} later failure(s); see pusher.stats())",
-                    status=err.status,
-                    code=err.code,
-                    step=err.step,
-                    rank=err.rank,
-                )
-            raise err
-
-    def _report(self, err: PolyakError) -> None:
-        """Keeps ``err`` for the training thread (called with the lock held)."""
-        if self._pending_error is None:
-            self._pending_error = err
-        else:
-            self._more_errors += 1
-        self._cond.notify_all()
+                queue.cond.wait(remaining if remaining is not None else 1.0)
+        queue.raise_failure()
 
     def stats(self) -> PushStats:
-        with self._cond:
-            c = self._counts
-            return PushStats(
-                pushed=c["pushed"],
-                skipped=c["skipped"],
-                acknowledged=c["acknowledged"],
-                applied=c["applied"],
-                duplicates=c["duplicates"],
-                dropped=c["dropped"],
-                rejected=c["rejected"],
-                retries=c["retries"],
-                pending=len(self._queue) + (self._in_flight is not None),
-                in_flight_step=self._in_flight.step if self._in_flight is not None else None,
-                last_step=self._last_acked,
-                bytes_sent=c["bytes_sent"],
-                copy_seconds=self._copy_seconds,
-                blocked_seconds=self._blocked_seconds,
-                push_seconds=self._push_seconds,
-                wait_seconds=self._wait_seconds,
-                waits=self._waits,
-                deferred=self._deferred,
-                deferred_copy_seconds=self._deferred_copy_seconds,
+        with self._queue.cond:
+            in_flight = self._queue.in_flight
+            return self._counters.snapshot(
+                pending=len(self._queue.jobs) + len(in_flight),
+                in_flight_step=in_flight[0].step if in_flight else None,
             )
 
     @property
     def last_response(self) -> dict[str, Any] | None:
         """The server's answer to the newest acknowledged push."""
-        with self._cond:
-            return self._last_response
+        with self._queue.cond:
+            return self._counters.last_response
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes, then stops the sender. If the flush fails, what is still
@@ -668,20 +381,19 @@ class Pusher:
             self.flush(timeout)
         finally:
             self._closed = True
-            with self._cond:
-                self._stopping = True
-                aborting = bool(self._queue) or self._in_flight is not None
+            queue = self._queue
+            with queue.cond:
+                queue.stopping = True
+                aborting = queue.busy()
                 if aborting:
-                    self._abort.set()
-                self._cond.notify_all()
-            if self._copier is not None:
-                self._copier.join()
-            if self._thread is not None:
-                # An abandoned request may be stuck in a socket call; the
-                # thread is a daemon, so do not wait for it long.
-                self._thread.join(timeout=5.0 if aborting else None)
-            with self._cond:
-                self._free.clear()  # the host buffers go back to the allocator
+                    self._sender.abort.set()
+                queue.cond.notify_all()
+            self._copier.join()
+            # An abandoned request may be stuck in a socket call; the
+            # thread is a daemon, so do not wait for it long.
+            self._sender.join(timeout=5.0 if aborting else None)
+            with queue.cond:
+                queue.free.clear()  # the host buffers go back to the allocator
 
     def __enter__(self) -> Pusher:
         return self
@@ -790,173 +502,6 @@ class Pusher:
                     part.tensor.copy_(online)
             if commit is not None:
                 commit()
-
-    # -- the sender thread ------------------------------------------------
-
-    def _ensure_threads(self, *, copier: bool) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._send_loop,
-                name=f"polyak-push-{self.run.name}-{self.rank}",
-                daemon=True,
-            )
-            self._thread.start()
-        if copier and self._copier is None:
-            self._copier = threading.Thread(
-                target=self._copy_loop,
-                name=f"polyak-copy-{self.run.name}-{self.rank}",
-                daemon=True,
-            )
-            self._copier.start()
-
-    def _copy_loop(self) -> None:
-        """Deferred parameter copies, oldest first. A thread of its own, not
-        the sender's: a slow or unreachable server must not delay a copy
-        the next ``optimizer.step()`` waits for. torch releases the GIL
-        while it copies, so the training thread runs meanwhile."""
-        while True:
-            with self._cond:
-                while not self._copy_queue and not self._stopping:
-                    self._cond.wait()
-                if not self._copy_queue:
-                    return
-                job = self._copy_queue[0]
-            started = time.perf_counter()
-            error: PolyakError | None = None
-            try:
-                self._copy_deferred(job)
-            except Exception as e:  # reported from push/flush; never hangs a waiter
-                error = PolyakError(
-                    f"deferred copy failed: {type(e).__name__}: {e}",
-                    code="copy_failed",
-                    step=job.step,
-                    rank=self.rank,
-                )
-            with self._cond:
-                self._copy_queue.popleft()
-                job.deferred = None  # drop the references to the parameters
-                job.copy_error = error
-                job.copied = True
-                self._copies_pending -= 1
-                self._deferred_copy_seconds += time.perf_counter() - started
-                self._cond.notify_all()
-
-    def _copy_deferred(self, job: _Job) -> None:
-        assert job.deferred is not None
-        indices, sources = job.deferred
-        job.body.fill(sources, indices)
-
-    def _send_loop(self) -> None:
-        conn = _Connection(self.run.url, self.retry.request_timeout)
-        try:
-            while True:
-                with self._cond:
-                    while not self._queue and not self._stopping:
-                        self._cond.wait()
-                    if not self._queue or self._abort.is_set():
-                        return
-                    job = self._queue.popleft()
-                    self._in_flight = job
-                    while not job.copied:
-                        self._cond.wait()
-                answer: dict[str, Any] | None = None
-                failure: PolyakError | None = None
-                try:
-                    if job.copy_error is not None:
-                        raise job.copy_error
-                    answer = self._deliver(conn, job)
-                except PolyakError as e:
-                    failure = e.at(step=job.step, rank=self.rank)
-                except Exception as e:  # a bug here must not kill the thread silently
-                    failure = PolyakError(
-                        f"{type(e).__name__}: {e}",
-                        code="client_error",
-                        step=job.step,
-                        rank=self.rank,
-                    )
-                # One critical section: whoever sees the outcome sees the job done.
-                with self._cond:
-                    if failure is not None and failure.code != "aborted":
-                        self._counts["rejected"] += 1
-                        self._report(failure)
-                        log.error("polyak: push failed: %s", failure)
-                    elif answer is not None:
-                        self._counts["acknowledged"] += 1
-                        if answer.get("applied"):
-                            self._counts["applied"] += 1
-                        if answer.get("duplicate"):
-                            self._counts["duplicates"] += 1
-                        self._last_acked = job.step
-                        self._last_response = answer
-                    self._free.append(job.body)
-                    self._in_flight = None
-                    self._cond.notify_all()
-        finally:
-            conn.close()
-
-    def _deliver(self, conn: _Connection, job: _Job) -> dict[str, Any]:
-        job.body.wait_ready()
-        payload: memoryview | bytes = job.body.memory
-        from . import __version__
-
-        headers = {
-            "Content-Type": "application/octet-stream",
-            "User-Agent": f"polyak-python/{__version__}",
-        }
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        if self.compress is not None:
-            import zstandard
-
-            payload = zstandard.ZstdCompressor(level=self.compress).compress(payload)
-            headers["Content-Encoding"] = "zstd"
-        headers["Content-Length"] = str(len(payload))
-        path = f"{self._path}{job.step}"
-        attempt = 0
-        failing_since: float | None = None
-        while True:
-            if self._abort.is_set():
-                raise PolyakError(
-                    "the pusher was closed before this push was delivered", code="aborted"
-                )
-            retry_after: float | None = None
-            try:
-                status, data, retry_header = conn.put(path, payload, headers)
-            except (OSError, http.client.HTTPException) as e:
-                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            else:
-                if status == 200:
-                    with self._cond:
-                        self._counts["bytes_sent"] += len(payload)
-                        self._last_transient = ""
-                    return dict(json.loads(data))
-                retry_after = parse_retry_after(retry_header)
-                err = error_from_response(status, data, retry_after)
-                if status not in RETRY_STATUSES:
-                    raise err
-                problem = f"{status} {err.code}: {err.message}"
-            now = time.monotonic()
-            if failing_since is None:
-                failing_since = now
-            with self._cond:
-                self._counts["retries"] += 1
-                self._last_transient = problem
-                if now - failing_since >= self.retry.report_after:
-                    pending = len(self._queue) + 1
-                    self._report(
-                        PolyakError(
-                            f"could not deliver to {self.run.url} for {now - failing_since:.1f}s "
-                            f"({attempt + 1} attempts; last: {problem}); {pending} push(es) kept "
-                            f"and still retried, {self._counts['dropped']} dropped so far",
-                            code="unavailable",
-                            step=job.step,
-                            rank=self.rank,
-                        )
-                    )
-                    failing_since = now
-            log.debug("polyak: step %d attempt %d failed: %s", job.step, attempt + 1, problem)
-            self._abort.wait(self.retry.delay(attempt, retry_after))
-            attempt += 1
 
 
 class Attachment:
@@ -1080,3 +625,16 @@ def _warn_if_pending(ref: weakref.ref[Pusher]) -> None:
             pusher.run.name,
             pusher.rank,
         )
+
+
+def _check_options(
+    run: PushTarget, rank: int, max_queue: int, policy: str, dtype: torch.dtype | None
+) -> None:
+    if not 0 <= rank < run.world_size:
+        raise ValueError(f"rank {rank} is outside run `{run.name}`'s world size {run.world_size}")
+    if max_queue < 1:
+        raise ValueError("max_queue must be >= 1")
+    if policy not in ("block", "drop_oldest"):
+        raise ValueError(f"policy must be `block` or `drop_oldest`, not {policy!r}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point dtype, not {dtype}")

@@ -34,6 +34,7 @@ __all__ = [
     "SHARDS_KEY",
     "Chunk",
     "HostBody",
+    "RankEma",
     "TensorSpec",
     "WireLayout",
     "expand_aliases",
@@ -308,3 +309,32 @@ def parse_chunks(metadata: Mapping[str, str]) -> dict[str, Chunk]:
             tuple(int(d) for d in c["global_shape"]), tuple(int(o) for o in c["offsets"])
         )
     return out
+
+
+@dataclass
+class RankEma:
+    """One rank's live EMA for one profile, as the server holds it."""
+
+    rank: int
+    profile: str
+    step: int | None
+    tensors: dict[str, torch.Tensor]
+    chunks: dict[str, Chunk]
+    metadata: dict[str, str]
+
+    @classmethod
+    def read(cls, data: bytes | bytearray | memoryview, rank: int, profile: str | None) -> RankEma:
+        """A ``GET .../ranks/{rank}/ema`` answer: tensors, chunk placement,
+        and the tied names the rank pushed once, each under every name."""
+        tensors, metadata = read_safetensors(data)
+        chunks = parse_chunks(metadata)
+        expand_aliases(tensors, chunks, metadata)
+        step = metadata.get("polyak.step")
+        return cls(
+            rank=int(rank),
+            profile=metadata.get("polyak.profile", profile or ""),
+            step=int(step) if step is not None else None,
+            tensors=tensors,
+            chunks=chunks,
+            metadata=metadata,
+        )

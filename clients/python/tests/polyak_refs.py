@@ -182,21 +182,23 @@ def copies_held_until_waited(timeout: float = 60.0) -> Iterator[dict[str, int]]:
     the slowest possible copier, with no timing involved. Yields counts:
     ``released`` copies, and ``timed_out`` ones that nobody waited for
     within ``timeout``."""
+    from polyak._push.copier import CopyThread
     from polyak.pusher import Pusher
 
+    # Keyed by the pusher's copy thread: its waits release its copies.
     waiting: collections.defaultdict[int, threading.Event] = collections.defaultdict(
         threading.Event
     )
     counts = {"released": 0, "timed_out": 0}
-    wait_copied, flush, copy_deferred = Pusher.wait_copied, Pusher.flush, Pusher._copy_deferred
+    wait_copied, flush, copy_deferred = Pusher.wait_copied, Pusher.flush, CopyThread._copy
 
     def waiting_for(method):
         def wrapper(self, *args, **kwargs):
-            waiting[id(self)].set()
+            waiting[id(self._copier)].set()
             try:
                 return method(self, *args, **kwargs)
             finally:
-                waiting[id(self)].clear()
+                waiting[id(self._copier)].clear()
 
         return wrapper
 
@@ -209,11 +211,11 @@ def copies_held_until_waited(timeout: float = 60.0) -> Iterator[dict[str, int]]:
 
     Pusher.wait_copied = waiting_for(wait_copied)
     Pusher.flush = waiting_for(flush)
-    Pusher._copy_deferred = held_copy
+    CopyThread._copy = held_copy
     try:
         yield counts
     finally:
-        Pusher.wait_copied, Pusher.flush, Pusher._copy_deferred = (
+        Pusher.wait_copied, Pusher.flush, CopyThread._copy = (
             wait_copied,
             flush,
             copy_deferred,

@@ -451,7 +451,7 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     response cut short raises ``incomplete_download`` and leaves no file."""
     import socket
 
-    from polyak import downloads
+    from polyak import _transport
 
     run = client.create_run(run_name, profiles=[constant("c", BETA)])
     g = torch.Generator().manual_seed(5)
@@ -469,23 +469,23 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     ).content
 
     spliced: list[int] = []
-    real_splice = downloads._splice_into
+    real_splice = _transport._splice_into
 
     def counting(*args):
         sp = real_splice(*args)
         spliced.append(sp.remaining if sp is not None else -1)
         return sp
 
-    monkeypatch.setattr(downloads, "_splice_into", counting)
+    monkeypatch.setattr(_transport, "_splice_into", counting)
     path = run.download_to(snap, tmp_path / "splice", "c", progress=False)
     assert path.read_bytes() == whole
     if hasattr(os, "splice"):
         assert spliced and spliced[0] > len(whole) // 2, spliced
-    monkeypatch.setattr(downloads, "_splice_into", lambda *a: None)
+    monkeypatch.setattr(_transport, "_splice_into", lambda *a: None)
     assert run.download_to(snap, tmp_path / "mapped", "c", progress=False).read_bytes() == whole
-    monkeypatch.setattr(downloads, "_map_file", lambda *a: None)
+    monkeypatch.setattr(_transport, "_map_file", lambda *a: None)
     assert run.download_to(snap, tmp_path / "pieces", "c", progress=False).read_bytes() == whole
-    monkeypatch.setattr(downloads, "_splice_into", counting)
+    monkeypatch.setattr(_transport, "_splice_into", counting)
 
     # Over TLS the socket carries ciphertext: never spliced.
     import ssl
@@ -495,7 +495,7 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     with ctx.wrap_socket(socket.socket(), server_hostname="polyak.invalid") as tls:
         fake = types.SimpleNamespace(fp=types.SimpleNamespace(raw=types.SimpleNamespace(_sock=tls)))
         with open(tmp_path / "tls.part", "w+b") as f:
-            assert downloads._splice_into(fake, f, 1 << 20, 5.0) is None
+            assert _transport._splice_into(fake, f, 1 << 20, 5.0) is None
 
     # A peer that promises more bytes than it sends, then hangs up.
     listener = socket.create_server(("127.0.0.1", 0))

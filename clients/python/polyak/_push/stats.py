@@ -1,0 +1,116 @@
+"""A pusher's counters and the public snapshot of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Counters", "PushStats"]
+
+
+@dataclass(frozen=True)
+class PushStats:
+    """Counters of one pusher (a consistent copy)."""
+
+    #: ``push`` calls that queued a body.
+    pushed: int
+    #: ``push`` calls for steps that are not update steps (nothing sent).
+    skipped: int
+    #: Pushes the server answered 200 (applied or duplicate).
+    acknowledged: int
+    applied: int
+    duplicates: int
+    #: Queued pushes replaced by newer ones (policy ``drop_oldest``).
+    dropped: int
+    #: Pushes the server refused (4xx); each one was raised.
+    rejected: int
+    #: Attempts that failed and were retried.
+    retries: int
+    #: Queued plus in flight.
+    pending: int
+    #: The step being sent now, if any.
+    in_flight_step: int | None
+    #: Newest step the server acknowledged.
+    last_step: int | None
+    bytes_sent: int
+    #: Time ``push`` spent copying tensors on the calling (training) thread.
+    copy_seconds: float
+    #: Time ``push`` spent waiting for room in the queue (policy ``block``).
+    blocked_seconds: float
+    #: Time spent in ``push`` on the calling thread, all of it (finding the
+    #: tensors, copying what is copied at once, waiting for room).
+    push_seconds: float = 0.0
+    #: Time the calling thread waited in :meth:`Pusher.wait_copied` (the
+    #: optimizer pre-step hook of ``attach``) for deferred copies to finish.
+    wait_seconds: float = 0.0
+    #: Calls of ``wait_copied`` that had to wait.
+    waits: int = 0
+    #: Pushes whose parameter copy was deferred to the copy thread.
+    deferred: int = 0
+    #: Time the copy thread spent on deferred copies (not the training thread's).
+    deferred_copy_seconds: float = 0.0
+
+    @property
+    def training_thread_seconds(self) -> float:
+        """What the pushes cost the training thread: time in ``push`` plus
+        time waiting for deferred copies before ``optimizer.step()``."""
+        return self.push_seconds + self.wait_seconds
+
+
+@dataclass
+class Counters:
+    """What every part of a pusher counts; changed only under the
+    :class:`~polyak._push.queue.PushQueue`'s lock."""
+
+    pushed: int = 0
+    skipped: int = 0
+    acknowledged: int = 0
+    applied: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    retries: int = 0
+    bytes_sent: int = 0
+    copy_seconds: float = 0.0
+    blocked_seconds: float = 0.0
+    push_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    waits: int = 0
+    deferred: int = 0
+    deferred_copy_seconds: float = 0.0
+    #: Newest step the server acknowledged.
+    last_acked: int | None = None
+    #: The server's answer to that push.
+    last_response: dict[str, Any] | None = field(default=None)
+
+    def acknowledged_push(self, step: int, answer: dict[str, Any]) -> None:
+        self.acknowledged += 1
+        if answer.get("applied"):
+            self.applied += 1
+        if answer.get("duplicate"):
+            self.duplicates += 1
+        self.last_acked = step
+        self.last_response = answer
+
+    def snapshot(self, pending: int, in_flight_step: int | None) -> PushStats:
+        return PushStats(
+            pushed=self.pushed,
+            skipped=self.skipped,
+            acknowledged=self.acknowledged,
+            applied=self.applied,
+            duplicates=self.duplicates,
+            dropped=self.dropped,
+            rejected=self.rejected,
+            retries=self.retries,
+            pending=pending,
+            in_flight_step=in_flight_step,
+            last_step=self.last_acked,
+            bytes_sent=self.bytes_sent,
+            copy_seconds=self.copy_seconds,
+            blocked_seconds=self.blocked_seconds,
+            push_seconds=self.push_seconds,
+            wait_seconds=self.wait_seconds,
+            waits=self.waits,
+            deferred=self.deferred,
+            deferred_copy_seconds=self.deferred_copy_seconds,
+        )

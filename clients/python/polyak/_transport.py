@@ -1,0 +1,513 @@
+"""The client's one way to the server: connection reuse, auth headers,
+retries with backoff, and streamed bodies in both directions.
+
+Two kinds of connection, each where it measured fastest:
+
+- **Control plane** (JSON calls, small GETs): one keep-alive
+  ``httpx.Client`` per :class:`Transport` (:meth:`Transport.request`,
+  :meth:`Transport.stream`).
+- **Data plane** (push bodies, snapshot downloads): :class:`Connection`,
+  a keep-alive ``http.client`` connection owned by one thread. A push body
+  is the host buffer itself, handed to one ``socket.sendall`` (which
+  releases the GIL for the whole transfer), where httpx's h11 path would
+  copy it in 64 KiB ``bytes`` pieces on the calling thread. A download is
+  moved from the socket to its file by :class:`BodySink`: ``splice(2)``
+  where the platform has it (no copy through user space), else
+  ``readinto`` a mapping of the file or a reused buffer; httpx hands out
+  64 KiB ``bytes`` pieces, which measured about four times slower than the
+  server streams.
+
+Retries (:func:`send_with_retries`): connection errors, timeouts, 408, 429
+and 5xx are retried with exponential backoff and "equal jitter", never
+sooner than ``Retry-After``; anything else is raised at once. Only
+idempotent requests go through it (a push PUT: a retried push the server
+already applied is answered ``duplicate: true``).
+
+A sender that keeps several pushes of one rank in flight opens one
+:class:`Connection` per slot from :meth:`Transport.connection`; nothing
+here is shared between threads but the ``Transport``'s immutable settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import http.client
+import io
+import mmap
+import os
+import random
+import select
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+from urllib.parse import urlencode, urlsplit
+
+import httpx
+
+from ._version import USER_AGENT
+from .errors import PolyakError, error_from_response, parse_retry_after
+
+__all__ = [
+    "RETRY_STATUSES",
+    "BodySink",
+    "Connection",
+    "RetryPolicy",
+    "Transport",
+    "send_with_retries",
+]
+
+#: Answers worth another attempt.
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: Bytes read (and written) at a time by a download.
+CHUNK = 8 << 20
+#: Pipe size asked for when splicing (Linux caps it at
+#: /proc/sys/fs/pipe-max-size, 1 MiB by default).
+_PIPE_SIZE = 1 << 20
+
+
+def _without_none(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (params or {}).items() if v is not None}
+
+
+class Transport:
+    """One server: its URL, the default token and timeout, the control
+    plane's keep-alive session, and data-plane connections on demand."""
+
+    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeout, headers={"User-Agent": USER_AGENT}
+        )
+
+    def auth(self, token: str | None = None) -> dict[str, str]:
+        """The ``Authorization`` header of ``token`` (default: the
+        transport's own); empty without one."""
+        token = token if token is not None else self.token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    # -- control plane ----------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        token: str | None = None,
+        what: str = "",
+    ) -> httpx.Response:
+        """One call; a non-2xx answer raises :class:`PolyakError`."""
+        try:
+            r = self._http.request(
+                method, path, json=json, params=_without_none(params), headers=self.auth(token)
+            )
+        except httpx.HTTPError as e:
+            raise PolyakError(
+                f"{method} {self.url}{path}: {type(e).__name__}: {e}", code="unavailable"
+            ) from e
+        if r.status_code >= 300:
+            raise error_from_response(
+                r.status_code, r.content, parse_retry_after(r.headers.get("retry-after")), what=what
+            )
+        return r
+
+    def stream(
+        self, path: str, *, params: Mapping[str, Any] | None = None, token: str | None = None
+    ) -> httpx.Response:
+        """A streamed GET (the caller closes it); errors raise as ``request``."""
+        req = self._http.build_request(
+            "GET", path, params=_without_none(params), headers=self.auth(token)
+        )
+        try:
+            r = self._http.send(req, stream=True)
+        except httpx.HTTPError as e:
+            raise PolyakError(f"GET {self.url}{path}: {e}", code="unavailable") from e
+        if r.status_code >= 300:
+            body = r.read()
+            r.close()
+            raise error_from_response(r.status_code, body)
+        return r
+
+    def ready(self) -> bool:
+        """``GET /readyz`` answered 200."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- data plane -------------------------------------------------------
+
+    def connection(self, timeout: float | None = None) -> Connection:
+        """A keep-alive connection of its own (one per sending thread or slot)."""
+        return Connection(self.url, self.timeout if timeout is None else timeout)
+
+    def open_download(
+        self, path: str, params: Mapping[str, Any], token: str | None
+    ) -> http.client.HTTPResponse:
+        """A streamed GET on a connection of its own, for a :class:`BodySink`;
+        closing the response closes the connection."""
+        conn = self.connection()
+        query = urlencode(_without_none(params))
+        headers = {"User-Agent": USER_AGENT, **self.auth(token)}
+        try:
+            r = conn.send("GET", path + (f"?{query}" if query else ""), None, headers)
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise PolyakError(
+                f"GET {self.url}{path}: {type(e).__name__}: {e}", code="unavailable"
+            ) from e
+        if r.status >= 300:
+            body = r.read()
+            conn.close()
+            raise error_from_response(r.status, body, parse_retry_after(r.getheader("retry-after")))
+        return r
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection (``http.client``), opened on first
+    use and again after the server closed it; one thread uses it at a time."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"server URL must be http(s)://, not {base_url!r}")
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.https else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.timeout = timeout
+        self.conn: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self.conn is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            self.conn = cls(self.host, self.port, timeout=self.timeout)
+        return self.conn
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def send(
+        self,
+        method: str,
+        target: str,
+        body: memoryview | bytes | None,
+        headers: Mapping[str, str],
+    ) -> http.client.HTTPResponse:
+        """Sends one request and answers its response, unread. A server that
+        answers early (a body over its limit) and closes still has its
+        answer read."""
+        conn = self._connect()
+        try:
+            try:
+                conn.request(method, self.prefix + target, body=body, headers=dict(headers))
+            except (BrokenPipeError, ConnectionResetError):
+                return conn.getresponse()
+            return conn.getresponse()
+        except BaseException:
+            self.close()
+            raise
+
+    def put(
+        self, path: str, body: memoryview | bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        """Status, body and ``Retry-After`` of one PUT; connection problems
+        raise ``OSError`` / ``http.client.HTTPException``."""
+        resp = self.send("PUT", path, body, headers)
+        try:
+            data = resp.read()
+        except BaseException:
+            self.close()
+            raise
+        if resp.will_close:
+            self.close()
+        return resp.status, data, resp.getheader("Retry-After")
+
+
+# -- retries ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the sender retries a push it could not deliver."""
+
+    #: First backoff delay; doubles per attempt up to ``max_delay``.
+    base_delay: float = 0.05
+    max_delay: float = 10.0
+    #: Seconds of failed delivery after which the failure is raised from
+    #: ``push``/``flush`` (the push stays queued and is still retried).
+    report_after: float = 60.0
+    #: Socket timeout of one request (connect, send, answer).
+    request_timeout: float = 300.0
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Exponential backoff with "equal jitter" (half fixed, half random),
+        never shorter than the server's ``Retry-After``."""
+        cap = min(float(self.max_delay), float(self.base_delay) * 2.0 ** min(attempt, 60))
+        d = cap / 2 + random.uniform(0, cap / 2)
+        return float(max(d, retry_after or 0.0))
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """One attempt that will be retried, as :func:`send_with_retries`
+    tells its caller."""
+
+    #: What went wrong (``"503 busy: ..."``, ``"ConnectionRefusedError: ..."``).
+    problem: str
+    #: 0 for the first attempt.
+    attempt: int
+    #: Seconds since the first failure, or since the last overdue report.
+    failing_for: float
+    #: ``failing_for`` reached ``RetryPolicy.report_after``: report it (the
+    #: clock then starts again).
+    overdue: bool
+
+
+def send_with_retries(
+    send: Callable[[], tuple[int, bytes, str | None]],
+    *,
+    policy: RetryPolicy,
+    abort: threading.Event,
+    on_retry: Callable[[FailedAttempt], None],
+) -> bytes:
+    """Calls ``send`` (status, body, ``Retry-After``) until it answers 200,
+    and returns that body. Retryable failures are passed to ``on_retry``,
+    then waited out (``abort`` cuts the wait short and ends the loop with
+    ``aborted``); any other answer raises its :class:`PolyakError`."""
+    attempt = 0
+    failing_since: float | None = None
+    while True:
+        if abort.is_set():
+            raise PolyakError("closed before this request was delivered", code="aborted")
+        retry_after: float | None = None
+        try:
+            status, data, retry_header = send()
+        except (OSError, http.client.HTTPException) as e:
+            problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        else:
+            if status == 200:
+                return data
+            retry_after = parse_retry_after(retry_header)
+            err = error_from_response(status, data, retry_after)
+            if status not in RETRY_STATUSES:
+                raise err
+            problem = f"{status} {err.code}: {err.message}"
+        now = time.monotonic()
+        if failing_since is None:
+            failing_since = now
+        overdue = now - failing_since >= policy.report_after
+        on_retry(FailedAttempt(problem, attempt, now - failing_since, overdue))
+        if overdue:
+            failing_since = now
+        abort.wait(policy.delay(attempt, retry_after))
+        attempt += 1
+
+
+# -- streamed downloads ----------------------------------------------------
+
+
+class BodySink:
+    """Moves a response body into ``out`` the cheapest way the platform and
+    ``out`` allow: spliced (:class:`_Splice`), read into a mapping of the
+    file (:func:`_map_file`), or read into a reused buffer and written.
+
+    ``total`` is the announced length (``None`` when unknown) and ``done``
+    the bytes already in ``out`` (those that came with the headers, when
+    spliced); :meth:`move_some` moves the next piece."""
+
+    def __init__(
+        self, response: http.client.HTTPResponse, out: BinaryIO, timeout: float | None
+    ) -> None:
+        self.response = response
+        self.out = out
+        self.total = int(response.getheader("content-length") or 0) or None
+        self.spliced: _Splice | None = None
+        self.mapped: memoryview | None = None
+        try:
+            self.spliced = _splice_into(response, out, self.total, timeout)
+            self.mapped = None if self.spliced is not None else _map_file(out, self.total)
+        except BaseException:
+            self.close()  # e.g. no_space: the response is not left open
+            raise
+        self.done = 0 if self.spliced is None else (self.total or 0) - self.spliced.remaining
+        pieces = self.mapped is None and self.spliced is None
+        self._buf = bytearray(CHUNK if pieces else 0)
+        self._view = memoryview(self._buf)
+
+    def move_some(self) -> int:
+        """Moves the next piece; 0 at the end of the body."""
+        if self.spliced is not None:
+            n = self.spliced.step() if self.spliced.remaining else 0
+        elif self.mapped is not None:
+            # Straight from the socket into the file's pages.
+            n = self.response.readinto(
+                self.mapped[self.done : min(self.done + CHUNK, len(self.mapped))]
+            )
+        else:
+            n = self.response.readinto(self._buf)
+            self.out.write(self._view[:n])
+        self.done += n
+        return n
+
+    def move_all(self, what: str, on_bytes: Callable[[int, int], None]) -> int:
+        """Moves the whole body, calling ``on_bytes(n, done)`` after each
+        piece; a broken or short body raises ``incomplete_download``
+        (``what``: the message's subject)."""
+        while True:
+            try:
+                n = self.move_some()
+            except (OSError, http.client.HTTPException) as e:
+                raise PolyakError(
+                    f"{what} failed after {self.done} bytes: {type(e).__name__}: {e}",
+                    code="incomplete_download",
+                ) from e
+            if not n:
+                break
+            on_bytes(n, self.done)
+        if self.total is not None and self.done != self.total:
+            raise PolyakError(
+                f"{what} ended after {self.done} of {self.total} bytes",
+                code="incomplete_download",
+            )
+        return self.done
+
+    def close(self) -> None:
+        if self.spliced is not None:
+            self.spliced.close()
+        if self.mapped is not None:
+            mm = self.mapped.obj
+            self.mapped.release()
+            mm.close()  # type: ignore[union-attr]
+        self.response.close()
+
+    def __enter__(self) -> BodySink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Splice:
+    """Moves the rest of a response from its socket to a file through a
+    pipe (``splice(2)``): the socket's pages are handed to the pipe without
+    a copy, and the kernel copies them once, into the file's page cache.
+    Read into a buffer and written out, the same bytes cost two copies."""
+
+    def __init__(self, sock_fd: int, file_fd: int, remaining: int, timeout: float | None):
+        self.sock_fd, self.file_fd, self.remaining = sock_fd, file_fd, remaining
+        self.timeout = timeout
+        import fcntl  # Linux only, as splice is
+
+        self.pipe_r, self.pipe_w = os.pipe()
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)  # type: ignore[attr-defined]
+        self.poll = select.poll()
+        self.poll.register(sock_fd, select.POLLIN)
+
+    def step(self) -> int:
+        """Moves up to one pipe's worth; returns the bytes written to the file."""
+        while True:
+            try:
+                n = os.splice(self.sock_fd, self.pipe_w, min(self.remaining, _PIPE_SIZE))
+                break
+            except BlockingIOError:  # the socket has a timeout, so it is non-blocking
+                wait = None if self.timeout is None else int(self.timeout * 1000)
+                if not self.poll.poll(wait):
+                    raise TimeoutError(f"no data for {self.timeout} s") from None
+        if n == 0:
+            return 0
+        moved = 0
+        while moved < n:
+            moved += os.splice(self.pipe_r, self.file_fd, n - moved)
+        self.remaining -= n
+        return n
+
+    def close(self) -> None:
+        os.close(self.pipe_r)
+        os.close(self.pipe_w)
+
+
+def _splice_into(
+    r: http.client.HTTPResponse, out: BinaryIO, total: int | None, timeout: float | None
+) -> _Splice | None:
+    """Where the platform has ``splice`` (Linux), ``out`` is an empty regular
+    file and the length is known: the file's blocks reserved (a full disk
+    fails here, at once, not half way), what ``http.client`` has already
+    buffered written out, and a :class:`_Splice` for the rest. ``None``
+    otherwise (TLS, a pipe, another platform): the caller reads the body."""
+    sock = getattr(r.fp, "raw", None)
+    sock = getattr(sock, "_sock", None)
+    # A plain socket only: an ssl.SSLSocket (a subclass) carries ciphertext.
+    if not total or not hasattr(os, "splice") or type(sock) is not socket.socket:
+        return None
+    fd = _empty_file(out)
+    if fd is None:
+        return None
+    _reserve(fd, total)
+    # The bytes read past the headers wait in the response's buffer: peek
+    # hands them out without another read of the socket (it reads only when
+    # the buffer is empty, and then the bytes are the body's too).
+    head = r.fp.peek(1)[: min(total, CHUNK)]
+    r.fp.read(len(head))
+    out.write(head)
+    out.flush()
+    return _Splice(sock.fileno(), fd, total - len(head), timeout)
+
+
+def _empty_file(out: BinaryIO) -> int | None:
+    """The descriptor of ``out`` when it is an empty regular file."""
+    try:
+        fd = out.fileno()
+        if out.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+    return fd
+
+
+def _reserve(fd: int, total: int) -> bool:
+    """``posix_fallocate``: a full disk fails here, at once, not half way.
+    ``False`` where the filesystem cannot reserve blocks."""
+    if not hasattr(os, "posix_fallocate"):
+        return False
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise PolyakError(
+                f"not enough disk space for a {total}-byte download", code="no_space"
+            ) from e
+        return False
+    return True
+
+
+def _map_file(out: BinaryIO, total: int | None) -> memoryview | None:
+    """When ``out`` is an empty regular file and the size is known: the
+    file's blocks reserved (``posix_fallocate``: a full disk fails here, at
+    once, not half way) and mapped, so the response is read straight into
+    the page cache, with no copy through a buffer and no ``write``.
+    ``None`` (write in pieces) where that is not possible."""
+    if not total:
+        return None
+    fd = _empty_file(out)
+    if fd is None or not _reserve(fd, total):
+        return None  # not a file, or a filesystem without fallocate: plain writes
+    out.flush()
+    try:
+        return memoryview(mmap.mmap(fd, total, flags=mmap.MAP_SHARED))
+    except (OSError, ValueError):
+        return None  # e.g. opened write-only: plain writes

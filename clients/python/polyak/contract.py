@@ -1,0 +1,120 @@
+"""The values the server sends and ``docs/contract.md`` documents, in one
+place: the client compares against these and never guesses spellings.
+
+Each enum is a ``str`` subclass, so a member equals the JSON string it
+stands for (``SnapshotStatus.COMPLETE == "complete"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+from .errors import PolyakError
+
+__all__ = [
+    "DERIVED_KINDS",
+    "DownloadLayout",
+    "EventKind",
+    "SnapshotEventStatus",
+    "SnapshotKind",
+    "SnapshotStatus",
+    "snapshot_done",
+    "snapshot_id",
+]
+
+
+class SnapshotStatus(str, Enum):
+    """A snapshot row's ``status`` (``GET .../snapshots[/{id}]``)."""
+
+    #: Scheduled or being written; a derived snapshot also has ``progress``.
+    PENDING = "pending"
+    #: Every rank's files are on disk and in the catalog.
+    COMPLETE = "complete"
+    #: Will never complete; the row's ``reason`` says why.
+    FAILED = "failed"
+
+
+class SnapshotEventStatus(str, Enum):
+    """The ``status`` of a ``snapshot`` event on the event stream: a row's
+    statuses, plus what only the stream reports."""
+
+    PENDING = "pending"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    #: A derived snapshot's progress (``done``, ``total`` source bytes).
+    RUNNING = "running"
+    #: A due periodic cut skipped (the write backlog is full), with ``reason``.
+    SKIPPED = "skipped"
+    #: Deleted (by a request, or by retention).
+    DELETED = "deleted"
+
+
+class SnapshotKind(str, Enum):
+    """A snapshot's ``kind``."""
+
+    MANUAL = "manual"
+    PERIODIC = "periodic"
+    #: Crash-recovery persistence; its ranks may sit at different steps.
+    STATE = "state"
+    POSTHOC = "posthoc"
+    MERGE = "merge"
+
+
+#: Kinds the server computes from stored snapshots (never restored from).
+DERIVED_KINDS = frozenset({SnapshotKind.POSTHOC, SnapshotKind.MERGE})
+
+
+class EventKind(str, Enum):
+    """The ``kind`` of an event on ``GET /v1/runs/{run}/events``."""
+
+    RUN_CREATED = "run_created"
+    RANK_REGISTERED = "rank_registered"
+    PUSH = "push"
+    REJECTION = "rejection"
+    SNAPSHOT = "snapshot"
+    FINISHED = "finished"
+    RESUMED = "resumed"
+    RESTORED = "restored"
+    ANNOTATED = "annotated"
+    ALERT = "alert"
+    METRICS = "metrics"
+
+
+class DownloadLayout(str, Enum):
+    """``layout=`` of a snapshot download that ``Run.download_to`` writes
+    (the server also serves ``rank``: one stored file as it is)."""
+
+    FULL = "full"
+    SHARDED = "sharded"
+    HF = "hf"
+
+
+def snapshot_id(snapshot: str | int | Mapping[str, Any]) -> str:
+    """A snapshot given by id, or as returned by ``run.snapshot()``."""
+    if isinstance(snapshot, Mapping):
+        return str(snapshot["id"])
+    return str(snapshot)
+
+
+def snapshot_done(snap: Mapping[str, Any]) -> bool:
+    """``True`` when complete, ``False`` while pending; a failed snapshot
+    raises ``snapshot_failed`` with the server's reason, and a status the
+    contract does not name raises ``unexpected_status``."""
+    status = snap.get("status")
+    if status == SnapshotStatus.FAILED:
+        reason = snap.get("reason") or ""
+        raise PolyakError(
+            f"snapshot {snap.get('id')} {status}: {reason}".strip().rstrip(":"),
+            code="snapshot_failed",
+        )
+    if status == SnapshotStatus.COMPLETE:
+        return True
+    if status == SnapshotStatus.PENDING:
+        return False
+    raise PolyakError(
+        f"snapshot {snap.get('id')} has status {status!r}, which the contract does not name "
+        f"(expected one of {', '.join(s.value for s in SnapshotStatus)})",
+        code="unexpected_status",
+    )
