@@ -43,12 +43,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .context("recovering from the last run's snapshots")?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let alert_task = crate::alerts::spawn(state.clone(), stop_rx.clone());
+    let monitor_task = crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone());
+    let trim_task = state.ingest().spawn_trim(stop_rx.clone());
     let snapshot_tasks = crate::snapshot::spawn_tasks(state.clone(), captures, stop_rx);
     tracing::info!(
         %addr,
-        device = %state.default_device,
+        device = %state.registry().default_device(),
         data_dir = %data_dir.display(),
-        runs = state.runs.read().expect("runs lock").len(),
+        runs = state.registry().len(),
         "polyak ready"
     );
     // Tests and scripts read this line to learn the port.
@@ -89,6 +91,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     let _ = snapshot_tasks.await;
     let _ = alert_task.await;
+    let _ = monitor_task.await;
+    let _ = trim_task.await;
     drop(state);
     // Every catalog sender is gone once the state is dropped; the writer
     // flushes what it holds and ends.

@@ -13,10 +13,13 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
-use crate::alerts::{Alert, AlertRules};
-use crate::monitor::{drift_ratio, effective_window};
+use crate::alerts::Alert;
+use crate::clock::now_ms;
+use crate::registry::RunHandle;
+use crate::run::alerts::AlertRules;
 use crate::run::{FieldError, RunSpec};
-use crate::state::{now_ms, AppState, RunHandle};
+use crate::services::monitor::{drift_ratio, effective_window};
+use crate::state::AppState;
 use crate::store::meta::RunMeta;
 
 /// Most tags a run may carry, and the longest tag and note.

@@ -13,8 +13,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
-use crate::monitor::valid_metric_name;
-use crate::state::{now_ms, AppState};
+use crate::clock::now_ms;
+use crate::run::alerts::valid_metric_name;
+use crate::state::AppState;
 use crate::store::MetricPoint;
 
 /// One step's scalars.

@@ -40,7 +40,7 @@ fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
         status: status.into(),
         version: env!("CARGO_PKG_VERSION").into(),
         uptime_seconds: state.started.elapsed().as_secs_f64(),
-        runs: state.runs.read().expect("runs lock").len(),
+        runs: state.registry().len(),
         disk_free_bytes: crate::snapshot::disk::refresh_gauge(state),
         disk_reserve_bytes: state.args.disk_reserve.0,
         detail,
@@ -64,7 +64,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    for engine in state.engines() {
+    for engine in state.registry().engines() {
         if engine.call(|_| ()).await.is_err() {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -98,7 +98,7 @@ pub async fn metrics_open(State(state): State<AppState>) -> Response {
 }
 
 async fn exposition(state: &AppState) -> Response {
-    for engine in state.engines() {
+    for engine in state.registry().engines() {
         state
             .metrics
             .engine_queue

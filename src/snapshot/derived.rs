@@ -24,11 +24,13 @@ use super::combine::{self, OutputSpec};
 use super::format::MIRROR_PART;
 use super::posthoc::{self, PosthocError, Source};
 use super::{files, format, remove_files, SnapshotError, MANUAL, PERIODIC};
+use crate::clock::now_ms;
 use crate::engine::capture::RankMeta;
 use crate::engine::snapshot_id;
+use crate::registry::RunHandle;
 use crate::run::{ProfileSpec, RunConfig};
 use crate::sigma_rel::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
-use crate::state::{now_ms, AppState, RunHandle};
+use crate::state::AppState;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
 

@@ -38,10 +38,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::clock::now_ms;
 use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RankMeta, RestoredRank};
 use crate::engine::{snapshot_id, EngineError};
+use crate::registry::RunHandle;
 use crate::run::RunConfig;
-use crate::state::{now_ms, AppState, RunHandle};
+use crate::state::AppState;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::store::{RunFinish, StoreError};
 use compare::CompareResult;
@@ -385,10 +387,6 @@ pub async fn finish(
     Ok((done, row))
 }
 
-/// Push receive buffers idle this long are freed (a trainer that pushes
-/// less often than this pays a fresh allocation per push).
-const BODY_BUFFER_IDLE: Duration = Duration::from_secs(120);
-
 /// Starts the task that writes what the engines capture, and the ticker
 /// that fails late snapshots and takes periodic state snapshots.
 pub fn spawn_tasks(
@@ -398,8 +396,6 @@ pub fn spawn_tasks(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
-        let mut ingest_since = Instant::now();
-        let mut ticks = 0u64;
         loop {
             tokio::select! {
                 event = captures.recv() => match event {
@@ -411,28 +407,6 @@ pub fn spawn_tasks(
                     retry_unrecorded(&state).await;
                     disk::refresh_gauge(&state);
                     persist_due(&state).await;
-                    ticks += 1;
-                    if ticks % 2 == 0 {
-                        crate::monitor::sample_ingest(&state, ingest_since);
-                        ingest_since = Instant::now();
-                    }
-                    if ticks % 10 == 0 {
-                        let freed = state.bodies.trim(BODY_BUFFER_IDLE);
-                        if freed > 0 {
-                            tracing::debug!(bytes = freed, "freed idle push receive buffers");
-                        }
-                    }
-                    if ticks % state.args.prune_interval_secs.max(1) == 0 {
-                        if let Err(e) = state.store.prune_metrics(state.args.metrics_retained).await {
-                            tracing::warn!(error = %e, "pruning metrics failed");
-                        }
-                        if let Err(e) = state.store.prune_tensor_drift(state.args.metrics_retained).await {
-                            tracing::warn!(error = %e, "pruning tensor drift failed");
-                        }
-                        if let Err(e) = state.store.prune_events(state.args.events_retained).await {
-                            tracing::warn!(error = %e, "pruning events failed");
-                        }
-                    }
                 }
                 _ = stop.changed() => break,
             }
@@ -963,13 +937,7 @@ pub async fn persist_state(
 
 /// State snapshots of runs whose `persist_every_secs` has elapsed.
 async fn persist_due(state: &AppState) {
-    let runs: Vec<Arc<RunHandle>> = state
-        .runs
-        .read()
-        .expect("runs lock")
-        .values()
-        .cloned()
-        .collect();
+    let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
         let every = run.config.persist_every_secs;
         if every == 0 {
@@ -996,13 +964,7 @@ async fn persist_due(state: &AppState) {
 
 /// On graceful shutdown: a state snapshot of every run that changed.
 pub async fn persist_all(state: &AppState) {
-    let runs: Vec<Arc<RunHandle>> = state
-        .runs
-        .read()
-        .expect("runs lock")
-        .values()
-        .cloned()
-        .collect();
+    let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
         match persist_state(state, &run, false).await {
             Ok(Some(id)) => {
@@ -1230,13 +1192,7 @@ pub async fn recover(state: &AppState) -> Result<(), SnapshotError> {
     for path in removed {
         tracing::info!(path = %path.display(), "removed an incomplete snapshot file");
     }
-    let runs: Vec<Arc<RunHandle>> = state
-        .runs
-        .read()
-        .expect("runs lock")
-        .values()
-        .cloned()
-        .collect();
+    let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
         let rows = state.store.snapshots(&run.config.name).await?;
         let newest = rows
