@@ -33,7 +33,6 @@
 //! - [`server`]: wires everything together; `run(listener, state, shutdown)` is
 //!   what `main` and the integration tests call.
 
-pub mod alerts;
 pub mod clock;
 pub mod config;
 pub mod engine;

@@ -2,7 +2,6 @@
 //! they are built on. No tensor and no domain state lives here; each
 //! service owns its own.
 
-use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -10,9 +9,10 @@ use crate::config::ServeArgs;
 use crate::engine::capture::CaptureEvent;
 use crate::events::EventBus;
 use crate::registry::Registry;
+use crate::services::alerts::{AlertService, AlertsSvc};
 use crate::services::ingest::Ingest;
+use crate::services::snapshots::{Snaps, SnapshotService};
 use crate::services::{Context, Shared};
-use crate::snapshot::Snapshots;
 use crate::store::writer::CatalogWriter;
 use crate::store::{Store, StoreError};
 use crate::telemetry::Metrics;
@@ -21,20 +21,11 @@ use crate::telemetry::Metrics;
 pub struct AppInner {
     shared: Context,
     ingest: Arc<Ingest>,
-    pub snapshots: Snapshots,
-    /// Alert rules' state and the webhook sender.
-    pub alerts: crate::alerts::Alerts,
+    snapshots: Snaps,
+    alerts: AlertsSvc,
 }
 
 pub type AppState = Arc<AppInner>;
-
-impl Deref for AppInner {
-    type Target = Shared;
-
-    fn deref(&self) -> &Shared {
-        &self.shared
-    }
-}
 
 impl AppInner {
     /// Opens the catalog and loads every run from it. The receiver gets what
@@ -67,8 +58,8 @@ impl AppInner {
         });
         let state = Arc::new(AppInner {
             ingest: Arc::new(Ingest::new(shared.clone())),
-            snapshots: Snapshots::new(shared.args.data_dir.clone()),
-            alerts: crate::alerts::Alerts::new(),
+            snapshots: SnapshotService::new(shared.clone()),
+            alerts: AlertService::new(shared.clone()),
             shared,
         });
         Ok((state, captures_rx))
@@ -85,5 +76,42 @@ impl AppInner {
 
     pub fn ingest(&self) -> &Arc<Ingest> {
         &self.ingest
+    }
+
+    pub fn snapshots(&self) -> &Snaps {
+        &self.snapshots
+    }
+
+    pub fn alerts(&self) -> &AlertsSvc {
+        &self.alerts
+    }
+
+    pub fn args(&self) -> &ServeArgs {
+        &self.shared.args
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.shared.store
+    }
+
+    pub fn events(&self) -> &EventBus {
+        &self.shared.events
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// When the server started.
+    pub fn started(&self) -> Instant {
+        self.shared.started
+    }
+
+    pub fn run(&self, name: &str) -> Option<Arc<crate::registry::RunHandle>> {
+        self.shared.registry.run(name)
+    }
+
+    pub fn all_runs(&self) -> Vec<Arc<crate::registry::RunHandle>> {
+        self.shared.registry.all_runs()
     }
 }

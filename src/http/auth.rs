@@ -142,7 +142,7 @@ impl FromRequestParts<AppState> for Caller {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let Some(admin) = &state.args.token else {
+        let Some(admin) = &state.args().token else {
             return Ok(Caller::Open);
         };
         Ok(match bearer(parts) {

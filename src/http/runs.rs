@@ -176,7 +176,7 @@ pub async fn create_run(
         };
         return Err(ApiError::conflict("run_exists", message));
     }
-    let tokens = state.args.token.as_ref().map(|_| {
+    let tokens = state.args().token.as_ref().map(|_| {
         (
             format!("pkw_{}", random_hex()),
             format!("pkr_{}", random_hex()),
@@ -185,7 +185,7 @@ pub async fn create_run(
     let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
     let created = now_ms();
     state
-        .store
+        .store()
         .insert_run(&config, created, hashes.clone())
         .await?;
     let config = Arc::new(config);
@@ -202,7 +202,7 @@ pub async fn create_run(
         )
         .await?;
     super::insight::store_meta(&state, &handle, meta).await?;
-    state.events.emit(
+    state.events().emit(
         &config.name,
         "run_created",
         None,
@@ -292,7 +292,8 @@ pub async fn finish_run(
 ) -> Result<Json<FinishResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let (_, snapshot) = crate::snapshot::finish(&state, &run, req.label).await?;
+    let (_, snapshot) =
+        crate::services::snapshots::finish(state.snapshots(), &run, req.label).await?;
     Ok(Json(FinishResponse {
         run: run_view(&run, true),
         snapshot,
@@ -350,13 +351,15 @@ pub async fn delete_run(
     let run = run_named(&state, &name)?;
     caller.require_admin()?;
     state.registry().remove_run(&name);
-    state.store.delete_run(&name).await?;
+    state.store().delete_run(&name).await?;
     let _ = run.engine.call(move |e| e.drop_run(&name)).await;
-    state.metrics.forget_run(&run.config.name);
-    state.alerts.forget(&run.config.name);
+    state.metrics().forget_run(&run.config.name);
+    state.alerts().alerts.forget(&run.config.name);
     // The catalog no longer lists them: without this they stayed on disk
     // until the next start.
-    if let Err(e) = crate::snapshot::remove_run_files(&state, &run.config.name).await {
+    if let Err(e) =
+        crate::services::snapshots::remove_run_files(state.snapshots(), &run.config.name).await
+    {
         tracing::warn!(run = %run.config.name, error = %e, "removing a deleted run's files failed");
     }
     tracing::info!(run = %run.config.name, "run deleted");

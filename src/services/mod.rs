@@ -8,10 +8,17 @@
 //!   bookkeeping (metrics, rank summary, catalog, drift, events).
 //! - [`monitor`]: the series the server records itself (drift, ingest
 //!   rate) and their retention.
+//! - [`alerts`]: per-run alert rules evaluated from events and a tick;
+//!   webhooks.
+//! - [`snapshots`]: the snapshot lifecycle (cuts, capture writes,
+//!   retention, state persistence, restore and recovery) and derived
+//!   snapshots (post-hoc, merge).
 
+pub mod alerts;
 pub mod error;
 pub mod ingest;
 pub mod monitor;
+pub mod snapshots;
 
 use std::sync::Arc;
 use std::time::Instant;

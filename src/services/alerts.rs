@@ -18,10 +18,10 @@ use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 use utoipa::ToSchema;
 
+use super::{Context, Shared};
 use crate::clock::now_ms;
 use crate::registry::RunHandle;
 use crate::run::alerts::{AlertRules, Goal};
-use crate::state::AppState;
 use crate::store::StoredEvent;
 
 /// One alert: fired when its condition began, resolved when it cleared.
@@ -318,9 +318,35 @@ impl Default for Alerts {
     }
 }
 
+/// The alerts service: the shared context and every run's alerts.
+pub struct AlertService {
+    ctx: Context,
+    pub alerts: Alerts,
+}
+
+/// How the alerts service is held.
+pub type AlertsSvc = std::sync::Arc<AlertService>;
+
+impl AlertService {
+    pub fn new(ctx: Context) -> AlertsSvc {
+        std::sync::Arc::new(AlertService {
+            ctx,
+            alerts: Alerts::new(),
+        })
+    }
+}
+
+impl std::ops::Deref for AlertService {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.ctx
+    }
+}
+
 /// Starts the evaluator; it stops when `stop` turns true.
 pub fn spawn(
-    state: AppState,
+    state: AlertsSvc,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     let mut events = state.events.subscribe();
@@ -359,7 +385,7 @@ fn rules_of(run: &RunHandle) -> AlertRules {
     run.meta.lock().expect("meta lock").alerts.clone()
 }
 
-fn on_event(state: &AppState, event: &StoredEvent, out: &mut Vec<Transition>) {
+fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
     if event.kind == "alert" {
         return;
     }
@@ -432,7 +458,7 @@ pub fn disk_free_fraction(path: &Path) -> Option<f64> {
     Some(st.f_bavail as f64 / st.f_blocks as f64)
 }
 
-fn on_tick(state: &AppState, out: &mut Vec<Transition>) {
+fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
     let runs = state.all_runs();
     let free = disk_free_fraction(&state.args.data_dir);
     let now = now_ms();
@@ -499,7 +525,7 @@ fn on_tick(state: &AppState, out: &mut Vec<Transition>) {
 }
 
 /// Events, gauge and webhook for each transition.
-fn announce(state: &AppState, out: Vec<Transition>) {
+fn announce(state: &AlertsSvc, out: Vec<Transition>) {
     for t in out {
         let alert = &t.alert;
         tracing::info!(run = %t.run, key = %alert.key, state = %alert.state, "alert: {}", alert.message);
