@@ -1,6 +1,4 @@
 //! Device names (`cpu`, `cuda`, `cuda:N`) and whether this machine has them.
-#[allow(unused_imports)]
-use crate::services::ingest::Ingest;
 
 use tch::Device;
 
