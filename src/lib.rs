@@ -33,14 +33,16 @@
 //! - [`server`]: wires everything together; `run(listener, state, shutdown)` is
 //!   what `main` and the integration tests call.
 
-pub mod alerts;
+pub mod clock;
 pub mod config;
 pub mod engine;
+pub mod events;
 pub mod http;
 pub mod hugepages;
-pub mod monitor;
+pub mod registry;
 pub mod run;
 pub mod server;
+pub mod services;
 pub mod sigma_rel;
 pub mod snapshot;
 pub mod state;

@@ -38,17 +38,20 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("opening the catalog in {}", data_dir.display()))?;
     let (catalog, writer) = CatalogWriter::spawn(store.clone());
     let (state, captures) = AppInner::open(args, default_device, catalog, store).await?;
-    crate::snapshot::recover(&state)
+    crate::services::snapshots::recover(state.snapshots())
         .await
         .context("recovering from the last run's snapshots")?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let alert_task = crate::alerts::spawn(state.clone(), stop_rx.clone());
-    let snapshot_tasks = crate::snapshot::spawn_tasks(state.clone(), captures, stop_rx);
+    let alert_task = crate::services::alerts::spawn(state.alerts().clone(), stop_rx.clone());
+    let monitor_task = crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone());
+    let trim_task = state.ingest().spawn_trim(stop_rx.clone());
+    let snapshot_tasks =
+        crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);
     tracing::info!(
         %addr,
-        device = %state.default_device,
+        device = %state.registry().default_device(),
         data_dir = %data_dir.display(),
-        runs = state.runs.read().expect("runs lock").len(),
+        runs = state.registry().len(),
         "polyak ready"
     );
     // Tests and scripts read this line to learn the port.
@@ -60,8 +63,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             println!("polyak metrics on http://{maddr}/metrics");
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let app = crate::http::metrics_router(state.clone());
-            let limits = ConnLimits::from_args(&state.args);
-            let open = state.metrics.connections.clone();
+            let limits = ConnLimits::from_args(&state.args());
+            let open = state.metrics().connections.clone();
             let task = tokio::spawn(crate::http::conn::serve(
                 listener,
                 app,
@@ -85,10 +88,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Requests in flight are done: persist every run that changed, then stop
     // the snapshot tasks.
-    crate::snapshot::persist_all(&state).await;
+    crate::services::snapshots::persist_all(state.snapshots()).await;
     let _ = stop_tx.send(true);
     let _ = snapshot_tasks.await;
     let _ = alert_task.await;
+    let _ = monitor_task.await;
+    let _ = trim_task.await;
     drop(state);
     // Every catalog sender is gone once the state is dropped; the writer
     // flushes what it holds and ends.
@@ -104,10 +109,10 @@ pub async fn run(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let drain = Duration::from_secs(state.args.shutdown_timeout_secs);
-    let limits = ConnLimits::from_args(&state.args);
+    let drain = Duration::from_secs(state.args().shutdown_timeout_secs);
+    let limits = ConnLimits::from_args(&state.args());
     let app = crate::http::router(state.clone());
-    let open = state.metrics.connections.clone();
+    let open = state.metrics().connections.clone();
     crate::http::conn::serve(listener, app, limits, open, shutdown, drain).await;
     drop(state);
     Ok(())

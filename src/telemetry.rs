@@ -208,7 +208,7 @@ impl Metrics {
         let _ = self.resident_bytes.remove_label_values(&[run]);
         let _ = self.metric_points.remove_label_values(&[run]);
         let _ = self.snapshots_skipped.remove_label_values(&[run]);
-        for kind in crate::alerts::KINDS {
+        for kind in crate::run::alerts::KINDS {
             let _ = self.alerts_firing.remove_label_values(&[run, kind]);
         }
     }

@@ -12,7 +12,8 @@ use axum::http::request::Parts;
 use axum::http::{header, Method, StatusCode};
 
 use super::error::ApiError;
-use crate::state::{token_hash, AppState, RunHandle};
+use crate::registry::{token_hash, RunHandle};
+use crate::state::AppState;
 
 /// Who is calling.
 #[derive(Debug, Clone)]
@@ -141,7 +142,7 @@ impl FromRequestParts<AppState> for Caller {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let Some(admin) = &state.args.token else {
+        let Some(admin) = &state.args().token else {
             return Ok(Caller::Open);
         };
         Ok(match bearer(parts) {
@@ -152,7 +153,7 @@ impl FromRequestParts<AppState> for Caller {
                 let hash = token_hash(&token);
                 if hash == token_hash(admin) {
                     Caller::Admin
-                } else if state.token_known(&hash) {
+                } else if state.registry().token_known(&hash) {
                     Caller::Token(hash)
                 } else {
                     Caller::Unknown

@@ -11,7 +11,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
-use crate::snapshot::derived::{self, MergeSelection, MergeWeights, Plan};
+use crate::services::snapshots::derived::{self, MergeSelection, MergeWeights, Plan};
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
 
@@ -87,7 +87,7 @@ pub async fn posthoc(
         SigmaRel::Many(list) => (list, true),
     };
     let started = derived::posthoc(
-        &state,
+        state.snapshots(),
         &run,
         &sigmas,
         req.step,
@@ -143,7 +143,14 @@ pub async fn plan(
             .map(str::to_string)
             .collect()
     });
-    let plan = derived::plan(&state, &run, &sigmas, q.step, profiles.as_deref()).await?;
+    let plan = derived::plan(
+        state.snapshots(),
+        &run,
+        &sigmas,
+        q.step,
+        profiles.as_deref(),
+    )
+    .await?;
     Ok(Json(plan))
 }
 
@@ -187,7 +194,7 @@ pub async fn merge(
         }
     };
     let started = derived::merge(
-        &state,
+        state.snapshots(),
         &run,
         selection,
         req.weights.unwrap_or(MergeWeights::Uniform),

@@ -9,6 +9,7 @@ use utoipa::ToSchema;
 
 use crate::engine::EngineError;
 use crate::run::FieldError;
+use crate::services::ServiceError;
 use crate::store::StoreError;
 use crate::wire::WireError;
 
@@ -101,62 +102,33 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl From<FieldError> for ApiError {
-    fn from(e: FieldError) -> Self {
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
         ApiError {
-            field: Some(e.field.clone()),
-            ..Self::unprocessable("invalid_config", e.to_string())
+            status: StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            code: e.code,
+            message: e.message,
+            field: e.field,
+            retry_after: e.retry_after,
         }
     }
 }
 
-impl From<WireError> for ApiError {
-    fn from(e: WireError) -> Self {
-        let message = e.to_string();
-        match e {
-            WireError::Invalid(_) => Self::bad_request("invalid_safetensors", message),
-            WireError::HeaderTooLarge { .. } => {
-                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "header_too_large", message)
+// The lower layers' errors are classified once, in `ServiceError`.
+macro_rules! through_service_error {
+    ($($t:ty),*) => {$(
+        impl From<$t> for ApiError {
+            fn from(e: $t) -> Self {
+                ServiceError::from(e).into()
             }
-            WireError::UnsupportedDtype { .. } => Self::unprocessable("unsupported_dtype", message),
-            WireError::InvalidShards(_) => Self::unprocessable("invalid_shards", message),
-            WireError::InvalidMetadata(_) => Self::unprocessable("invalid_metadata", message),
-            WireError::Nonfinite { .. } => Self::unprocessable("nonfinite", message),
-            WireError::Empty => Self::unprocessable("empty_push", message),
         }
-    }
+    )*};
 }
 
-impl From<EngineError> for ApiError {
-    fn from(e: EngineError) -> Self {
-        let message = e.to_string();
-        match e {
-            EngineError::QueueFull => Self::too_many(message, 1),
-            EngineError::RunNotFound(_) => Self::not_found("run_not_found", message),
-            EngineError::NoData { .. } => Self::not_found("no_data", message),
-            EngineError::StepConflict(_) => Self::conflict("step_conflict", message),
-            EngineError::RunFinished(_) => Self::conflict("run_finished", message),
-            EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
-            EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
-            EngineError::UnknownProfile(_) => Self::not_found("profile_not_found", message),
-            EngineError::Stopped | EngineError::Torch(_) => Self::internal(message),
-        }
-    }
-}
-
-impl From<StoreError> for ApiError {
-    fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::RunExists(name) => {
-                Self::conflict("run_exists", format!("run `{name}` already exists"))
-            }
-            other => Self::internal(other),
-        }
-    }
-}
-
-impl From<tokio::task::JoinError> for ApiError {
-    fn from(e: tokio::task::JoinError) -> Self {
-        Self::internal(e)
-    }
-}
+through_service_error!(
+    FieldError,
+    WireError,
+    EngineError,
+    StoreError,
+    tokio::task::JoinError
+);

@@ -72,16 +72,16 @@ pub async fn events(
     };
 
     // Subscribe before reading the history, so nothing falls in between.
-    let live = state.events.subscribe();
+    let live = state.events().subscribe();
     let mut history: BTreeMap<i64, Arc<StoredEvent>> = BTreeMap::new();
     for e in state
-        .store
+        .store()
         .events(&name, since, kinds.as_deref(), limit, newest)
         .await?
     {
         history.insert(e.id, Arc::new(e));
     }
-    for e in state.events.recent(&name, since) {
+    for e in state.events().recent(&name, since) {
         if wanted(&e) {
             history.insert(e.id, e);
         }
@@ -95,7 +95,7 @@ pub async fn events(
         }
     }
     // Retention applies to what is still in memory too.
-    let retained = state.args.events_retained as usize;
+    let retained = state.args().events_retained as usize;
     let skip = history.len().saturating_sub(retained);
     let history: Vec<Arc<StoredEvent>> = history
         .into_values()

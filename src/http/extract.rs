@@ -7,8 +7,9 @@ use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
+use crate::registry::RunHandle;
 use crate::run::valid_name;
-use crate::state::{AppState, RunHandle};
+use crate::state::AppState;
 use std::sync::Arc;
 
 /// A JSON body; errors are 400 (not JSON) or 422 naming the field.

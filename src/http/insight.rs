@@ -13,10 +13,13 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
-use crate::alerts::{Alert, AlertRules};
-use crate::monitor::{drift_ratio, effective_window};
+use crate::clock::now_ms;
+use crate::registry::RunHandle;
+use crate::run::alerts::AlertRules;
 use crate::run::{FieldError, RunSpec};
-use crate::state::{now_ms, AppState, RunHandle};
+use crate::services::alerts::Alert;
+use crate::services::monitor::{drift_ratio, effective_window};
+use crate::state::AppState;
 use crate::store::meta::RunMeta;
 
 /// Most tags a run may carry, and the longest tag and note.
@@ -73,7 +76,7 @@ pub fn meta_of_spec(spec: &RunSpec) -> Result<RunMeta, FieldError> {
 /// Stores a run's annotations and installs them on its handle.
 pub async fn store_meta(state: &AppState, run: &RunHandle, meta: RunMeta) -> Result<(), ApiError> {
     state
-        .store
+        .store()
         .put_run_meta(&run.config.name, &meta, now_ms())
         .await?;
     *run.meta.lock().expect("meta lock") = meta;
@@ -108,7 +111,7 @@ pub async fn patch_run(
         patch.alerts.unwrap_or(old.alerts),
     )?;
     store_meta(&state, &run, meta.clone()).await?;
-    state.events.emit(
+    state.events().emit(
         &name,
         "annotated",
         None,
@@ -137,7 +140,7 @@ pub async fn list_alerts(
 ) -> Result<Json<AlertList>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let alerts = state.alerts.list(&name);
+    let alerts = state.alerts().alerts.list(&name);
     let rules = run.meta.lock().expect("meta lock").alerts.clone();
     Ok(Json(AlertList {
         firing: alerts.iter().filter(|a| a.state == "firing").count(),
@@ -160,9 +163,9 @@ pub async fn ack_alert(
     let alert = id
         .parse::<u64>()
         .ok()
-        .and_then(|id| state.alerts.acknowledge(&name, id))
+        .and_then(|id| state.alerts().alerts.acknowledge(&name, id))
         .ok_or_else(|| ApiError::not_found("alert_not_found", format!("no alert `{id}`")))?;
-    state.events.emit(
+    state.events().emit(
         &name,
         "alert",
         alert.rank,
@@ -214,7 +217,7 @@ pub async fn tensor_drift(
         ));
     }
     let rows = state
-        .store
+        .store()
         .tensor_drift(&name, &profile, q.limit.unwrap_or(200).clamp(1, 2000))
         .await?;
     // (tensor, step) -> (diff_sq, online_sq, ranks that contributed).

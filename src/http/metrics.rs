@@ -13,8 +13,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
-use crate::monitor::valid_metric_name;
-use crate::state::{now_ms, AppState};
+use crate::clock::now_ms;
+use crate::run::alerts::valid_metric_name;
+use crate::state::AppState;
 use crate::store::MetricPoint;
 
 /// One step's scalars.
@@ -93,14 +94,14 @@ pub async fn post(
             });
         }
     }
-    state.store.insert_metrics(&name, &points).await?;
+    state.store().insert_metrics(&name, &points).await?;
     state
-        .metrics
+        .metrics()
         .metric_points
         .with_label_values(&[&name])
         .inc_by(points.len() as u64);
     for p in &posts {
-        state.events.emit_transient(
+        state.events().emit_transient(
             &name,
             "metrics",
             p.rank,
@@ -178,7 +179,7 @@ pub async fn get(
     }
     let limit = q.limit.unwrap_or(10_000).clamp(1, 1_000_000);
     let points = state
-        .store
+        .store()
         .metrics(&name, names.as_deref(), q.since_step, rank, limit)
         .await?;
     let mut series: Vec<Series> = Vec::new();
@@ -195,7 +196,7 @@ pub async fn get(
         }
     }
     Ok(Json(MetricsResponse {
-        names: state.store.metric_names(&name).await?,
+        names: state.store().metric_names(&name).await?,
         series,
     }))
 }

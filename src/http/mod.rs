@@ -60,22 +60,22 @@ use openapi::Contract;
         crate::run::EmaDtype, crate::run::NonfinitePolicy, crate::run::Retention,
         runs::RunView, runs::CreatedRun, runs::RunList, runs::FinishRequest,
         runs::FinishResponse, crate::store::RunFinish,
-        crate::state::RankView, push::PushResponse, crate::engine::rank::PushOutcome,
+        runs::RankView, crate::services::ingest::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
         snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
         snapshots::PersistResponse, derived::PosthocRequest, derived::SigmaRel,
-        derived::PosthocSweep, derived::DerivedRow, derived::MergeRequest, crate::snapshot::derived::Plan,
-        crate::snapshot::derived::PlannedTarget, crate::snapshot::derived::PowerSource,
-        crate::snapshot::derived::MergeWeights, crate::snapshot::derived::Progress,
+        derived::PosthocSweep, derived::DerivedRow, derived::MergeRequest, crate::services::snapshots::derived::Plan,
+        crate::services::snapshots::derived::PlannedTarget, crate::services::snapshots::derived::PowerSource,
+        crate::services::snapshots::derived::MergeWeights, crate::services::snapshots::derived::Progress,
         crate::store::snapshots::SnapshotRow,
         crate::store::snapshots::FileRow, crate::snapshot::compare::TensorStats,
         crate::snapshot::compare::CompareSummary, crate::snapshot::compare::CompareResult,
         insight::MetaPatch, insight::AlertList, insight::TensorDrift, insight::ProfileWindow,
-        insight::WindowResponse, crate::store::meta::RunMeta, crate::alerts::AlertRules,
-        crate::alerts::MetricRule, crate::alerts::Goal, crate::alerts::Alert,
+        insight::WindowResponse, crate::store::meta::RunMeta, crate::run::alerts::AlertRules,
+        crate::run::alerts::MetricRule, crate::run::alerts::Goal, crate::services::alerts::Alert,
     )),
     tags(
         (name = "runs", description = "Create, list and delete runs"),
@@ -90,7 +90,7 @@ pub struct ApiDoc;
 
 /// The application router.
 pub fn router(state: AppState) -> Router {
-    let body_limit = state.args.body_limit.0 as usize;
+    let body_limit = state.args().body_limit.0 as usize;
     let push_routes = Router::new()
         .route(
             "/v1/runs/{run}/ranks/{rank}/steps/{step}",

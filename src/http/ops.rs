@@ -39,10 +39,10 @@ fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
     Health {
         status: status.into(),
         version: env!("CARGO_PKG_VERSION").into(),
-        uptime_seconds: state.started.elapsed().as_secs_f64(),
-        runs: state.runs.read().expect("runs lock").len(),
-        disk_free_bytes: crate::snapshot::disk::refresh_gauge(state),
-        disk_reserve_bytes: state.args.disk_reserve.0,
+        uptime_seconds: state.started().elapsed().as_secs_f64(),
+        runs: state.registry().len(),
+        disk_free_bytes: crate::services::snapshots::disk::refresh_gauge(state.snapshots()),
+        disk_reserve_bytes: state.args().disk_reserve.0,
         detail,
     }
 }
@@ -57,14 +57,14 @@ pub async fn livez(State(state): State<AppState>) -> Json<Health> {
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    if let Err(e) = state.store.ping().await {
+    if let Err(e) = state.store().ping().await {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(health(&state, "unavailable", Some(e.to_string()))),
         )
             .into_response();
     }
-    for engine in state.engines() {
+    for engine in state.registry().engines() {
         if engine.call(|_| ()).await.is_err() {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -98,17 +98,17 @@ pub async fn metrics_open(State(state): State<AppState>) -> Response {
 }
 
 async fn exposition(state: &AppState) -> Response {
-    for engine in state.engines() {
+    for engine in state.registry().engines() {
         state
-            .metrics
+            .metrics()
             .engine_queue
             .with_label_values(&[&crate::engine::device::name(engine.device())])
             .set(engine.queued() as i64);
     }
-    crate::snapshot::disk::refresh_gauge(state);
+    crate::services::snapshots::disk::refresh_gauge(state.snapshots());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
+        state.metrics().render(),
     )
         .into_response()
 }

@@ -1,47 +1,24 @@
 //! `PUT|POST /v1/runs/{run}/ranks/{rank}/steps/{step}`: a rank pushes its
 //! shard.
 //!
-//! The handler checks what is cheap first (auth, run, rank, update step,
-//! declared length), then receives the body into one buffer under the
-//! in-flight byte budget (taken as bytes arrive, never from the declared
-//! length: a client that only promises bytes holds nothing), validates it on a blocking thread (safetensors
-//! header, chunks, NaN/Inf, digest), and only then queues it on the engine,
-//! which checks the step rules and the layout and applies it.
+//! The handler checks what is cheap first (auth, run, rank, step), then
+//! hands the request to the ingest service (`services/ingest.rs`), which
+//! receives the body under the in-flight byte budget, validates it on a
+//! blocking thread and applies it on the engine.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap};
 use axum::Json;
 use http_body_util::BodyExt;
-use serde::Serialize;
-use tokio::sync::OwnedSemaphorePermit;
-use utoipa::ToSchema;
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, step_of};
-use crate::engine::rank::PushOutcome;
-use crate::state::{counts_of, now_ms, AppState, RunHandle};
-use crate::wire::bodies::BodyPool;
-use crate::wire::{parse_push, WireLimits};
-
-/// The answer to a push.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct PushResponse {
-    #[serde(flatten)]
-    pub outcome: PushOutcome,
-    pub rank: u32,
-    /// Set when nothing was applied: `not_update_step` or `duplicate`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-}
-
-/// Bodies larger than this are not drained before an early error answer
-/// (the connection is closed instead).
-const DRAIN_LIMIT: u64 = 64 << 20;
+use crate::services::ingest::{drain, BodyFault, PushRequest, PushResponse};
+use crate::state::AppState;
 
 /// Push one rank's tensors for one step (body: a safetensors file,
 /// optionally `Content-Encoding: zstd`).
@@ -75,6 +52,9 @@ pub async fn push(
         drain(body, declared).await;
         Err(err)
     };
+    let encoding = headers
+        .get(header::CONTENT_ENCODING)
+        .map(|v| v.to_str().unwrap_or("?").to_string());
     let rank = match rank_of(&run, &rank) {
         Ok(r) => r,
         Err(e) => return early(e, body).await,
@@ -83,380 +63,23 @@ pub async fn push(
         Ok(s) => s,
         Err(e) => return early(e, body).await,
     };
-    let result =
-        receive_and_apply(&state, &run, rank, step, &headers, declared, body, started).await;
-    if let Err(e) = &result {
-        record_rejection(&state, &run, rank, step, e);
-    }
-    result.map(Json)
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn receive_and_apply(
-    state: &AppState,
-    run: &Arc<RunHandle>,
-    rank: u32,
-    step: u64,
-    headers: &HeaderMap,
-    declared: Option<u64>,
-    body: Body,
-    started: Instant,
-) -> Result<PushResponse, ApiError> {
-    let config = run.config.clone();
-    let limit = state.args.push_body_limit.0;
-    if !config.is_update_step(step) {
-        drain(body, declared).await;
-        state
-            .metrics
-            .pushes
-            .with_label_values(&[&config.name, "not_update_step"])
-            .inc();
-        let summary = run.rank(rank).unwrap_or_default();
-        return Ok(PushResponse {
-            outcome: PushOutcome {
-                applied: false,
-                duplicate: false,
-                step,
-                last_step: summary.last_step,
-                skipped: Vec::new(),
-                registered: None,
-                resident_bytes: summary.resident_bytes,
-                apply_seconds: 0.0,
-                drift: None,
-            },
-            rank,
-            reason: Some(format!(
-                "not_update_step: the run applies steps that are multiples of {}",
-                config.update_every
-            )),
-        });
-    }
-    let zstd = match headers
-        .get(header::CONTENT_ENCODING)
-        .map(|v| v.to_str().unwrap_or("?"))
-    {
-        None | Some("identity") => false,
-        Some("zstd") => true,
-        Some(other) => {
-            drain(body, declared).await;
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_encoding",
-                format!("Content-Encoding `{other}`: only zstd (or none) is accepted"),
-            ));
-        }
-    };
-    if let Some(len) = declared {
-        if len > limit {
-            drain(body, declared).await;
-            return Err(too_large(len, limit));
-        }
-    }
-
-    // Receive the body under the in-flight byte budget.
-    let mut budget = Budget::new(state);
-    let raw = read_body(body, declared, limit, &mut budget, &state.bodies).await?;
-    let received = Instant::now();
-    state
-        .metrics
-        .push_seconds
-        .with_label_values(&["receive"])
-        .observe((received - started).as_secs_f64());
-    let wire_len = raw.len() as u64;
-
-    // Validate off the async threads.
-    let limits = WireLimits {
-        header_limit: state.args.header_limit.0,
-    };
-    let policy = config.nonfinite;
-    let parsed = if zstd {
-        let (bytes, budget_after) = tokio::task::spawn_blocking(move || {
-            let out = decompress(&raw, limit)?;
-            budget.reserve(out.len() as u64)?;
-            Ok::<_, ApiError>((out, budget))
-        })
-        .await??;
-        budget = budget_after;
-        tokio::task::spawn_blocking(move || parse_push(bytes, limits, policy)).await??
-    } else {
-        tokio::task::spawn_blocking(move || parse_push(raw, limits, policy)).await??
-    };
-    state
-        .metrics
-        .push_seconds
-        .with_label_values(&["validate"])
-        .observe(received.elapsed().as_secs_f64());
-
-    // Apply on the engine. The budget is released when the engine is done
-    // with the body.
-    let run_name = config.name.clone();
-    let queued = Instant::now();
-    let outcome = run
-        .engine
-        .try_call(move |engine| {
-            let outcome = engine.push(&run_name, rank, step, parsed);
-            drop(budget);
-            outcome
-        })
-        .await
-        .map_err(|e| match e {
-            crate::engine::EngineError::QueueFull => ApiError::too_many(
-                "the engine queue is full; retry after the delay",
-                state.args.retry_after_secs,
-            ),
-            other => other.into(),
-        })??;
-    let metrics = &state.metrics;
-    metrics
-        .push_seconds
-        .with_label_values(&["queue_and_apply"])
-        .observe(queued.elapsed().as_secs_f64());
-    metrics
-        .push_seconds
-        .with_label_values(&["apply"])
-        .observe(outcome.apply_seconds);
-    metrics
-        .push_bytes
-        .with_label_values(&[&config.name])
-        .inc_by(wire_len);
-
-    let layout = outcome.registered.clone();
-    let latency = started.elapsed().as_secs_f64();
-    if !outcome.duplicate {
-        crate::monitor::note_ingest(run, wire_len, latency);
-    }
-    let summary = run.update_rank(rank, |s| {
-        s.bytes_received += wire_len;
-        s.last_push_at_ms = Some(now_ms());
-        s.resident_bytes = outcome.resident_bytes;
-        s.live = true;
-        if outcome.duplicate {
-            s.duplicates += 1;
-        } else {
-            s.pushes += 1;
-            s.last_step = outcome.last_step;
-            s.last_apply_seconds = Some(outcome.apply_seconds);
-            s.note_push(wire_len, latency);
-        }
-        if let Some(layout) = &layout {
-            let (tensors, numel) = counts_of(layout);
-            s.tensors = tensors;
-            s.numel = numel;
-            s.layout = serde_json::to_value(&**layout).ok().map(Arc::new);
-        }
-    });
-    state.record_rank(run, rank, &summary, layout.as_deref());
-    metrics
-        .resident_bytes
-        .with_label_values(&[&config.name])
-        .set(run.resident_bytes() as i64);
-    if let Some(drift) = &outcome.drift {
-        crate::monitor::record_drift(state, run, rank, step, drift);
-    }
-    let kind = if outcome.duplicate {
-        "duplicate"
-    } else {
-        "applied"
-    };
-    metrics
-        .pushes
-        .with_label_values(&[&config.name, kind])
-        .inc();
-    if let Some(layout) = &layout {
-        let (tensors, numel) = counts_of(layout);
-        state.events.emit(
-            &config.name,
-            "rank_registered",
-            Some(rank),
-            Some(step),
-            serde_json::json!({"tensors": tensors, "numel": numel, "resident_bytes": outcome.resident_bytes}),
-        );
-    }
-    state.events.emit(
-        &config.name,
-        "push",
-        Some(rank),
-        Some(step),
-        serde_json::json!({
-            "applied": outcome.applied,
-            "duplicate": outcome.duplicate,
-            "bytes": wire_len,
-            "apply_seconds": outcome.apply_seconds,
-            "seconds": started.elapsed().as_secs_f64(),
-            "skipped": outcome.skipped,
-        }),
-    );
-    let reason = outcome.duplicate.then(|| "duplicate".to_string());
-    Ok(PushResponse {
-        outcome,
+    let request = PushRequest {
+        run,
         rank,
-        reason,
-    })
+        step,
+        encoding,
+        declared,
+        body: body.map_err(body_fault),
+        started,
+    };
+    Ok(Json(state.ingest().push(request).await?))
 }
 
-fn too_large(len: u64, limit: u64) -> ApiError {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "body_too_large",
-        format!("push body of {len} bytes is over the limit of {limit} bytes"),
-    )
-}
-
-fn record_rejection(state: &AppState, run: &RunHandle, rank: u32, step: u64, err: &ApiError) {
-    if err.status == StatusCode::TOO_MANY_REQUESTS {
-        return;
-    }
-    state
-        .metrics
-        .rejections
-        .with_label_values(&[&run.config.name, err.code])
-        .inc();
-    state
-        .metrics
-        .pushes
-        .with_label_values(&[&run.config.name, "rejected"])
-        .inc();
-    let summary = run.update_rank(rank, |s| s.rejections += 1);
-    state.record_rank(run, rank, &summary, None);
-    state.events.emit(
-        &run.config.name,
-        "rejection",
-        Some(rank),
-        Some(step),
-        serde_json::json!({"status": err.status.as_u16(), "code": err.code, "message": err.message}),
-    );
-    tracing::info!(run = %run.config.name, rank, step, code = err.code, "push rejected: {}", err.message);
-}
-
-/// Reads and discards a body that is not too large, so that the client
-/// sees the answer instead of a reset connection.
-async fn drain(body: Body, declared: Option<u64>) {
-    if declared.is_some_and(|len| len > DRAIN_LIMIT) {
-        return;
-    }
-    let mut body = body;
-    let mut seen = 0u64;
-    while let Some(Ok(frame)) = body.frame().await {
-        if let Some(data) = frame.data_ref() {
-            seen += data.len() as u64;
-            if seen > DRAIN_LIMIT {
-                return;
-            }
-        }
-    }
-}
-
-/// Push bytes held in memory, counted against the server's budget.
-struct Budget {
-    state: AppState,
-    permit: Option<OwnedSemaphorePermit>,
-    held_kib: usize,
-}
-
-impl Budget {
-    fn new(state: &AppState) -> Self {
-        Budget {
-            state: state.clone(),
-            permit: None,
-            held_kib: 0,
-        }
-    }
-
-    /// Makes sure `bytes` are covered; a body larger than the whole budget
-    /// may still pass alone.
-    fn reserve(&mut self, bytes: u64) -> Result<(), ApiError> {
-        let want = (bytes.div_ceil(1024) as usize).min(self.state.inflight_kib);
-        if want <= self.held_kib {
-            return Ok(());
-        }
-        let more = (want - self.held_kib) as u32;
-        let permit = self
-            .state
-            .inflight
-            .clone()
-            .try_acquire_many_owned(more)
-            .map_err(|_| {
-                ApiError::too_many(
-                    "too many push bytes in flight; retry after the delay",
-                    self.state.args.retry_after_secs,
-                )
-            })?;
-        match &mut self.permit {
-            Some(held) => held.merge(permit),
-            None => self.permit = Some(permit),
-        }
-        self.held_kib += more as usize;
-        self.state.metrics.inflight_bytes.add(more as i64 * 1024);
-        Ok(())
-    }
-}
-
-impl Drop for Budget {
-    fn drop(&mut self) {
-        self.state
-            .metrics
-            .inflight_bytes
-            .sub(self.held_kib as i64 * 1024);
-    }
-}
-
-/// Collects the body into one (reused) buffer that grows with the data,
-/// refusing to grow past `limit` and taking the budget for each byte as it
-/// arrives. (Digesting each frame here, while it is in cache, measured
-/// slower: this loop is what bounds the receive rate, and the digest runs
-/// beside the NaN/Inf scan later.)
-async fn read_body(
-    mut body: Body,
-    declared: Option<u64>,
-    limit: u64,
-    budget: &mut Budget,
-    pool: &Arc<BodyPool>,
-) -> Result<bytes::Bytes, ApiError> {
-    let hint = usize::try_from(declared.unwrap_or(0).min(limit)).unwrap_or(usize::MAX);
-    let mut buf = pool.take(hint);
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(body_read_error)?;
-        if let Some(data) = frame.data_ref() {
-            let len = buf.len() as u64 + data.len() as u64;
-            if len > limit {
-                return Err(too_large(len, limit));
-            }
-            budget.reserve(len)?;
-            buf.extend_from_slice(data);
-        }
-    }
-    if let Some(len) = declared {
-        if buf.len() as u64 != len {
-            return Err(ApiError::bad_request(
-                "invalid_safetensors",
-                format!("the body ended after {} of {len} declared bytes", buf.len()),
-            ));
-        }
-    }
-    Ok(buf.freeze())
-}
-
-/// A failed body read: 408 when the client was too slow, else 400.
-pub fn body_read_error(e: axum::Error) -> ApiError {
+/// How the connection tells a body that came too slowly.
+fn body_fault(e: axum::Error) -> BodyFault {
     if super::conn::is_body_timeout(&e) {
-        ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_timeout", e.to_string())
+        BodyFault::Timeout(e.to_string())
     } else {
-        ApiError::bad_request("body_read_failed", format!("reading the body failed: {e}"))
+        BodyFault::Read(e.to_string())
     }
-}
-
-/// zstd, refusing output past `limit`.
-fn decompress(raw: &[u8], limit: u64) -> Result<bytes::Bytes, ApiError> {
-    use std::io::Read;
-    let decoder = zstd::stream::read::Decoder::new(raw)
-        .map_err(|e| ApiError::bad_request("invalid_encoding", format!("zstd: {e}")))?;
-    let mut out = Vec::new();
-    let read = decoder
-        .take(limit + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| ApiError::bad_request("invalid_encoding", format!("zstd: {e}")))?;
-    if read as u64 > limit {
-        return Err(too_large(read as u64, limit));
-    }
-    Ok(bytes::Bytes::from(out))
 }

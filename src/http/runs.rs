@@ -14,10 +14,12 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, ApiJson, ApiQuery, MaybeJson};
+use crate::clock::now_ms;
 use crate::engine::device;
+use crate::registry::{token_hash, RankSummary, RunHandle, RunTokens};
 use crate::run::{RunConfig, RunSpec};
 use crate::snapshot::format::profile_part;
-use crate::state::{now_ms, token_hash, AppState, RankView, RunHandle, RunTokens};
+use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
 use crate::store::RunFinish;
 use crate::wire::DType;
@@ -148,7 +150,7 @@ pub async fn create_run(
 ) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
     caller.require_admin()?;
     let meta = super::insight::meta_of_spec(&spec)?;
-    let config = spec.validate(&state.default_device, |d| {
+    let config = spec.validate(&state.registry().default_device(), |d| {
         device::resolve(d).map(device::name)
     })?;
     if let Some(existing) = state.run(&config.name) {
@@ -174,7 +176,7 @@ pub async fn create_run(
         };
         return Err(ApiError::conflict("run_exists", message));
     }
-    let tokens = state.args.token.as_ref().map(|_| {
+    let tokens = state.args().token.as_ref().map(|_| {
         (
             format!("pkw_{}", random_hex()),
             format!("pkr_{}", random_hex()),
@@ -183,11 +185,12 @@ pub async fn create_run(
     let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
     let created = now_ms();
     state
-        .store
+        .store()
         .insert_run(&config, created, hashes.clone())
         .await?;
     let config = Arc::new(config);
     let handle = state
+        .registry()
         .install_run(
             config.clone(),
             created,
@@ -199,7 +202,7 @@ pub async fn create_run(
         )
         .await?;
     super::insight::store_meta(&state, &handle, meta).await?;
-    state.events.emit(
+    state.events().emit(
         &config.name,
         "run_created",
         None,
@@ -289,7 +292,8 @@ pub async fn finish_run(
 ) -> Result<Json<FinishResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let (_, snapshot) = crate::snapshot::finish(&state, &run, req.label).await?;
+    let (_, snapshot) =
+        crate::services::snapshots::finish(state.snapshots(), &run, req.label).await?;
     Ok(Json(FinishResponse {
         run: run_view(&run, true),
         snapshot,
@@ -310,13 +314,7 @@ pub async fn list_runs(
     if matches!(caller, Caller::Anonymous | Caller::Unknown) {
         caller.require_admin()?;
     }
-    let runs: Vec<Arc<RunHandle>> = state
-        .runs
-        .read()
-        .expect("runs lock")
-        .values()
-        .cloned()
-        .collect();
+    let runs: Vec<Arc<RunHandle>> = state.all_runs();
     Ok(Json(RunList {
         runs: runs
             .iter()
@@ -352,14 +350,16 @@ pub async fn delete_run(
 ) -> Result<StatusCode, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_admin()?;
-    state.remove_run(&name);
-    state.store.delete_run(&name).await?;
+    state.registry().remove_run(&name);
+    state.store().delete_run(&name).await?;
     let _ = run.engine.call(move |e| e.drop_run(&name)).await;
-    state.metrics.forget_run(&run.config.name);
-    state.alerts.forget(&run.config.name);
+    state.metrics().forget_run(&run.config.name);
+    state.alerts().alerts.forget(&run.config.name);
     // The catalog no longer lists them: without this they stayed on disk
     // until the next start.
-    if let Err(e) = crate::snapshot::remove_run_files(&state, &run.config.name).await {
+    if let Err(e) =
+        crate::services::snapshots::remove_run_files(state.snapshots(), &run.config.name).await
+    {
         tracing::warn!(run = %run.config.name, error = %e, "removing a deleted run's files failed");
     }
     tracing::info!(run = %run.config.name, "run deleted");
@@ -468,4 +468,90 @@ pub async fn get_rank_ema(
     );
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     Ok(response)
+}
+
+/// JSON view of a rank.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct RankView {
+    pub rank: u32,
+    /// `live` (pushing recently), `stale` (no push for a while),
+    /// `never_seen`, or `not_restored` (known from the catalog, EMA not in
+    /// memory since a restart).
+    pub status: String,
+    pub last_step: Option<u64>,
+    pub pushes: u64,
+    pub duplicates: u64,
+    pub bytes_received: u64,
+    pub rejections: u64,
+    pub resident_bytes: u64,
+    pub last_push_at_ms: Option<i64>,
+    pub last_apply_seconds: Option<f64>,
+    pub tensors: usize,
+    pub numel: u64,
+    /// Steps behind the furthest rank of the run.
+    pub lag: Option<u64>,
+    /// Seconds since the last push.
+    pub age_seconds: Option<f64>,
+    /// Seconds without a push after which the rank counts as stale: 60, or
+    /// three times its usual interval between pushes when that is longer.
+    pub stale_after_seconds: f64,
+    /// Mean push latency (exponentially weighted), seconds.
+    pub push_seconds: Option<f64>,
+    /// Throughput over the last pushes.
+    pub bytes_per_second: Option<f64>,
+    /// Latest `||EMA - online|| / ||online||` per profile.
+    pub drift: BTreeMap<String, f64>,
+    /// The registered layout (with `?layout=true`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub layout: Option<serde_json::Value>,
+}
+
+impl RankView {
+    /// `furthest`: the highest last step over the run's ranks.
+    pub fn new(rank: u32, s: &RankSummary, furthest: Option<u64>, with_layout: bool) -> Self {
+        let status = if s.pushes == 0 && s.last_step.is_none() {
+            "never_seen"
+        } else if !s.live {
+            "not_restored"
+        } else if s
+            .last_push_at_ms
+            .is_some_and(|t| now_ms() - t > s.stale_after_ms())
+        {
+            "stale"
+        } else {
+            "live"
+        };
+        RankView {
+            rank,
+            status: status.into(),
+            last_step: s.last_step,
+            pushes: s.pushes,
+            duplicates: s.duplicates,
+            bytes_received: s.bytes_received,
+            rejections: s.rejections,
+            resident_bytes: s.resident_bytes,
+            last_push_at_ms: s.last_push_at_ms,
+            last_apply_seconds: s.last_apply_seconds,
+            tensors: s.tensors,
+            numel: s.numel,
+            lag: furthest.zip(s.last_step).map(|(f, l)| f.saturating_sub(l)),
+            age_seconds: s
+                .last_push_at_ms
+                .map(|t| (now_ms() - t).max(0) as f64 / 1000.0),
+            stale_after_seconds: s.stale_after_ms() as f64 / 1000.0,
+            push_seconds: s.push_seconds_ewma,
+            bytes_per_second: s.bytes_per_second(),
+            drift: s
+                .drift
+                .iter()
+                .map(|(p, (d, o))| (p.clone(), if *o > 0.0 { (d / o).sqrt() } else { d.sqrt() }))
+                .collect(),
+            layout: if with_layout {
+                s.layout.as_deref().cloned()
+            } else {
+                None
+            },
+        }
+    }
 }

@@ -18,10 +18,10 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::engine::host_bytes;
 use crate::engine::rank::{RankLayout, Slot};
+use crate::services::snapshots::{self as snap, SnapshotError};
 use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::compare::{self, CompareResult, RankTensors};
 use crate::snapshot::format::MIRROR_PART;
-use crate::snapshot::{self as snap, SnapshotError};
 use crate::state::AppState;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -100,7 +100,7 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<SnapshotRow>), ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let row = snap::create(&state, &run, req.step, req.profiles, req.label).await?;
+    let row = snap::create(state.snapshots(), &run, req.step, req.profiles, req.label).await?;
     Ok((StatusCode::ACCEPTED, Json(row)))
 }
 
@@ -124,7 +124,7 @@ pub async fn list(
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
     let snapshots = state
-        .store
+        .store()
         .snapshots(&name)
         .await?
         .into_iter()
@@ -135,7 +135,7 @@ pub async fn list(
 }
 
 async fn row_of(state: &AppState, run: &str, id: &str) -> Result<SnapshotRow, ApiError> {
-    state.store.snapshot(run, id).await?.ok_or_else(|| {
+    state.store().snapshot(run, id).await?.ok_or_else(|| {
         ApiError::not_found(
             "snapshot_not_found",
             format!("no snapshot `{id}` in run `{run}`"),
@@ -155,8 +155,8 @@ pub async fn get(
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
     let snapshot = row_of(&state, &name, &id).await?;
-    let files = state.store.snapshot_files(&id).await?;
-    let progress = snap::derived::progress_of(&state, &id);
+    let files = state.store().snapshot_files(&id).await?;
+    let progress = snap::derived::progress_of(state.snapshots(), &id);
     Ok(Json(SnapshotView {
         snapshot,
         files,
@@ -176,8 +176,8 @@ pub async fn delete(
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     row_of(&state, &name, &id).await?;
-    snap::delete(&state, &name, &id).await?;
-    state.events.emit(
+    snap::delete(state.snapshots(), &name, &id).await?;
+    state.events().emit(
         &name,
         "snapshot",
         None,
@@ -282,7 +282,7 @@ pub async fn download(
                 ))
             }
         };
-    let parts = snap::parts_of(&state, &row, &part).await?;
+    let parts = snap::parts_of(state.snapshots(), &row, &part).await?;
     if parts.is_empty() {
         return Err(ApiError::not_found(
             "not_in_snapshot",
@@ -432,7 +432,7 @@ pub async fn compare(
     let profile_b = q.profile_b.clone().unwrap_or_else(|| profile.clone());
     let key = format!("{name}\n{}\n{}\n{profile}\n{profile_b}", q.a, q.b);
     if q.b != "live" {
-        if let Some(hit) = state.snapshots.cached_compare(&key) {
+        if let Some(hit) = state.snapshots().pending.cached_compare(&key) {
             return Ok(Json(CompareResponse {
                 a: q.a,
                 b: q.b,
@@ -452,7 +452,7 @@ pub async fn compare(
     .map_err(|m| ApiError::unprocessable("not_comparable", m))?;
     let result = Arc::new(result);
     if q.b != "live" {
-        state.snapshots.cache_compare(key, result.clone());
+        state.snapshots().pending.cache_compare(key, result.clone());
     }
     Ok(Json(CompareResponse {
         a: q.a,
@@ -534,7 +534,9 @@ async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result
         ));
     }
     let part = part_name(&row, Some(profile))?;
-    Ok(Side::Stored(snap::parts_of(state, &row, &part).await?))
+    Ok(Side::Stored(
+        snap::parts_of(state.snapshots(), &row, &part).await?,
+    ))
 }
 
 /// Names -> bytes of a live export (slices of the flat buffers).
@@ -599,7 +601,7 @@ pub async fn resume(
 ) -> Result<Json<ResumeResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let resumed = snap::resume(&state, &run, req.step, req.allow_older).await?;
+    let resumed = snap::resume(state.snapshots(), &run, req.step, req.allow_older).await?;
     let row = resumed.row;
     tracing::info!(run = %name, snapshot = %row.id, step = row.step, "resumed");
     Ok(Json(ResumeResponse {
@@ -628,7 +630,7 @@ pub async fn persist(
 ) -> Result<Json<PersistResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let snapshot = snap::persist_state(&state, &run, true).await?;
+    let snapshot = snap::persist_state(state.snapshots(), &run, true).await?;
     Ok(Json(PersistResponse { snapshot }))
 }
 

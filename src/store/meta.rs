@@ -3,7 +3,7 @@
 use sqlx::Row;
 
 use super::{Store, StoreError};
-use crate::alerts::AlertRules;
+use crate::run::alerts::AlertRules;
 
 /// What a researcher attached to a run; editable at any time.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]

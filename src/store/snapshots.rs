@@ -43,7 +43,7 @@ impl SnapshotRow {
             profiles,
             status: "pending".into(),
             reason: None,
-            created_at_ms: crate::state::now_ms(),
+            created_at_ms: crate::clock::now_ms(),
             completed_at_ms: None,
             deadline_ms: None,
             bytes: 0,

@@ -5,6 +5,8 @@
 //! resolves the defaults into a [`RunConfig`], which is what the catalog
 //! stores and the engine uses. Every failure names the field it is about.
 
+pub mod alerts;
+
 use std::sync::OnceLock;
 
 use regex::Regex;
@@ -325,7 +327,7 @@ pub struct RunSpec {
     pub note: String,
     /// Alert rules (defaults apply when absent); editable later.
     #[serde(default)]
-    pub alerts: Option<crate::alerts::AlertRules>,
+    pub alerts: Option<alerts::AlertRules>,
 }
 
 /// A validated run configuration, as stored in the catalog.

@@ -13,7 +13,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::engine::rank::DriftSample;
-use crate::state::{now_ms, AppState, RunHandle};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{Context, Shared};
+use crate::clock::now_ms;
+use crate::registry::RunHandle;
 use crate::store::MetricPoint;
 
 /// Prefix of the drift series.
@@ -31,7 +36,7 @@ pub fn drift_ratio(diff_sq: f64, online_sq: f64) -> f64 {
 /// Records a rank's drift sample: the rank's point, and, once every rank
 /// holding data has sampled this step, the run-level point combining them.
 pub fn record_drift(
-    state: &AppState,
+    state: &Shared,
     run: &Arc<RunHandle>,
     rank: u32,
     step: u64,
@@ -86,7 +91,7 @@ pub fn record_drift(
 }
 
 /// Writes points in the background (the push answer does not wait).
-pub fn store_points(state: &AppState, run: &str, points: Vec<MetricPoint>) {
+pub fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
     if points.is_empty() {
         return;
     }
@@ -108,7 +113,7 @@ pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
 }
 
 /// Turns each run's ingest window into points (called every few seconds).
-pub fn sample_ingest(state: &AppState, since: Instant) {
+pub fn sample_ingest(state: &Shared, since: Instant) {
     let elapsed = since.elapsed().as_secs_f64().max(1e-3);
     let runs = state.all_runs();
     let at_ms = now_ms();
@@ -155,6 +160,46 @@ pub fn sample_ingest(state: &AppState, since: Instant) {
     }
 }
 
+/// Starts the monitoring task: every two seconds it samples each run's
+/// ingest series; every `--prune-interval-secs` it drops the oldest stored
+/// metric points, per-tensor drift rows and events past their retention.
+pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        let mut ingest_since = Instant::now();
+        let mut ticks = 0u64;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    ticks += 1;
+                    if ticks % 2 == 0 {
+                        sample_ingest(&ctx, ingest_since);
+                        ingest_since = Instant::now();
+                    }
+                    if ticks % ctx.args.prune_interval_secs.max(1) == 0 {
+                        prune(&ctx).await;
+                    }
+                }
+                _ = stop.changed() => break,
+            }
+        }
+    })
+}
+
+/// Keeps the stored series and events within their retention.
+async fn prune(ctx: &Shared) {
+    let store = &ctx.store;
+    if let Err(e) = store.prune_metrics(ctx.args.metrics_retained).await {
+        tracing::warn!(error = %e, "pruning metrics failed");
+    }
+    if let Err(e) = store.prune_tensor_drift(ctx.args.metrics_retained).await {
+        tracing::warn!(error = %e, "pruning tensor drift failed");
+    }
+    if let Err(e) = store.prune_events(ctx.args.events_retained).await {
+        tracing::warn!(error = %e, "pruning events failed");
+    }
+}
+
 /// The averaging window a profile applies at `step` when pushes come every
 /// `update_every` steps: its `beta` for that update and the implied
 /// half-life in steps, `delta * ln(1/2) / ln(beta)` (the number of steps
@@ -192,7 +237,7 @@ pub fn effective_window(
 
 /// Records the per-tensor sums of a drift sample (one row per profile).
 pub fn record_tensor_drift(
-    state: &AppState,
+    state: &Shared,
     run: &str,
     rank: u32,
     step: u64,
@@ -228,11 +273,6 @@ pub fn record_tensor_drift(
     });
 }
 
-/// Checks a metric name: 1..=128 printable characters.
-pub fn valid_metric_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 128 && name.chars().all(|c| !c.is_control())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,9 +302,5 @@ mod tests {
     fn drift_ratio_is_relative_norm() {
         assert!((drift_ratio(1.0, 4.0) - 0.5).abs() < 1e-15);
         assert_eq!(drift_ratio(0.0, 0.0), 0.0);
-        assert!(valid_metric_name("loss/train"));
-        assert!(!valid_metric_name(""));
-        assert!(!valid_metric_name("a\nb"));
-        assert!(!valid_metric_name(&"x".repeat(129)));
     }
 }

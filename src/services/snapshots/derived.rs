@@ -2,14 +2,14 @@
 //! rather than captures.
 //!
 //! - `posthoc`: EDM2 post-hoc EMA. [`plan`] finds the run's stored power
-//!   profiles and solves for the weights ([`super::posthoc`]); [`posthoc`]
+//!   profiles and solves for the weights ([`posthoc`](crate::snapshot::posthoc)); [`posthoc`]
 //!   writes one derived snapshot per requested `sigma_rel`, all in one pass
 //!   over the sources.
 //! - `merge`: checkpoint averaging of the online weights (the mirror) of
 //!   stored snapshots, uniform, linear or exponential in their age.
 //!
 //! Both are catalog rows inserted `pending`, filled by one background job
-//! ([`spawn_job`]) that streams the sources through [`super::combine`] rank
+//! ([`spawn_job`]) that streams the sources through [`combine`](crate::snapshot::combine) rank
 //! by rank and completes every output together. Progress (source bytes read
 //! of the total) is kept in memory for `GET .../snapshots/{id}` and sent as
 //! transient `snapshot` events.
@@ -20,15 +20,17 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::combine::{self, OutputSpec};
-use super::format::MIRROR_PART;
-use super::posthoc::{self, PosthocError, Source};
-use super::{files, format, remove_files, SnapshotError, MANUAL, PERIODIC};
+use super::{disk, record_failure, remove_files, Snaps, SnapshotError, MANUAL, PERIODIC};
+use crate::clock::now_ms;
 use crate::engine::capture::RankMeta;
 use crate::engine::snapshot_id;
+use crate::registry::RunHandle;
 use crate::run::{ProfileSpec, RunConfig};
 use crate::sigma_rel::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
-use crate::state::{now_ms, AppState, RunHandle};
+use crate::snapshot::combine::{self, OutputSpec};
+use crate::snapshot::files;
+use crate::snapshot::format::{self, MIRROR_PART};
+use crate::snapshot::posthoc::{self, PosthocError, Source};
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
 
@@ -119,7 +121,7 @@ fn power_profiles(
 /// per (step, profile) (the newest when several snapshots share a step),
 /// oldest first.
 async fn power_sources(
-    state: &AppState,
+    state: &Snaps,
     config: &RunConfig,
     gammas: &HashMap<String, f64>,
 ) -> Result<Vec<PowerSource>, SnapshotError> {
@@ -201,7 +203,7 @@ fn steps_text(steps: &[u64]) -> String {
 /// newest usable step), from the stored snapshots of `profiles` (default:
 /// every power profile) at or before it.
 pub async fn plan(
-    state: &AppState,
+    state: &Snaps,
     run: &RunHandle,
     sigma_rels: &[f64],
     step: Option<u64>,
@@ -299,7 +301,7 @@ pub struct Started {
 /// `POST /posthoc`: one derived snapshot per `sigma_rel` (kind `posthoc`,
 /// one profile `name`), written in one pass over the sources.
 pub async fn posthoc(
-    state: &AppState,
+    state: &Snaps,
     run: &RunHandle,
     sigma_rels: &[f64],
     step: Option<u64>,
@@ -400,7 +402,7 @@ pub enum MergeSelection {
 /// stored snapshots, as a derived snapshot of kind `merge` holding one
 /// profile `name` at the newest source's step.
 pub async fn merge(
-    state: &AppState,
+    state: &Snaps,
     run: &RunHandle,
     selection: MergeSelection,
     scheme: MergeWeights,
@@ -564,7 +566,7 @@ pub struct Progress {
 
 /// Inserts the pending rows and starts the job that fills them.
 async fn start(
-    state: &AppState,
+    state: &Snaps,
     run: &RunHandle,
     rows: Vec<SnapshotRow>,
     sources: Vec<JobSource>,
@@ -594,12 +596,12 @@ async fn start(
     // Each output is about the size of one source: refuse early rather than
     // fail on a full disk halfway.
     let per_output = total / files.len().max(1) as u64;
-    super::disk::check(state, per_output * outputs.len() as u64)?;
+    disk::check(state, per_output * outputs.len() as u64)?;
     for row in &rows {
         state.store.insert_snapshot(row).await?;
     }
     {
-        let mut progress = state.snapshots.progress.lock().expect("progress lock");
+        let mut progress = state.pending.progress.lock().expect("progress lock");
         for o in &outputs {
             progress.insert(o.id.clone(), Progress { done: 0, total });
         }
@@ -644,12 +646,12 @@ struct Job {
 }
 
 /// Runs a job on a blocking thread and records how it ended.
-fn spawn_job(state: AppState, job: Job) {
+fn spawn_job(state: Snaps, job: Job) {
     tokio::spawn(async move {
         let started = Instant::now();
         let ids: Vec<String> = job.outputs.iter().map(|o| o.id.clone()).collect();
         let (run, kind, step) = (job.run.clone(), job.kind.clone(), job.step);
-        let data_dir = state.snapshots.data_dir().to_path_buf();
+        let data_dir = state.pending.data_dir().to_path_buf();
         let st = state.clone();
         let written = tokio::task::spawn_blocking(move || {
             write_outputs(&data_dir, &job, &mut |done| report(&st, &job, done))
@@ -661,7 +663,7 @@ fn spawn_job(state: AppState, job: Job) {
             Err(e) => Err(format!("the job panicked: {e}")),
         };
         {
-            let mut progress = state.snapshots.progress.lock().expect("progress lock");
+            let mut progress = state.pending.progress.lock().expect("progress lock");
             for id in &ids {
                 progress.remove(id);
             }
@@ -684,7 +686,7 @@ fn spawn_job(state: AppState, job: Job) {
                 for id in &ids {
                     // Files first: on a full disk the catalog needs the room.
                     remove_files(&state, &run, id);
-                    super::record_failure(&state, id, &reason).await;
+                    record_failure(&state, id, &reason).await;
                     state.events.emit(
                         &run,
                         "snapshot",
@@ -699,9 +701,9 @@ fn spawn_job(state: AppState, job: Job) {
 }
 
 /// Records progress (at most a few times a second) and tells SSE readers.
-fn report(state: &AppState, job: &Job, done: u64) {
+fn report(state: &Snaps, job: &Job, done: u64) {
     {
-        let mut progress = state.snapshots.progress.lock().expect("progress lock");
+        let mut progress = state.pending.progress.lock().expect("progress lock");
         for o in &job.outputs {
             if let Some(p) = progress.get_mut(&o.id) {
                 p.done = done;
@@ -722,7 +724,7 @@ fn report(state: &AppState, job: &Job, done: u64) {
 
 /// Marks every output complete; returns their sizes.
 async fn complete(
-    state: &AppState,
+    state: &Snaps,
     ids: &[String],
     step: u64,
     per_output: Vec<Vec<FileRow>>,
@@ -828,9 +830,9 @@ fn write_outputs(
 }
 
 /// The progress of a derived snapshot still being written.
-pub fn progress_of(state: &AppState, id: &str) -> Option<Progress> {
+pub fn progress_of(state: &Snaps, id: &str) -> Option<Progress> {
     state
-        .snapshots
+        .pending
         .progress
         .lock()
         .expect("progress lock")

@@ -14,138 +14,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 use utoipa::ToSchema;
 
-use crate::run::FieldError;
-use crate::state::{now_ms, AppState, RunHandle};
+use super::{Context, Shared};
+use crate::clock::now_ms;
+use crate::registry::RunHandle;
+use crate::run::alerts::{AlertRules, Goal};
 use crate::store::StoredEvent;
-
-/// A run's alert rules. Every field has a default, so `{}` keeps the
-/// defaults: stale ranks, rejected non-finite pushes, failed snapshots and
-/// a disk under 5% free alert; metric rules and the webhook are opt-in.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AlertRules {
-    /// Seconds without a push after which a rank alerts; default the rank's
-    /// own stale threshold (`stale_after_seconds` of the rank); 0 turns it off.
-    #[serde(default)]
-    pub stale_after_seconds: Option<f64>,
-    /// Alert when a push is rejected for NaN/Inf values.
-    #[serde(default = "yes")]
-    pub nonfinite: bool,
-    /// Alert when a snapshot fails.
-    #[serde(default = "yes")]
-    pub snapshot_failed: bool,
-    /// Alert when the data directory's free space falls below this fraction
-    /// of the disk (0 turns it off).
-    #[serde(default = "default_disk_free")]
-    pub disk_free_below: f64,
-    /// Rules on the trainer's (or the server's) metric series.
-    #[serde(default)]
-    pub metrics: Vec<MetricRule>,
-    /// `http://` URL that receives every alert transition as JSON.
-    #[serde(default)]
-    pub webhook: Option<String>,
-}
-
-fn yes() -> bool {
-    true
-}
-
-fn default_disk_free() -> f64 {
-    0.05
-}
-
-impl Default for AlertRules {
-    fn default() -> Self {
-        AlertRules {
-            stale_after_seconds: None,
-            nonfinite: true,
-            snapshot_failed: true,
-            disk_free_below: default_disk_free(),
-            metrics: Vec::new(),
-            webhook: None,
-        }
-    }
-}
-
-/// A rule on one metric series: a threshold crossed, or no improvement.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct MetricRule {
-    /// Series name, e.g. `loss`.
-    pub metric: String,
-    /// Only points of this rank; default the run-level points.
-    #[serde(default)]
-    pub rank: Option<u32>,
-    /// Fires while the value is above this.
-    #[serde(default)]
-    pub above: Option<f64>,
-    /// Fires while the value is below this.
-    #[serde(default)]
-    pub below: Option<f64>,
-    /// Fires when the best value is this many steps old.
-    #[serde(default)]
-    pub patience: Option<u64>,
-    /// `min` (default: lower is better) or `max`.
-    #[serde(default)]
-    pub mode: Goal,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Goal {
-    #[default]
-    Min,
-    Max,
-}
-
-impl AlertRules {
-    /// Checks the rules; `prefix` names the field in errors.
-    pub fn validate(&self, prefix: &str) -> Result<(), FieldError> {
-        let err = |field: String, message: &str| FieldError {
-            field: format!("{prefix}{field}"),
-            message: message.to_string(),
-        };
-        if let Some(s) = self.stale_after_seconds {
-            if !s.is_finite() || s < 0.0 {
-                return Err(err(".stale_after_seconds".into(), "must be >= 0"));
-            }
-        }
-        if !(0.0..=1.0).contains(&self.disk_free_below) {
-            return Err(err(".disk_free_below".into(), "must be in [0, 1]"));
-        }
-        if let Some(url) = &self.webhook {
-            let rest = url.strip_prefix("http://").unwrap_or("");
-            if rest.is_empty() || url.len() > 2048 || url.chars().any(char::is_whitespace) {
-                return Err(err(".webhook".into(), "must be an http:// URL"));
-            }
-        }
-        if self.metrics.len() > 64 {
-            return Err(err(".metrics".into(), "at most 64 rules"));
-        }
-        for (i, m) in self.metrics.iter().enumerate() {
-            if !crate::monitor::valid_metric_name(&m.metric) {
-                return Err(err(format!(".metrics[{i}].metric"), "not a metric name"));
-            }
-            if m.above.is_some_and(|v| !v.is_finite()) || m.below.is_some_and(|v| !v.is_finite()) {
-                return Err(err(format!(".metrics[{i}]"), "thresholds must be finite"));
-            }
-            if m.patience == Some(0) {
-                return Err(err(format!(".metrics[{i}].patience"), "must be >= 1"));
-            }
-            if m.above.is_none() && m.below.is_none() && m.patience.is_none() {
-                return Err(err(
-                    format!(".metrics[{i}]"),
-                    "needs `above`, `below` or `patience`",
-                ));
-            }
-        }
-        Ok(())
-    }
-}
 
 /// One alert: fired when its condition began, resolved when it cleared.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -168,17 +45,6 @@ pub struct Alert {
     pub resolved_step: Option<u64>,
     pub acknowledged: bool,
 }
-
-/// Every alert kind.
-pub const KINDS: [&str; 7] = [
-    "stale_rank",
-    "nonfinite",
-    "metric_above",
-    "metric_below",
-    "no_improvement",
-    "disk_full",
-    "snapshot_failed",
-];
 
 /// Resolved alerts kept per run (firing ones are always kept).
 const RESOLVED_KEPT: usize = 200;
@@ -452,9 +318,35 @@ impl Default for Alerts {
     }
 }
 
+/// The alerts service: the shared context and every run's alerts.
+pub struct AlertService {
+    ctx: Context,
+    pub alerts: Alerts,
+}
+
+/// How the alerts service is held.
+pub type AlertsSvc = std::sync::Arc<AlertService>;
+
+impl AlertService {
+    pub fn new(ctx: Context) -> AlertsSvc {
+        std::sync::Arc::new(AlertService {
+            ctx,
+            alerts: Alerts::new(),
+        })
+    }
+}
+
+impl std::ops::Deref for AlertService {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.ctx
+    }
+}
+
 /// Starts the evaluator; it stops when `stop` turns true.
 pub fn spawn(
-    state: AppState,
+    state: AlertsSvc,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     let mut events = state.events.subscribe();
@@ -493,7 +385,7 @@ fn rules_of(run: &RunHandle) -> AlertRules {
     run.meta.lock().expect("meta lock").alerts.clone()
 }
 
-fn on_event(state: &AppState, event: &StoredEvent, out: &mut Vec<Transition>) {
+fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
     if event.kind == "alert" {
         return;
     }
@@ -566,7 +458,7 @@ pub fn disk_free_fraction(path: &Path) -> Option<f64> {
     Some(st.f_bavail as f64 / st.f_blocks as f64)
 }
 
-fn on_tick(state: &AppState, out: &mut Vec<Transition>) {
+fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
     let runs = state.all_runs();
     let free = disk_free_fraction(&state.args.data_dir);
     let now = now_ms();
@@ -633,7 +525,7 @@ fn on_tick(state: &AppState, out: &mut Vec<Transition>) {
 }
 
 /// Events, gauge and webhook for each transition.
-fn announce(state: &AppState, out: Vec<Transition>) {
+fn announce(state: &AlertsSvc, out: Vec<Transition>) {
     for t in out {
         let alert = &t.alert;
         tracing::info!(run = %t.run, key = %alert.key, state = %alert.state, "alert: {}", alert.message);
@@ -698,6 +590,7 @@ async fn send_webhooks(mut rx: mpsc::Receiver<Delivery>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run::alerts::MetricRule;
 
     fn values(v: f64) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();

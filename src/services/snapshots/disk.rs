@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use crate::state::AppState;
+use super::Snaps;
 
 /// Why a write was refused before it started.
 #[derive(Debug, thiserror::Error)]
@@ -40,12 +40,12 @@ pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
 
 /// Refreshes the free-space gauges; returns the free bytes (None when the
 /// filesystem could not be asked).
-pub fn refresh_gauge(state: &AppState) -> Option<u64> {
+pub fn refresh_gauge(state: &Snaps) -> Option<u64> {
     let metrics = &state.metrics;
     metrics
         .disk_reserve_bytes
         .set(state.args.disk_reserve.0 as i64);
-    match free_bytes(state.snapshots.data_dir()) {
+    match free_bytes(state.pending.data_dir()) {
         Ok(free) => {
             metrics.disk_free_bytes.set(free as i64);
             Some(free)
@@ -60,7 +60,7 @@ pub fn refresh_gauge(state: &AppState) -> Option<u64> {
 /// Refuses a write of `need` bytes that would leave less than the reserve.
 /// A filesystem that cannot be asked is not refused: the write itself
 /// will tell.
-pub fn check(state: &AppState, need: u64) -> Result<(), NoSpace> {
+pub fn check(state: &Snaps, need: u64) -> Result<(), NoSpace> {
     let Some(free) = refresh_gauge(state) else {
         return Ok(());
     };

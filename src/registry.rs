@@ -1,0 +1,417 @@
+//! The run registry: every run the server holds, its ranks' summaries and
+//! the engine of each device. What services and handlers look runs up in;
+//! no tensor lives here (the engines own them).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+
+use prometheus::IntGauge;
+use sha2::{Digest, Sha256};
+
+use crate::clock::now_ms;
+use crate::engine::capture::CaptureEvent;
+use crate::engine::rank::RankLayout;
+use crate::engine::{device, EngineError, EngineHandle, FinishedAt};
+use crate::run::RunConfig;
+use crate::store::{RunFinish, Store, StoreError, StoredRank};
+
+/// sha256 hex of a token; only hashes are stored.
+pub fn token_hash(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// What the server knows of a rank without asking the engine.
+#[derive(Debug, Clone, Default)]
+pub struct RankSummary {
+    pub last_step: Option<u64>,
+    pub pushes: u64,
+    pub duplicates: u64,
+    pub bytes_received: u64,
+    pub rejections: u64,
+    pub resident_bytes: u64,
+    pub last_push_at_ms: Option<i64>,
+    pub last_apply_seconds: Option<f64>,
+    /// The registered layout (JSON), once the rank pushed.
+    pub layout: Option<Arc<serde_json::Value>>,
+    /// Number of tensors and elements in the layout.
+    pub tensors: usize,
+    pub numel: u64,
+    /// The rank's EMA is held by the engine (false after a restart until
+    /// the rank pushes again or its state is restored).
+    pub live: bool,
+    /// Exponentially weighted mean of push latency (request start to answer).
+    pub push_seconds_ewma: Option<f64>,
+    /// Recent pushes `(at_ms, bytes)`, for the rank's throughput.
+    pub recent: std::collections::VecDeque<(i64, u64)>,
+    /// Latest drift sample per profile: `(||EMA - online||^2, ||online||^2)`.
+    pub drift: BTreeMap<String, (f64, f64)>,
+    /// The step of that sample.
+    pub drift_step: Option<u64>,
+}
+
+/// Milliseconds without a push after which a rank counts as stale, at
+/// least (see [`RankSummary::stale_after_ms`]).
+pub const STALE_AFTER_MS: i64 = 60_000;
+
+/// Pushes remembered per rank for its throughput.
+const RECENT_PUSHES: usize = 32;
+
+impl RankSummary {
+    /// Records an applied push's size and latency.
+    pub fn note_push(&mut self, bytes: u64, seconds: f64) {
+        let now = now_ms();
+        self.push_seconds_ewma = Some(match self.push_seconds_ewma {
+            None => seconds,
+            Some(prev) => 0.8 * prev + 0.2 * seconds,
+        });
+        if self.recent.len() == RECENT_PUSHES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((now, bytes));
+    }
+
+    /// Milliseconds without a push after which this rank counts as stale:
+    /// [`STALE_AFTER_MS`], or three times its usual interval between pushes
+    /// (the median over the remembered ones) when that is longer, so a run
+    /// that pushes every few minutes is not shown stale between pushes.
+    pub fn stale_after_ms(&self) -> i64 {
+        let times: Vec<i64> = self.recent.iter().map(|(t, _)| *t).collect();
+        if times.len() < 3 {
+            return STALE_AFTER_MS;
+        }
+        let mut gaps: Vec<i64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        gaps.sort_unstable();
+        STALE_AFTER_MS.max(3 * gaps[gaps.len() / 2])
+    }
+
+    /// Bytes per second over the remembered pushes.
+    pub fn bytes_per_second(&self) -> Option<f64> {
+        let (first, _) = *self.recent.front()?;
+        let (last, _) = *self.recent.back()?;
+        if self.recent.len() < 2 || last <= first {
+            return None;
+        }
+        let bytes: u64 = self.recent.iter().skip(1).map(|(_, b)| b).sum();
+        Some(bytes as f64 / ((last - first) as f64 / 1000.0))
+    }
+}
+
+impl RankSummary {
+    pub fn from_stored(row: StoredRank) -> Self {
+        let (tensors, numel) = row.layout.as_ref().map(layout_counts).unwrap_or_default();
+        RankSummary {
+            last_step: row.last_step,
+            pushes: row.pushes,
+            duplicates: 0,
+            bytes_received: row.bytes_received,
+            rejections: row.rejections,
+            resident_bytes: 0,
+            last_push_at_ms: row.last_push_at_ms,
+            last_apply_seconds: None,
+            layout: row.layout.map(Arc::new),
+            tensors,
+            numel,
+            live: false,
+            ..Default::default()
+        }
+    }
+
+    pub fn to_row(&self, rank: u32) -> StoredRank {
+        StoredRank {
+            rank,
+            layout: None,
+            last_step: self.last_step,
+            pushes: self.pushes,
+            bytes_received: self.bytes_received,
+            rejections: self.rejections,
+            resident_bytes: self.resident_bytes,
+            last_push_at_ms: self.last_push_at_ms,
+        }
+    }
+}
+
+fn layout_counts(layout: &serde_json::Value) -> (usize, u64) {
+    let tensors = layout["tensors"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    let numel = tensors.iter().filter_map(|t| t["numel"].as_u64()).sum();
+    (tensors.len(), numel)
+}
+
+/// Token hashes of a run (auth on).
+#[derive(Debug, Clone)]
+pub struct RunTokens {
+    pub write_hash: String,
+    pub read_hash: String,
+}
+
+/// Pushes since the last ingest sample of a run.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IngestWindow {
+    pub pushes: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// A run as services and handlers see it.
+pub struct RunHandle {
+    pub config: Arc<RunConfig>,
+    pub created_at_ms: i64,
+    pub engine: EngineHandle,
+    pub tokens: Option<RunTokens>,
+    pub ranks: Vec<Mutex<RankSummary>>,
+    /// Ingest since the last sample (see `monitor`).
+    pub ingest: Mutex<IngestWindow>,
+    /// Tags, note and alert rules (editable while the run lives).
+    pub meta: Mutex<crate::store::meta::RunMeta>,
+    /// Alerts firing now (kept by `alerts`).
+    pub alerts_firing: std::sync::atomic::AtomicUsize,
+    /// Set once the run is finished (`POST .../finish`).
+    pub finished: Mutex<Option<RunFinish>>,
+}
+
+impl RunHandle {
+    pub fn rank(&self, rank: u32) -> Option<RankSummary> {
+        self.ranks
+            .get(rank as usize)
+            .map(|r| r.lock().expect("rank summary lock").clone())
+    }
+
+    /// Updates a rank's summary and returns the new value.
+    pub fn update_rank(&self, rank: u32, f: impl FnOnce(&mut RankSummary)) -> RankSummary {
+        let mut guard = self.ranks[rank as usize].lock().expect("rank summary lock");
+        f(&mut guard);
+        guard.clone()
+    }
+
+    pub fn finished(&self) -> Option<RunFinish> {
+        self.finished.lock().expect("run finish lock").clone()
+    }
+
+    pub fn resident_bytes(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|r| r.lock().expect("rank summary lock").resident_bytes)
+            .sum()
+    }
+}
+
+/// Every run, by name, and the engine of each device.
+pub struct Registry {
+    runs: RwLock<BTreeMap<String, Arc<RunHandle>>>,
+    engines: Mutex<HashMap<String, EngineHandle>>,
+    /// The device new runs get when they do not name one (`cpu` or `cuda:N`).
+    default_device: String,
+    /// How engines are started: queue depth, periodic-capture backlog, and
+    /// where they send their captures.
+    engine_queue_depth: usize,
+    periodic_backlog: u64,
+    captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
+    /// The `polyak_runs` gauge, kept equal to the number of runs.
+    runs_gauge: IntGauge,
+}
+
+impl Registry {
+    pub fn new(
+        default_device: tch::Device,
+        engine_queue_depth: usize,
+        periodic_backlog: u64,
+        captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
+        runs_gauge: IntGauge,
+    ) -> Self {
+        Registry {
+            runs: RwLock::new(BTreeMap::new()),
+            engines: Mutex::new(HashMap::new()),
+            default_device: device::name(default_device),
+            engine_queue_depth,
+            periodic_backlog,
+            captures,
+            runs_gauge,
+        }
+    }
+
+    /// The device new runs get when they do not name one.
+    pub fn default_device(&self) -> &str {
+        &self.default_device
+    }
+
+    /// Loads every run of the catalog and starts its engine.
+    pub async fn load(&self, store: &Store) -> Result<(), StoreError> {
+        for stored in store.list_runs().await? {
+            let ranks = store.list_ranks(&stored.config.name).await?;
+            let name = stored.config.name.clone();
+            let tokens = stored.write_token_hash.zip(stored.read_token_hash).map(
+                |(write_hash, read_hash)| RunTokens {
+                    write_hash,
+                    read_hash,
+                },
+            );
+            let mut config = stored.config;
+            if let Err(e) = device::resolve(&config.device) {
+                tracing::error!(run = %name, device = %config.device, "{e}; the run moves to the CPU");
+                config.device = "cpu".into();
+            }
+            let handle = self
+                .install_run(Arc::new(config), stored.created_at_ms, tokens, ranks)
+                .await;
+            match handle {
+                Ok(handle) => {
+                    if let Some(finish) = stored.finished {
+                        let (run, at) = (name.clone(), FinishedAt(finish.step));
+                        handle
+                            .engine
+                            .call(move |e| e.set_finished(&run, Some(at)))
+                            .await
+                            .map_err(|_| StoreError::Io(std::io::Error::other("engine stopped")))?;
+                        *handle.finished.lock().expect("run finish lock") = Some(finish);
+                    }
+                }
+                Err(_) => tracing::error!(run = %name, "the engine refused the run"),
+            }
+        }
+        for (name, meta) in store.run_metas().await? {
+            if let Some(run) = self.run(&name) {
+                *run.meta.lock().expect("meta lock") = meta;
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine of a device, started on first use.
+    pub fn engine_for(&self, device_name: &str) -> std::io::Result<EngineHandle> {
+        let device = device::parse(device_name)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let key = device::name(device);
+        let mut engines = self.engines.lock().expect("engines lock");
+        if let Some(engine) = engines.get(&key) {
+            return Ok(engine.clone());
+        }
+        let engine = EngineHandle::start(
+            device,
+            self.engine_queue_depth,
+            self.captures.clone(),
+            self.periodic_backlog,
+        )?;
+        engines.insert(key, engine.clone());
+        Ok(engine)
+    }
+
+    pub fn engines(&self) -> Vec<EngineHandle> {
+        self.engines
+            .lock()
+            .expect("engines lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Registers a run with its engine and in the registry.
+    pub async fn install_run(
+        &self,
+        config: Arc<RunConfig>,
+        created_at_ms: i64,
+        tokens: Option<RunTokens>,
+        stored_ranks: Vec<StoredRank>,
+    ) -> Result<Arc<RunHandle>, EngineError> {
+        let engine = self
+            .engine_for(&config.device)
+            .map_err(|_| EngineError::Stopped)?;
+        let for_engine = config.clone();
+        engine.call(move |e| e.add_run(for_engine)).await?;
+        let mut ranks: Vec<RankSummary> = (0..config.world_size)
+            .map(|_| RankSummary::default())
+            .collect();
+        for row in stored_ranks {
+            if let Some(slot) = ranks.get_mut(row.rank as usize) {
+                *slot = RankSummary::from_stored(row);
+            }
+        }
+        let handle = Arc::new(RunHandle {
+            config: config.clone(),
+            created_at_ms,
+            engine,
+            tokens,
+            ranks: ranks.into_iter().map(Mutex::new).collect(),
+            ingest: Mutex::new(IngestWindow::default()),
+            meta: Mutex::new(crate::store::meta::RunMeta::default()),
+            alerts_firing: Default::default(),
+            finished: Mutex::new(None),
+        });
+        let mut runs = self.runs.write().expect("runs lock");
+        runs.insert(config.name.clone(), handle.clone());
+        self.runs_gauge.set(runs.len() as i64);
+        Ok(handle)
+    }
+
+    /// Every run, for the periodic jobs that visit them all.
+    pub fn all_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.runs
+            .read()
+            .expect("runs lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.runs.read().expect("runs lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn run(&self, name: &str) -> Option<Arc<RunHandle>> {
+        self.runs.read().expect("runs lock").get(name).cloned()
+    }
+
+    /// Whether some run holds this token hash (read or write).
+    pub fn token_known(&self, hash: &str) -> bool {
+        self.runs.read().expect("runs lock").values().any(|r| {
+            r.tokens
+                .as_ref()
+                .is_some_and(|t| t.read_hash == hash || t.write_hash == hash)
+        })
+    }
+
+    pub fn remove_run(&self, name: &str) -> Option<Arc<RunHandle>> {
+        let mut runs = self.runs.write().expect("runs lock");
+        let removed = runs.remove(name);
+        self.runs_gauge.set(runs.len() as i64);
+        removed
+    }
+}
+
+/// Counts of a freshly registered layout.
+pub fn counts_of(layout: &RankLayout) -> (usize, u64) {
+    (
+        layout.tensors.len(),
+        layout.tensors.iter().map(|t| t.numel as u64).sum(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pushed_at(times: &[i64]) -> RankSummary {
+        RankSummary {
+            recent: times.iter().map(|&t| (t, 1)).collect(),
+            ..RankSummary::default()
+        }
+    }
+
+    #[test]
+    fn stale_after_follows_the_usual_push_interval() {
+        // Too few pushes to tell, or frequent pushes: the floor.
+        assert_eq!(pushed_at(&[0, 300_000]).stale_after_ms(), STALE_AFTER_MS);
+        assert_eq!(
+            pushed_at(&[0, 1_000, 2_000, 3_000]).stale_after_ms(),
+            STALE_AFTER_MS
+        );
+        // Every five minutes, with one long pause: three median intervals.
+        let rare = pushed_at(&[0, 300_000, 600_000, 4_000_000, 4_300_000]);
+        assert_eq!(rare.stale_after_ms(), 3 * 300_000);
+    }
+}

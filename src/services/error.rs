@@ -1,0 +1,138 @@
+//! The error services answer with: a status class and a stable code, so
+//! that the HTTP edge renders it without knowing the service's internals,
+//! and the ingest service can record a rejection with the same code the
+//! client sees. The tables mapping the lower layers' errors live here, once.
+
+use crate::engine::EngineError;
+use crate::run::FieldError;
+use crate::store::StoreError;
+use crate::wire::WireError;
+
+#[derive(Debug)]
+pub struct ServiceError {
+    /// The HTTP status it is answered with (4xx: the caller's mistake, 5xx: ours).
+    pub status: u16,
+    /// Stable machine-readable code, e.g. `step_conflict`.
+    pub code: &'static str,
+    pub message: String,
+    /// The configuration field at fault, when there is one.
+    pub field: Option<String>,
+    /// Seconds the client should wait before retrying (429).
+    pub retry_after: Option<u64>,
+}
+
+impl ServiceError {
+    pub fn new(status: u16, code: &'static str, message: impl Into<String>) -> Self {
+        ServiceError {
+            status,
+            code,
+            message: message.into(),
+            field: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(400, code, message)
+    }
+
+    pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(404, code, message)
+    }
+
+    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(409, code, message)
+    }
+
+    pub fn unprocessable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(422, code, message)
+    }
+
+    pub fn too_large(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(413, code, message)
+    }
+
+    /// 429 `busy` with a `Retry-After` of `retry_after` seconds.
+    pub fn busy(message: impl Into<String>, retry_after: u64) -> Self {
+        ServiceError {
+            retry_after: Some(retry_after),
+            ..Self::new(429, "busy", message)
+        }
+    }
+
+    /// A 500 whose detail is logged, not sent.
+    pub fn internal(detail: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %detail, "internal error");
+        Self::new(
+            500,
+            "internal",
+            "internal error; the server log has the detail",
+        )
+    }
+}
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.status, self.code, self.message)
+    }
+}
+
+impl std::error::Error for ServiceError {}
+
+impl From<FieldError> for ServiceError {
+    fn from(e: FieldError) -> Self {
+        ServiceError {
+            field: Some(e.field.clone()),
+            ..Self::unprocessable("invalid_config", e.to_string())
+        }
+    }
+}
+
+impl From<WireError> for ServiceError {
+    fn from(e: WireError) -> Self {
+        let message = e.to_string();
+        match e {
+            WireError::Invalid(_) => Self::bad_request("invalid_safetensors", message),
+            WireError::HeaderTooLarge { .. } => Self::too_large("header_too_large", message),
+            WireError::UnsupportedDtype { .. } => Self::unprocessable("unsupported_dtype", message),
+            WireError::InvalidShards(_) => Self::unprocessable("invalid_shards", message),
+            WireError::InvalidMetadata(_) => Self::unprocessable("invalid_metadata", message),
+            WireError::Nonfinite { .. } => Self::unprocessable("nonfinite", message),
+            WireError::Empty => Self::unprocessable("empty_push", message),
+        }
+    }
+}
+
+impl From<EngineError> for ServiceError {
+    fn from(e: EngineError) -> Self {
+        let message = e.to_string();
+        match e {
+            EngineError::QueueFull => Self::busy(message, 1),
+            EngineError::RunNotFound(_) => Self::not_found("run_not_found", message),
+            EngineError::NoData { .. } => Self::not_found("no_data", message),
+            EngineError::StepConflict(_) => Self::conflict("step_conflict", message),
+            EngineError::RunFinished(_) => Self::conflict("run_finished", message),
+            EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
+            EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
+            EngineError::UnknownProfile(_) => Self::not_found("profile_not_found", message),
+            EngineError::Stopped | EngineError::Torch(_) => Self::internal(message),
+        }
+    }
+}
+
+impl From<StoreError> for ServiceError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::RunExists(name) => {
+                Self::conflict("run_exists", format!("run `{name}` already exists"))
+            }
+            other => Self::internal(other),
+        }
+    }
+}
+
+impl From<tokio::task::JoinError> for ServiceError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        Self::internal(e)
+    }
+}

@@ -1,0 +1,76 @@
+//! Services: the domain work between the HTTP handlers and the layers
+//! below (registry, event bus, engine, snapshot format, store). A handler
+//! extracts its request, calls one service, and renders the answer or the
+//! [`ServiceError`]. Each service owns its state and its periodic task,
+//! started from `server.rs`.
+//!
+//! - [`ingest`]: a push from its body to the applied update and its
+//!   bookkeeping (metrics, rank summary, catalog, drift, events).
+//! - [`monitor`]: the series the server records itself (drift, ingest
+//!   rate) and their retention.
+//! - [`alerts`]: per-run alert rules evaluated from events and a tick;
+//!   webhooks.
+//! - [`snapshots`]: the snapshot lifecycle (cuts, capture writes,
+//!   retention, state persistence, restore and recovery) and derived
+//!   snapshots (post-hoc, merge).
+
+pub mod alerts;
+pub mod error;
+pub mod ingest;
+pub mod monitor;
+pub mod snapshots;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use error::ServiceError;
+
+use crate::config::ServeArgs;
+use crate::engine::rank::RankLayout;
+use crate::events::EventBus;
+use crate::registry::{RankSummary, Registry, RunHandle};
+use crate::store::writer::{CatalogUpdate, CatalogWriter};
+use crate::store::Store;
+use crate::telemetry::Metrics;
+
+/// What every service reaches: the configuration, the catalog, the run
+/// registry, the event bus and the metrics. Cheap to clone.
+pub type Context = Arc<Shared>;
+
+pub struct Shared {
+    pub args: ServeArgs,
+    pub store: Store,
+    /// Batched catalog writes off the request path.
+    pub catalog: CatalogWriter,
+    pub registry: Registry,
+    pub events: EventBus,
+    pub metrics: Arc<Metrics>,
+    pub started: Instant,
+}
+
+impl Shared {
+    pub fn run(&self, name: &str) -> Option<Arc<RunHandle>> {
+        self.registry.run(name)
+    }
+
+    /// Every run, for the periodic jobs that visit them all.
+    pub fn all_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.registry.all_runs()
+    }
+
+    /// Records a registered layout and the new counters of a rank.
+    pub fn record_rank(
+        &self,
+        run: &RunHandle,
+        rank: u32,
+        summary: &RankSummary,
+        layout: Option<&RankLayout>,
+    ) {
+        let layout_json = layout.and_then(|l| serde_json::to_string(l).ok());
+        self.catalog.send(CatalogUpdate::Rank {
+            run: run.config.name.clone(),
+            row: summary.to_row(rank),
+            layout_json,
+        });
+    }
+}

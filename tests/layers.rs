@@ -1,0 +1,288 @@
+//! The import direction of the crate: every module of `src/` may use only
+//! modules of a lower layer (or its own module). A `crate::` path that
+//! points up or sideways fails this test with the file, the line and the
+//! two layers. Read with `docs/architecture.md`, which draws the same table.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// `(module path, layer)`: a file belongs to the longest entry that
+/// prefixes its module path, and so does every `crate::` path it uses. A
+/// module may use its own entry's modules and those of lower layers only;
+/// two entries on the same layer may not use each other.
+const LAYERS: &[(&str, u32)] = &[
+    // Leaves: know nothing of the rest of the crate.
+    ("clock", 0),
+    ("config", 0),
+    ("hugepages", 0),
+    ("sigma_rel", 0),
+    // The run configuration (with its alert rules) and the wire format.
+    ("run", 1),
+    ("wire", 2),
+    // The engine thread, then what is built beside it: the on-disk snapshot
+    // format and the download/compare/post-hoc machinery over it, the
+    // catalog, the Prometheus registry.
+    ("engine", 3),
+    ("snapshot", 4),
+    ("store", 4),
+    ("telemetry", 4),
+    // The run registry and the event bus.
+    ("registry", 5),
+    ("events", 5),
+    // Services, in their own order: the shared context and the error first,
+    // monitoring and alerts, the snapshot lifecycle, then the jobs built on
+    // it and ingest.
+    ("services", 6),
+    ("services::error", 6),
+    ("services::monitor", 7),
+    ("services::alerts", 7),
+    ("services::snapshots", 8),
+    ("services::ingest", 9),
+    // Handles to the services, then the HTTP edge, then the wiring.
+    ("state", 10),
+    ("http", 11),
+    ("server", 12),
+];
+
+/// The module path of a source file: `src/services/ingest.rs` ->
+/// `services::ingest`, `src/snapshot/mod.rs` -> `snapshot`.
+fn module_of(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).expect("under src");
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    parts.join("::")
+}
+
+/// The table entry a module path belongs to.
+fn unit_of(path: &str) -> Option<(&'static str, u32)> {
+    LAYERS
+        .iter()
+        .filter(|(name, _)| path == *name || path.starts_with(&format!("{name}::")))
+        .max_by_key(|(name, _)| name.len())
+        .copied()
+}
+
+/// Every `crate::` path a file uses, with its line number: `use` lines
+/// (grouped ones too: `use crate::{a::B, c}`) and paths written inline.
+/// `super::` paths are resolved against `module` (the file's module path)
+/// first, so a sibling reached through `super` is checked as well; after a
+/// line opening an inline `mod name {` (the tests at the end of a file),
+/// `super` is the file's own module. Comments are skipped.
+fn crate_paths(module: &str, text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut inner = None;
+    for (n, line) in text.lines().enumerate() {
+        let code = match line.find("//") {
+            Some(i) => &line[..i],
+            None => line,
+        };
+        let words: Vec<&str> = code.split_whitespace().collect();
+        if matches!(words.as_slice(), ["mod", _, "{"] | ["pub", "mod", _, "{"]) {
+            inner = Some(format!("{module}::{}", words[words.len() - 2]));
+        }
+        let code = resolve_super(inner.as_deref().unwrap_or(module), code);
+        let mut rest = code.as_str();
+        while let Some(i) = rest.find("crate::") {
+            let before = rest[..i].chars().last();
+            let after = &rest[i + "crate::".len()..];
+            rest = after;
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                continue; // `mycrate::`, not ours
+            }
+            if let Some(group) = after.strip_prefix('{') {
+                let end = group.find('}').unwrap_or(group.len());
+                for item in group[..end].split(',') {
+                    let head = path_head(item.trim());
+                    if !head.is_empty() {
+                        out.push((n + 1, head));
+                    }
+                }
+            } else {
+                let head = path_head(after);
+                if !head.is_empty() {
+                    out.push((n + 1, head)); // `crate::*` alone names no module
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The line with each `super::` chain written as the `crate::` path it
+/// names: in `services::ingest`, `super::monitor` is `crate::services::monitor`.
+fn resolve_super(module: &str, code: &str) -> String {
+    let mut out = String::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("super::") {
+        let before = rest[..i].chars().last();
+        out.push_str(&rest[..i]);
+        rest = &rest[i..];
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            out.push_str("super::");
+            rest = &rest["super::".len()..];
+            continue;
+        }
+        let mut parts: Vec<&str> = module.split("::").filter(|p| !p.is_empty()).collect();
+        while let Some(after) = rest.strip_prefix("super::") {
+            parts.pop();
+            rest = after;
+        }
+        out.push_str("crate::");
+        for p in parts {
+            out.push_str(p);
+            out.push_str("::");
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `services::ingest::Ingest;` -> `services::ingest::Ingest`
+fn path_head(s: &str) -> String {
+    s.chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+        .collect::<String>()
+        .trim_end_matches(':')
+        .to_string()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read src") {
+        let path = entry.expect("dir entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The upward (or sideways) imports under `src`, one line each.
+fn violations(src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    files.sort();
+    let mut found = Vec::new();
+    for file in files {
+        let module = module_of(src, &file);
+        let shown = file
+            .strip_prefix(src.parent().unwrap_or(src))
+            .unwrap_or(&file);
+        if module == "lib" || module == "main" {
+            continue; // they declare and start everything
+        }
+        let Some((unit, layer)) = unit_of(&module) else {
+            found.push(format!(
+                "{}: module `{module}` is in no layer; add it to LAYERS",
+                shown.display()
+            ));
+            continue;
+        };
+        let text = std::fs::read_to_string(&file).expect("read a source file");
+        for (line, path) in crate_paths(&module, &text) {
+            let Some((target, target_layer)) = unit_of(&path) else {
+                found.push(format!(
+                    "{}:{line}: `crate::{path}` is in no layer",
+                    shown.display()
+                ));
+                continue;
+            };
+            if target == unit || target_layer < layer {
+                continue;
+            }
+            found.push(format!(
+                "{}:{line}: `{unit}` (layer {layer}) uses `crate::{path}` (`{target}`, layer {target_layer})",
+                shown.display()
+            ));
+        }
+    }
+    found
+}
+
+#[test]
+fn modules_only_use_lower_layers() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let found = violations(&src);
+    assert!(
+        found.is_empty(),
+        "imports against the layer order (see LAYERS in tests/layers.rs):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_table_puts_every_module_somewhere_and_keeps_its_order() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut per_layer: BTreeMap<u32, Vec<&str>> = BTreeMap::new();
+    for (name, layer) in LAYERS {
+        per_layer.entry(*layer).or_default().push(name);
+    }
+    // Leaves exist and the wiring is on top.
+    assert_eq!(per_layer[&0], ["clock", "config", "hugepages", "sigma_rel"]);
+    assert_eq!(
+        unit_of("server").map(|u| u.1),
+        per_layer.keys().last().copied()
+    );
+    assert_eq!(
+        unit_of("services::ingest::Ingest"),
+        Some(("services::ingest", 9))
+    );
+    assert_eq!(unit_of("services::Context"), Some(("services", 6)));
+    assert_eq!(
+        unit_of("snapshot::format::SnapshotMeta"),
+        Some(("snapshot", 4))
+    );
+    assert_eq!(unit_of("registryx"), None);
+}
+
+#[test]
+fn the_scanner_sees_grouped_inline_and_commented_paths() {
+    let text = "use crate::{wire::DType, engine};\n\
+                let x = crate::clock::now_ms(); // crate::http::router\n\
+                // use crate::server;\n\
+                use mycrate::thing;\n";
+    let paths = crate_paths("services::ingest", text);
+    assert_eq!(
+        paths,
+        vec![
+            (1, "wire::DType".to_string()),
+            (1, "engine".to_string()),
+            (2, "clock::now_ms".to_string()),
+        ]
+    );
+    let text = "use super::monitor::note;\nuse super::super::http::router;\n\
+                mod tests {\n    use super::*;\n    use super::super::error::E;\n}\n";
+    assert_eq!(
+        crate_paths("services::ingest", text),
+        vec![
+            (1, "services::monitor::note".to_string()),
+            (2, "http::router".to_string()),
+            (4, "services::ingest".to_string()),
+            (5, "services::error::E".to_string()),
+        ]
+    );
+}
+
+#[test]
+fn an_upward_import_is_reported() {
+    let dir = std::env::temp_dir().join(format!("polyak-layers-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("engine")).expect("temp src");
+    std::fs::write(
+        dir.join("engine/mod.rs"),
+        "use crate::wire::DType;\nuse crate::http::ApiError;\n",
+    )
+    .expect("write");
+    std::fs::write(dir.join("wire.rs"), "use super::engine::Engine;\n").expect("write");
+    let found = violations(&dir);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].contains("`engine` (layer 3) uses `crate::http::ApiError`"));
+    assert!(found[1].contains("`wire` (layer 2) uses `crate::engine::Engine`"));
+}
