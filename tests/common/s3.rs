@@ -68,12 +68,13 @@ impl S3Endpoint {
         }
         let weed = find_weed()?;
         let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::create_dir(dir.path().join("data")).expect("data dir");
         let port = free_port();
         let ports: Vec<u16> = (0..7).map(|_| free_port()).collect();
         let mut args = vec![
             weed.display().to_string(),
             "server".into(),
-            format!("-dir={}", dir.path().display()),
+            format!("-dir={}", dir.path().join("data").display()),
             "-ip=127.0.0.1".into(),
             "-ip.bind=127.0.0.1".into(),
             format!("-master.port={}", ports[0]),
@@ -106,22 +107,53 @@ impl S3Endpoint {
         Some(s3)
     }
 
+    fn log_path(&self) -> Option<PathBuf> {
+        self._dir.as_ref().map(|d| d.path().join("weed.log"))
+    }
+
     fn spawn(&mut self) {
+        let log = self.log_path().and_then(|p| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .ok()
+        });
+        let (out, err) = match log.and_then(|f| Some((f.try_clone().ok()?, f))) {
+            Some((a, b)) => (Stdio::from(a), Stdio::from(b)),
+            None => (Stdio::null(), Stdio::null()),
+        };
+        // weed turns AWS_* variables into an identity (and then refuses
+        // anonymous requests): it gets none, and accepts any signature.
         let child = Command::new(&self.args[0])
             .args(&self.args[1..])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .env_remove("AWS_ACCESS_KEY_ID")
+            .env_remove("AWS_SECRET_ACCESS_KEY")
+            .stdout(out)
+            .stderr(err)
             .spawn()
             .expect("start weed");
         self.child = Some(child);
         let client = reqwest::blocking::Client::new();
         let url = format!("{}/{}", self.endpoint, self.bucket);
         let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = String::new();
         loop {
             // An unsigned PUT creates the bucket (anonymous access is open).
-            match client.put(&url).send() {
+            match client.put(&url).body(Vec::new()).send() {
                 Ok(r) if r.status().is_success() || r.status().as_u16() == 409 => return,
-                _ if Instant::now() > deadline => panic!("SeaweedFS did not come up"),
+                Ok(r) if Instant::now() <= deadline => {
+                    last = format!("{} {}", r.status(), r.text().unwrap_or_default());
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                _ if Instant::now() > deadline => {
+                    let log = self
+                        .log_path()
+                        .and_then(|p| std::fs::read_to_string(p).ok())
+                        .unwrap_or_default();
+                    let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
+                    panic!("SeaweedFS did not come up ({last}); its log, newest first:\n{tail}")
+                }
                 _ => std::thread::sleep(Duration::from_millis(200)),
             }
         }
