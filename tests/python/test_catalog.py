@@ -5,6 +5,7 @@ catalog rows or part files answer 5xx with codes of their own."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import time
@@ -261,3 +262,42 @@ def test_corrupt_part_file_and_catalog_row_answer_5xx_with_their_codes(
         # The caller's mistakes stay 4xx.
         r = c.get(f"/v1/runs/{run}/snapshots/no-such-id")
         assert r.status_code == 404, r.text
+
+
+def test_catalog_outage_on_postgres(tmp_path, backend):
+    """PostgreSQL stops under a running server: /readyz answers 503 naming
+    the catalog, catalog reads answer 503 catalog_unavailable, pushes go on
+    (their bookkeeping is batched); once it is back everything answers again."""
+    if not backend.startswith("postgres") or os.environ.get("POLYAK_TEST_DATABASE_URL"):
+        pytest.skip("needs a PostgreSQL of its own to stop")
+    from polyak.testing import PolyakServer, PostgresService
+
+    pg = PostgresService().start()
+    srv = PolyakServer(tmp_path / "data", "--catalog", pg.new_database())
+    try:
+        srv.start()
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            ready = c.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["catalog"] == "postgres", ready.text
+            create(c, "outage")
+            push(c, "outage", 0, v0_state(0))
+            pg.stop(keep_data=True)
+            ready = c.get("/readyz")
+            assert ready.status_code == 503, ready.text
+            assert ready.json()["detail"].startswith("catalog (postgres)"), ready.text
+            r = c.get("/v1/runs/outage/snapshots")
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "catalog_unavailable", r.text
+            assert r.headers["retry-after"] == "1"
+            for step in (1, 2):
+                assert push(c, "outage", step, v0_state(step))["applied"] is True
+            pg.start()
+            wait_for(lambda: c.get("/readyz").status_code == 200, what="ready again")
+            assert c.get("/v1/runs/outage/snapshots").status_code == 200
+            want = constant_ema([v0_state(s) for s in range(3)], 0.5)
+            live = live_ema(c, "outage")
+            for k in want:
+                torch.testing.assert_close(live[k], want[k], rtol=0, atol=0)
+    finally:
+        srv.stop()
+        pg.stop()

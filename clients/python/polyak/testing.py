@@ -304,7 +304,12 @@ class PostgresService:
             )
 
     def start(self, timeout: float = 60.0) -> PostgresService:
+        """Creates and starts the cluster; after ``stop(keep_data=True)``,
+        starts the same cluster again on the same port (an outage ends)."""
         if self.external:
+            return self
+        if self.dir is not None:
+            self._launch(timeout)
             return self
         self._ensure_user()
         self.dir = Path(tempfile.mkdtemp(prefix="polyak-pg-"))
@@ -397,7 +402,8 @@ class PostgresService:
         self.psql(f'CREATE DATABASE "{name}"')
         return self.database_url(name)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, *, keep_data: bool = False) -> None:
+        """Stops the cluster (fast shutdown); ``keep_data`` for a restart."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # fast shutdown
             try:
@@ -406,7 +412,7 @@ class PostgresService:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        if self.dir is not None:
+        if self.dir is not None and not keep_data:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
