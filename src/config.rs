@@ -33,9 +33,15 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_BIND", default_value = "127.0.0.1:8080")]
     pub bind: SocketAddr,
 
-    /// Directory for the SQLite catalog and snapshot files.
+    /// Directory for the SQLite catalog and snapshot files (the embedded
+    /// defaults of `--catalog` and `--store`).
     #[arg(long, env = "POLYAK_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
+
+    /// The catalog database: `sqlite://PATH` or `postgres://USER[:PASSWORD]@HOST[:PORT]/DB`.
+    /// Default: SQLite at `<data-dir>/polyak.db`. Its migrations are applied at start.
+    #[arg(long, env = "POLYAK_CATALOG", hide_env_values = true)]
+    pub catalog: Option<String>,
 
     /// Default device for new runs' EMA: `auto` (CUDA when available, else
     /// CPU), `cpu`, `cuda` or `cuda:N`. Asking for CUDA on a machine without

@@ -21,8 +21,11 @@
 //!   kernels.
 //! - [`snapshot`]: consistent cuts, durable files, downloads (full,
 //!   sharded, HF shards), compare, resume and crash recovery.
-//! - [`store`]: the SQLite catalog (runs, ranks, events), migrations under
-//!   `migrations/`.
+//! - [`store`]: the catalog (runs, ranks, events, snapshot rows) on SQLite
+//!   or PostgreSQL, migrations under `migrations/sqlite/` and
+//!   `migrations/postgres/`.
+//! - [`objstore`]: the object store for snapshot parts (local files or an
+//!   S3-compatible service): streamed multipart uploads, ranged reads.
 //! - [`monitor`]: series the server records (EMA drift, per tensor too, ingest rate).
 //! - [`alerts`]: per-run alert rules evaluated on the server, webhooks.
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
@@ -39,6 +42,7 @@ pub mod engine;
 pub mod events;
 pub mod http;
 pub mod hugepages;
+pub mod objstore;
 pub mod registry;
 pub mod run;
 pub mod server;

@@ -33,9 +33,21 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let data_dir = args.data_dir.clone();
-    let store = Store::open(&data_dir)
-        .await
-        .with_context(|| format!("opening the catalog in {}", data_dir.display()))?;
+    // An empty POLYAK_CATALOG (compose passes one through) means the default.
+    let catalog_url = args
+        .catalog
+        .clone()
+        .filter(|url| !url.is_empty())
+        .unwrap_or_else(|| Store::default_url(&data_dir));
+    std::fs::create_dir_all(&data_dir)
+        .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
+    let store = Store::connect(&catalog_url).await.with_context(|| {
+        format!(
+            "opening the catalog {}",
+            crate::store::redact_url(&catalog_url)
+        )
+    })?;
+    let store_kind = store.kind().name();
     let (catalog, writer) = CatalogWriter::spawn(store.clone());
     let (state, captures) = AppInner::open(args, default_device, catalog, store).await?;
     crate::services::snapshots::recover(state.snapshots())
@@ -51,6 +63,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         %addr,
         device = %state.registry().default_device(),
         data_dir = %data_dir.display(),
+        catalog = store_kind,
         runs = state.registry().len(),
         "polyak ready"
     );

@@ -516,14 +516,16 @@ impl Engine {
     }
 
     /// Captures every rank that holds data, each at its own last step (a
-    /// crash-recovery `state` snapshot). `None` when nothing changed since
-    /// the last one (unless `force`).
+    /// crash-recovery `state` snapshot), with the count of changes it
+    /// covers. `None` when nothing changed since the last persisted one
+    /// (unless `force`). The run stays dirty until [`Self::mark_persisted`]
+    /// is told the snapshot completed: a failed write is retried.
     pub fn capture_state(
         &mut self,
         run: &str,
         snapshot: &str,
         force: bool,
-    ) -> Result<Option<Vec<RankCapture>>, EngineError> {
+    ) -> Result<Option<(Vec<RankCapture>, u64)>, EngineError> {
         let entry = self
             .runs
             .get_mut(run)
@@ -539,8 +541,15 @@ impl Engine {
                 out.push(capture_rank(&config, s, snapshot, rank as u32, &profiles)?);
             }
         }
-        entry.dirty = 0;
-        Ok(Some(out))
+        Ok(Some((out, entry.dirty)))
+    }
+
+    /// A state snapshot that covered `covered` changes is complete: those
+    /// no longer need persisting (changes applied since still do).
+    pub fn mark_persisted(&mut self, run: &str, covered: u64) {
+        if let Some(entry) = self.runs.get_mut(run) {
+            entry.dirty = entry.dirty.saturating_sub(covered);
+        }
     }
 
     /// Replaces the run's ranks with restored tensors (start-up recovery and
@@ -704,9 +713,22 @@ fn resume_hint(run: &str, last: u64) -> String {
     )
 }
 
-/// A new snapshot id: `<kind>-<step>-<4 hex>`, safe as a path component.
-pub fn snapshot_id(kind: &str, step: u64) -> String {
-    format!("{kind}-{step}-{:04x}", rand::random::<u16>())
+/// A new snapshot id: a ULID in lower case (26 characters, 48 bits of
+/// milliseconds then 80 random bits), unique across runs and servers and
+/// ordered by creation time as a string; safe as a path component. Ids
+/// made in the same millisecond by this process increase by one, so they
+/// stay ordered too. (Catalogs written before keep their
+/// `<kind>-<step>-<4 hex>` ids: ids are opaque everywhere else.)
+pub fn snapshot_id(_kind: &str, _step: u64) -> String {
+    static GENERATOR: std::sync::Mutex<ulid::Generator> =
+        std::sync::Mutex::new(ulid::Generator::new());
+    let mut generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let id = match generator.generate() {
+        Ok(id) => id,
+        // 2^80 ids in one millisecond: start a fresh random sequence.
+        Err(_) => ulid::Ulid::new(),
+    };
+    id.to_string().to_ascii_lowercase()
 }
 
 /// A new tensor with the same values, on the same device.
@@ -740,4 +762,49 @@ pub fn host_bytes(tensor: Tensor) -> bytes::Bytes {
     debug_assert!(tensor.device() == Device::Cpu && tensor.is_contiguous());
     let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
     bytes::Bytes::from_owner(HostTensorBytes { tensor, len })
+}
+
+#[cfg(test)]
+mod snapshot_id_tests {
+    use super::snapshot_id;
+
+    /// 100,000 ids made by four threads (as runs on different engines and
+    /// tasks would): all distinct, and every thread's ids increase, so
+    /// sorting ids sorts snapshots by creation; the time part is now.
+    #[test]
+    fn ids_are_unique_and_ordered_by_creation() {
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    (0..25_000)
+                        .map(|i| snapshot_id(["manual", "state"][(i + t) % 2], i as u64))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let per_thread: Vec<Vec<String>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let mut all = std::collections::HashSet::new();
+        for ids in &per_thread {
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids not increasing");
+            for id in ids {
+                assert_eq!(id.len(), 26);
+                assert!(id
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase()));
+                assert!(all.insert(id.clone()), "duplicate id {id}");
+            }
+        }
+        assert_eq!(all.len(), 100_000);
+        // The first 10 characters are the creation time in milliseconds.
+        let first = ulid::Ulid::from_string(&per_thread[0][0].to_ascii_uppercase()).unwrap();
+        let last = ulid::Ulid::from_string(&per_thread[0][24_999].to_ascii_uppercase()).unwrap();
+        assert!(first.timestamp_ms() >= before && last.timestamp_ms() >= first.timestamp_ms());
+        // One id made after all the others sorts after every one of them.
+        let later = snapshot_id("manual", 0);
+        assert!(all.iter().all(|id| *id < later));
+    }
 }

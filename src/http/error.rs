@@ -83,6 +83,49 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// A server fault with a code of its own (the cause, for operators and
+    /// retries); the detail is logged, the answer says `what` failed.
+    pub fn fault(
+        status: StatusCode,
+        code: &'static str,
+        what: &str,
+        detail: impl std::fmt::Display,
+    ) -> Self {
+        tracing::error!(code, error = %detail, "{what}");
+        Self::new(
+            status,
+            code,
+            format!("{what}; the server log has the detail"),
+        )
+    }
+
+    /// A blocking worker that panicked or was cancelled.
+    pub fn worker_failed(detail: impl std::fmt::Display) -> Self {
+        Self::fault(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "worker_failed",
+            "a server worker failed",
+            detail,
+        )
+    }
+
+    /// Reading or writing stored snapshot bytes failed.
+    pub fn snapshot_io(e: std::io::Error) -> Self {
+        let code = if e.kind() == std::io::ErrorKind::NotFound {
+            "snapshot_part_missing"
+        } else {
+            "snapshot_io"
+        };
+        Self::fault(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code,
+            "stored snapshot data could not be read",
+            e,
+        )
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = ErrorBody {

@@ -31,6 +31,8 @@ pub struct Health {
     pub disk_free_bytes: Option<u64>,
     /// `--disk-reserve`: snapshot and state writes keep this much free.
     pub disk_reserve_bytes: u64,
+    /// The catalog database: `sqlite` or `postgres`.
+    pub catalog: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
 }
@@ -43,6 +45,7 @@ fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
         runs: state.registry().len(),
         disk_free_bytes: crate::services::snapshots::disk::refresh_gauge(state.snapshots()),
         disk_reserve_bytes: state.args().disk_reserve.0,
+        catalog: state.store().kind().name().into(),
         detail,
     }
 }
@@ -60,7 +63,11 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     if let Err(e) = state.store().ping().await {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(health(&state, "unavailable", Some(e.to_string()))),
+            Json(health(
+                &state,
+                "unavailable",
+                Some(format!("catalog ({}): {e}", state.store().kind().name())),
+            )),
         )
             .into_response();
     }

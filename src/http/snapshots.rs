@@ -34,9 +34,21 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::Invalid(m) => ApiError::unprocessable("invalid_request", m),
             SnapshotError::Older(m) => ApiError::conflict("snapshot_older", m),
             SnapshotError::Internal(m) => ApiError::internal(m),
+            SnapshotError::Corrupt(m) => ApiError::fault(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "snapshot_corrupt",
+                "a stored snapshot part cannot be read back",
+                m,
+            ),
+            SnapshotError::WriteFailed(m) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "snapshot_write_failed",
+                m,
+            ),
+            SnapshotError::Worker(m) => ApiError::worker_failed(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
-            SnapshotError::Io(e) => ApiError::internal(e),
+            SnapshotError::Io(e) => ApiError::snapshot_io(e),
             SnapshotError::NoSpace(e) => ApiError::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient_storage",
@@ -51,7 +63,13 @@ impl From<assemble::AssembleError> for ApiError {
         match e {
             assemble::AssembleError::DoesNotTile(m) => ApiError::unprocessable("does_not_tile", m),
             assemble::AssembleError::Missing(m) => ApiError::not_found("not_in_snapshot", m),
-            other => ApiError::internal(other),
+            assemble::AssembleError::Io(e) => ApiError::snapshot_io(e),
+            assemble::AssembleError::Malformed(m) => ApiError::fault(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "snapshot_corrupt",
+                "a stored snapshot part cannot be read back",
+                m,
+            ),
         }
     }
 }
@@ -622,6 +640,7 @@ pub struct PersistResponse {
 /// Take a crash-recovery `state` snapshot now.
 #[utoipa::path(post, path = "/v1/runs/{run}/persist", tag = "snapshots",
     params(("run" = String, Path)), responses((status = 200, body = PersistResponse),
+        (status = 500, body = ErrorBody, description = "snapshot_write_failed: writing the state failed (the run stays due and is retried)"),
         (status = 507, body = ErrorBody, description = "insufficient_storage: the write would pass --disk-reserve")))]
 pub async fn persist(
     State(state): State<AppState>,

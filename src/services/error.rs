@@ -60,6 +60,22 @@ impl ServiceError {
         }
     }
 
+    /// A server fault with a code of its own (the cause, for operators and
+    /// retries); the detail is logged, the answer says `what` failed.
+    pub fn fault(
+        status: u16,
+        code: &'static str,
+        what: &str,
+        detail: impl std::fmt::Display,
+    ) -> Self {
+        tracing::error!(code, error = %detail, "{what}");
+        Self::new(
+            status,
+            code,
+            format!("{what}; the server log has the detail"),
+        )
+    }
+
     /// A 500 whose detail is logged, not sent.
     pub fn internal(detail: impl std::fmt::Display) -> Self {
         tracing::error!(error = %detail, "internal error");
@@ -126,13 +142,28 @@ impl From<StoreError> for ServiceError {
             StoreError::RunExists(name) => {
                 Self::conflict("run_exists", format!("run `{name}` already exists"))
             }
-            other => Self::internal(other),
+            StoreError::Json(e) => Self::fault(
+                500,
+                "catalog_corrupt",
+                "the catalog holds a row the server cannot read",
+                e,
+            ),
+            other if other.is_unavailable() => ServiceError {
+                retry_after: Some(1),
+                ..Self::fault(
+                    503,
+                    "catalog_unavailable",
+                    "the catalog cannot be reached",
+                    other,
+                )
+            },
+            other => Self::fault(500, "catalog_error", "a catalog query failed", other),
         }
     }
 }
 
 impl From<tokio::task::JoinError> for ServiceError {
     fn from(e: tokio::task::JoinError) -> Self {
-        Self::internal(e)
+        Self::fault(500, "worker_failed", "a server worker failed", e)
     }
 }

@@ -37,11 +37,9 @@ impl Store {
         meta: &RunMeta,
         at_ms: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO run_meta (run, tags, note, alert_rules, updated_at_ms) VALUES (?, ?, ?, ?, ?) \
+        sqlx::query(&self.sql("INSERT INTO run_meta (run, tags, note, alert_rules, updated_at_ms) VALUES (?, ?, ?, ?, ?) \
              ON CONFLICT(run) DO UPDATE SET tags = excluded.tags, note = excluded.note, \
-             alert_rules = excluded.alert_rules, updated_at_ms = excluded.updated_at_ms",
-        )
+             alert_rules = excluded.alert_rules, updated_at_ms = excluded.updated_at_ms"))
         .bind(run)
         .bind(serde_json::to_string(&meta.tags)?)
         .bind(&meta.note)
@@ -54,7 +52,7 @@ impl Store {
 
     /// Every run's annotations, by run name.
     pub async fn run_metas(&self) -> Result<Vec<(String, RunMeta)>, StoreError> {
-        let rows = sqlx::query("SELECT run, tags, note, alert_rules FROM run_meta")
+        let rows = sqlx::query(&self.sql("SELECT run, tags, note, alert_rules FROM run_meta"))
             .fetch_all(self.pool())
             .await?;
         rows.into_iter()
@@ -82,10 +80,10 @@ impl Store {
             diff_sq: row.diff_sq.clone(),
             online_sq: row.online_sq.clone(),
         };
-        sqlx::query(
+        sqlx::query(&self.sql(
             "INSERT INTO tensor_drift (run, profile, rank, step, sums) \
              SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
-        )
+        ))
         .bind(run)
         .bind(profile)
         .bind(row.rank as i64)
@@ -105,11 +103,9 @@ impl Store {
         profile: &str,
         limit: i64,
     ) -> Result<Vec<TensorDriftRow>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT rank, step, sums FROM tensor_drift WHERE run = ? AND profile = ? AND step IN \
+        let rows = sqlx::query(&self.sql("SELECT rank, step, sums FROM tensor_drift WHERE run = ? AND profile = ? AND step IN \
              (SELECT DISTINCT step FROM tensor_drift WHERE run = ? AND profile = ? ORDER BY step DESC LIMIT ?) \
-             ORDER BY step, rank",
-        )
+             ORDER BY step, rank"))
         .bind(run)
         .bind(profile)
         .bind(run)
@@ -133,10 +129,8 @@ impl Store {
 
     /// Keeps the newest `retained` samples of each run, profile and rank.
     pub async fn prune_tensor_drift(&self, retained: u64) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM tensor_drift WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
-             (PARTITION BY run, profile, rank ORDER BY step DESC, id DESC) AS n FROM tensor_drift) WHERE n > ?)",
-        )
+        let done = sqlx::query(&self.sql("DELETE FROM tensor_drift WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
+             (PARTITION BY run, profile, rank ORDER BY step DESC, id DESC) AS n FROM tensor_drift) AS numbered WHERE n > ?)"))
         .bind(retained as i64)
         .execute(self.pool())
         .await?;

@@ -1,5 +1,10 @@
-//! The catalog: SQLite through sqlx, schema in `migrations/`, applied at
-//! start. WAL journal, a busy timeout, foreign keys on.
+//! The catalog: SQLite (the embedded default) or PostgreSQL, through
+//! sqlx's `Any` driver so one set of queries serves both. The schema lives
+//! in `migrations/sqlite/` and `migrations/postgres/` (the same tables,
+//! each in its dialect) and is applied at start.
+//!
+//! Queries are written with `?` placeholders; [`Store::sql`] turns them
+//! into PostgreSQL's `$1, $2, ...` when the catalog is PostgreSQL.
 //!
 //! The HTTP layer writes run creation and deletion directly (they are
 //! acknowledged only once stored); per-push bookkeeping (rank counters,
@@ -10,12 +15,12 @@ pub mod meta;
 pub mod snapshots;
 pub mod writer;
 
+use std::borrow::Cow;
 use std::path::Path;
-use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Row, SqlitePool};
+use sqlx::any::AnyPoolOptions;
+use sqlx::{AnyPool, Executor, Row};
 
 use crate::run::RunConfig;
 
@@ -31,6 +36,41 @@ pub enum StoreError {
     Json(#[from] serde_json::Error),
     #[error("data dir: {0}")]
     Io(#[from] std::io::Error),
+    #[error("catalog URL `{0}`: expected sqlite://PATH or postgres://...")]
+    Url(String),
+}
+
+impl StoreError {
+    /// True when the catalog could not be reached (as opposed to a query
+    /// or its data being wrong): callers answer 503 and retry later.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Sql(
+                sqlx::Error::Io(_)
+                    | sqlx::Error::PoolTimedOut
+                    | sqlx::Error::PoolClosed
+                    | sqlx::Error::Tls(_)
+                    | sqlx::Error::WorkerCrashed
+            )
+        )
+    }
+}
+
+/// Which database holds the catalog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CatalogKind {
+    Sqlite,
+    Postgres,
+}
+
+impl CatalogKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CatalogKind::Sqlite => "sqlite",
+            CatalogKind::Postgres => "postgres",
+        }
+    }
 }
 
 /// A run as stored.
@@ -82,35 +122,90 @@ pub struct StoredEvent {
 
 #[derive(Clone)]
 pub struct Store {
-    pool: SqlitePool,
+    pool: AnyPool,
+    kind: CatalogKind,
 }
 
 impl Store {
-    /// Opens (creating) `data_dir/polyak.db` and applies the migrations.
+    /// Opens (creating) the SQLite catalog `data_dir/polyak.db` and applies
+    /// the migrations: the embedded default.
     pub async fn open(data_dir: &Path) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(data_dir)?;
-        let url = format!("sqlite://{}", data_dir.join("polyak.db").display());
-        let options = SqliteConnectOptions::from_str(&url)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(options)
-            .await?;
-        sqlx::migrate!("./migrations").run(&pool).await?;
-        Ok(Store { pool })
+        Store::connect(&Store::default_url(data_dir)).await
     }
 
-    pub fn pool(&self) -> &SqlitePool {
+    /// The default catalog URL: SQLite under the data dir.
+    pub fn default_url(data_dir: &Path) -> String {
+        format!("sqlite://{}", data_dir.join("polyak.db").display())
+    }
+
+    /// Opens the catalog at `url` (`sqlite://PATH` or `postgres://...`),
+    /// creating a SQLite file (and its directory) when missing, and applies
+    /// the migrations of its dialect.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        sqlx::any::install_default_drivers();
+        let (kind, pool) = if let Some(path) = url.strip_prefix("sqlite://") {
+            let path = path.split('?').next().unwrap_or(path);
+            if let Some(dir) = Path::new(path).parent() {
+                if !dir.as_os_str().is_empty() {
+                    std::fs::create_dir_all(dir)?;
+                }
+            }
+            let pool = AnyPoolOptions::new()
+                .max_connections(4)
+                .after_connect(|conn, _| {
+                    Box::pin(async move {
+                        // WAL with NORMAL sync: a commit survives a process
+                        // crash; readers never wait on the writer.
+                        conn.execute(
+                            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+                             PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;",
+                        )
+                        .await?;
+                        Ok(())
+                    })
+                })
+                .connect(&format!("sqlite://{path}?mode=rwc"))
+                .await?;
+            (CatalogKind::Sqlite, pool)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let pool = AnyPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect(url)
+                .await?;
+            (CatalogKind::Postgres, pool)
+        } else {
+            return Err(StoreError::Url(redact_url(url)));
+        };
+        match kind {
+            CatalogKind::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&pool).await?,
+            CatalogKind::Postgres => sqlx::migrate!("./migrations/postgres").run(&pool).await?,
+        }
+        Ok(Store { pool, kind })
+    }
+
+    pub fn kind(&self) -> CatalogKind {
+        self.kind
+    }
+
+    /// `sql` in this catalog's dialect: `?` placeholders become `$1, $2, ...`
+    /// on PostgreSQL (none of the queries has a `?` inside a literal).
+    pub fn sql<'a>(&self, sql: &'a str) -> Cow<'a, str> {
+        match self.kind {
+            CatalogKind::Sqlite => Cow::Borrowed(sql),
+            CatalogKind::Postgres => Cow::Owned(numbered_placeholders(sql)),
+        }
+    }
+
+    pub fn pool(&self) -> &AnyPool {
         &self.pool
     }
 
     /// A trivial query: the catalog answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        sqlx::query(&self.sql("SELECT 1"))
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -122,9 +217,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         let (write, read) = token_hashes.unzip();
         let mut tx = self.pool.begin().await?;
-        let result = sqlx::query(
-            "INSERT INTO runs (name, config, created_at_ms, write_token_hash, read_token_hash) VALUES (?, ?, ?, ?, ?)",
-        )
+        let result = sqlx::query(&self.sql("INSERT INTO runs (name, config, created_at_ms, write_token_hash, read_token_hash) VALUES (?, ?, ?, ?, ?)"))
         .bind(&config.name)
         .bind(serde_json::to_string(config)?)
         .bind(created_at_ms)
@@ -141,7 +234,7 @@ impl Store {
             }
         }
         for rank in 0..config.world_size {
-            sqlx::query("INSERT INTO ranks (run, rank) VALUES (?, ?)")
+            sqlx::query(&self.sql("INSERT INTO ranks (run, rank) VALUES (?, ?)"))
                 .bind(&config.name)
                 .bind(rank as i64)
                 .execute(&mut *tx)
@@ -152,10 +245,10 @@ impl Store {
     }
 
     pub async fn list_runs(&self) -> Result<Vec<StoredRun>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query(&self.sql(
             "SELECT config, created_at_ms, write_token_hash, read_token_hash, finished_at_ms, \
              finished_step, finished_snapshot FROM runs ORDER BY created_at_ms, name",
-        )
+        ))
         .fetch_all(&self.pool)
         .await?;
         rows.into_iter()
@@ -179,9 +272,7 @@ impl Store {
 
     /// Marks a run finished (kept across restarts).
     pub async fn finish_run(&self, name: &str, finish: &RunFinish) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE runs SET finished_at_ms = ?, finished_step = ?, finished_snapshot = ? WHERE name = ?",
-        )
+        sqlx::query(&self.sql("UPDATE runs SET finished_at_ms = ?, finished_step = ?, finished_snapshot = ? WHERE name = ?"))
         .bind(finish.at_ms)
         .bind(finish.step.map(|s| s as i64))
         .bind(finish.snapshot.as_deref())
@@ -193,7 +284,7 @@ impl Store {
 
     /// Deletes a run and (by cascade) its ranks and events.
     pub async fn delete_run(&self, name: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM runs WHERE name = ?")
+        let done = sqlx::query(&self.sql("DELETE FROM runs WHERE name = ?"))
             .bind(name)
             .execute(&self.pool)
             .await?;
@@ -201,10 +292,8 @@ impl Store {
     }
 
     pub async fn list_ranks(&self, run: &str) -> Result<Vec<StoredRank>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms \
-             FROM ranks WHERE run = ? ORDER BY rank",
-        )
+        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms \
+             FROM ranks WHERE run = ? ORDER BY rank"))
         .bind(run)
         .fetch_all(&self.pool)
         .await?;
@@ -249,6 +338,7 @@ impl Store {
         } else {
             " ORDER BY id LIMIT ?"
         });
+        let sql = self.sql(&sql).into_owned();
         let mut q = sqlx::query(&sql).bind(run).bind(after);
         for k in kinds.unwrap_or(&[]) {
             q = q.bind(k);
@@ -276,7 +366,7 @@ impl Store {
 
     /// The highest event id stored (event ids continue from it).
     pub async fn max_event_id(&self) -> Result<i64, StoreError> {
-        let id: Option<i64> = sqlx::query_scalar("SELECT MAX(id) FROM events")
+        let id: Option<i64> = sqlx::query_scalar(&self.sql("SELECT MAX(id) FROM events"))
             .fetch_one(&self.pool)
             .await?;
         Ok(id.unwrap_or(0))
@@ -302,10 +392,10 @@ impl Store {
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         for p in points {
-            sqlx::query(
+            sqlx::query(&self.sql(
                 "INSERT INTO metrics (run, name, step, rank, value, at_ms) \
                  SELECT ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
-            )
+            ))
             .bind(run)
             .bind(&p.name)
             .bind(p.step as i64)
@@ -346,7 +436,8 @@ impl Store {
             Some(Some(_)) => sql.push_str(" AND rank = ?"),
             None => {}
         }
-        sql.push_str(") WHERE n <= ? ORDER BY name, rank, step, id");
+        sql.push_str(") AS numbered WHERE n <= ? ORDER BY name, rank NULLS FIRST, step, id");
+        let sql = self.sql(&sql).into_owned();
         let mut q = sqlx::query(&sql)
             .bind(run)
             .bind(since_step.unwrap_or(0) as i64);
@@ -373,19 +464,20 @@ impl Store {
 
     /// The series names of a run.
     pub async fn metric_names(&self, run: &str) -> Result<Vec<String>, StoreError> {
-        let rows = sqlx::query("SELECT DISTINCT name FROM metrics WHERE run = ? ORDER BY name")
-            .bind(run)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows =
+            sqlx::query(&self.sql("SELECT DISTINCT name FROM metrics WHERE run = ? ORDER BY name"))
+                .bind(run)
+                .fetch_all(&self.pool)
+                .await?;
         Ok(rows.into_iter().map(|r| r.get("name")).collect())
     }
 
     /// Keeps the newest `retained` events of each run.
     pub async fn prune_events(&self, retained: u64) -> Result<u64, StoreError> {
-        let done = sqlx::query(
+        let done = sqlx::query(&self.sql(
             "DELETE FROM events WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
-             (PARTITION BY run ORDER BY id DESC) AS n FROM events) WHERE n > ?)",
-        )
+             (PARTITION BY run ORDER BY id DESC) AS n FROM events) AS numbered WHERE n > ?)",
+        ))
         .bind(retained as i64)
         .execute(&self.pool)
         .await?;
@@ -394,13 +486,65 @@ impl Store {
 
     /// Keeps the newest `retained` points of every series.
     pub async fn prune_metrics(&self, retained: u64) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM metrics WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
-             (PARTITION BY run, name, rank ORDER BY step DESC, id DESC) AS n FROM metrics) WHERE n > ?)",
-        )
+        let done = sqlx::query(&self.sql("DELETE FROM metrics WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
+             (PARTITION BY run, name, rank ORDER BY step DESC, id DESC) AS n FROM metrics) AS numbered WHERE n > ?)"))
         .bind(retained as i64)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
+    }
+}
+
+/// `?` placeholders numbered `$1, $2, ...` (PostgreSQL's spelling).
+fn numbered_placeholders(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut n = 0;
+    for c in sql.chars() {
+        if c == '?' {
+            n += 1;
+            out.push('$');
+            out.push_str(&n.to_string());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A database URL without its password, for messages.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}://{}:***@{}", &url[..scheme], user, &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_numbered_in_order() {
+        assert_eq!(
+            numbered_placeholders("UPDATE t SET a = ?, b = COALESCE(?, b) WHERE c IN (?, ?)"),
+            "UPDATE t SET a = $1, b = COALESCE($2, b) WHERE c IN ($3, $4)"
+        );
+        assert_eq!(numbered_placeholders("SELECT 1"), "SELECT 1");
+    }
+
+    #[test]
+    fn passwords_stay_out_of_messages() {
+        assert_eq!(
+            redact_url("postgres://polyak:s3cret@db:5432/polyak"),
+            "postgres://polyak:***@db:5432/polyak"
+        );
+        assert_eq!(
+            redact_url("sqlite://data/polyak.db"),
+            "sqlite://data/polyak.db"
+        );
     }
 }

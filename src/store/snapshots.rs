@@ -69,7 +69,7 @@ pub struct FileRow {
     pub state: String,
 }
 
-fn row_to_snapshot(row: sqlx::sqlite::SqliteRow) -> Result<SnapshotRow, StoreError> {
+fn row_to_snapshot(row: sqlx::any::AnyRow) -> Result<SnapshotRow, StoreError> {
     Ok(SnapshotRow {
         id: row.get("id"),
         run: row.get("run"),
@@ -91,10 +91,8 @@ const COLUMNS: &str = "id, run, step, kind, label, profiles, status, reason, cre
 
 impl Store {
     pub async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO snapshots (id, run, step, kind, label, profiles, status, reason, created_at_ms, deadline_ms, detail) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
+        sqlx::query(&self.sql("INSERT INTO snapshots (id, run, step, kind, label, profiles, status, reason, created_at_ms, deadline_ms, detail) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"))
         .bind(&s.id)
         .bind(&s.run)
         .bind(s.step as i64)
@@ -122,10 +120,10 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let mut tx = self.pool().begin().await?;
         let bytes: u64 = files.iter().map(|f| f.bytes).sum();
-        let done = sqlx::query(
+        let done = sqlx::query(&self.sql(
             "UPDATE snapshots SET status = 'complete', completed_at_ms = ?, bytes = ?, step = ? \
              WHERE id = ? AND status = 'pending'",
-        )
+        ))
         .bind(completed_at_ms)
         .bind(bytes as i64)
         .bind(step as i64)
@@ -136,10 +134,8 @@ impl Store {
             return Ok(false);
         }
         for f in files {
-            sqlx::query(
-                "INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            )
+            sqlx::query(&self.sql("INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)"))
             .bind(id)
             .bind(f.rank as i64)
             .bind(&f.part)
@@ -162,9 +158,7 @@ impl Store {
         reason: &str,
         at_ms: i64,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE snapshots SET status = 'failed', reason = ?, completed_at_ms = ? WHERE id = ? AND status = 'pending'",
-        )
+        let done = sqlx::query(&self.sql("UPDATE snapshots SET status = 'failed', reason = ?, completed_at_ms = ? WHERE id = ? AND status = 'pending'"))
         .bind(reason)
         .bind(at_ms)
         .bind(id)
@@ -174,9 +168,9 @@ impl Store {
     }
 
     pub async fn snapshots(&self, run: &str) -> Result<Vec<SnapshotRow>, StoreError> {
-        let rows = sqlx::query(&format!(
+        let rows = sqlx::query(&self.sql(&format!(
             "SELECT {COLUMNS} FROM snapshots WHERE run = ? ORDER BY created_at_ms, id"
-        ))
+        )))
         .bind(run)
         .fetch_all(self.pool())
         .await?;
@@ -184,9 +178,9 @@ impl Store {
     }
 
     pub async fn snapshot(&self, run: &str, id: &str) -> Result<Option<SnapshotRow>, StoreError> {
-        let row = sqlx::query(&format!(
+        let row = sqlx::query(&self.sql(&format!(
             "SELECT {COLUMNS} FROM snapshots WHERE run = ? AND id = ?"
-        ))
+        )))
         .bind(run)
         .bind(id)
         .fetch_optional(self.pool())
@@ -195,9 +189,7 @@ impl Store {
     }
 
     pub async fn snapshot_files(&self, id: &str) -> Result<Vec<FileRow>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT rank, part, path, sha256, bytes, step, state FROM snapshot_files WHERE snapshot = ? ORDER BY rank, part",
-        )
+        let rows = sqlx::query(&self.sql("SELECT rank, part, path, sha256, bytes, step, state FROM snapshot_files WHERE snapshot = ? ORDER BY rank, part"))
         .bind(id)
         .fetch_all(self.pool())
         .await?;
@@ -217,7 +209,7 @@ impl Store {
 
     /// Deletes a snapshot row (its file rows go with it).
     pub async fn delete_snapshot(&self, id: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM snapshots WHERE id = ?")
+        let done = sqlx::query(&self.sql("DELETE FROM snapshots WHERE id = ?"))
             .bind(id)
             .execute(self.pool())
             .await?;
@@ -226,13 +218,11 @@ impl Store {
 
     /// At start: snapshots left pending by a stop are failed. Returns them.
     pub async fn fail_interrupted(&self, at_ms: i64) -> Result<Vec<(String, String)>, StoreError> {
-        let rows = sqlx::query("SELECT run, id FROM snapshots WHERE status = 'pending'")
+        let rows = sqlx::query(&self.sql("SELECT run, id FROM snapshots WHERE status = 'pending'"))
             .fetch_all(self.pool())
             .await?;
-        sqlx::query(
-            "UPDATE snapshots SET status = 'failed', reason = 'interrupted: the server stopped before every rank was written', \
-             completed_at_ms = ? WHERE status = 'pending'",
-        )
+        sqlx::query(&self.sql("UPDATE snapshots SET status = 'failed', reason = 'interrupted: the server stopped before every rank was written', \
+             completed_at_ms = ? WHERE status = 'pending'"))
         .bind(at_ms)
         .execute(self.pool())
         .await?;
@@ -244,9 +234,10 @@ impl Store {
 
     /// `(run, id)` of every complete snapshot.
     pub async fn complete_snapshot_ids(&self) -> Result<HashSet<(String, String)>, StoreError> {
-        let rows = sqlx::query("SELECT run, id FROM snapshots WHERE status = 'complete'")
-            .fetch_all(self.pool())
-            .await?;
+        let rows =
+            sqlx::query(&self.sql("SELECT run, id FROM snapshots WHERE status = 'complete'"))
+                .fetch_all(self.pool())
+                .await?;
         Ok(rows
             .into_iter()
             .map(|r| (r.get("run"), r.get("id")))

@@ -83,10 +83,8 @@ async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreErro
     }
     let mut tx = store.pool().begin().await?;
     for ((run, rank), (row, layout)) in ranks {
-        sqlx::query(
-            "UPDATE ranks SET last_step = ?, pushes = ?, bytes_received = ?, rejections = ?, \
-             resident_bytes = ?, last_push_at_ms = ?, layout = COALESCE(?, layout) WHERE run = ? AND rank = ?",
-        )
+        sqlx::query(&store.sql("UPDATE ranks SET last_step = ?, pushes = ?, bytes_received = ?, rejections = ?, \
+             resident_bytes = ?, last_push_at_ms = ?, layout = COALESCE(?, layout) WHERE run = ? AND rank = ?"))
         .bind(row.last_step.map(|s| s as i64))
         .bind(row.pushes as i64)
         .bind(row.bytes_received as i64)
@@ -101,10 +99,10 @@ async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreErro
     }
     for e in events {
         // A run deleted meanwhile takes its events with it.
-        sqlx::query(
+        sqlx::query(&store.sql(
             "INSERT INTO events (id, run, at_ms, kind, rank, step, detail) \
              SELECT ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
-        )
+        ))
         .bind(e.id)
         .bind(&e.run)
         .bind(e.at_ms)

@@ -18,6 +18,9 @@ import httpx
 import safetensors.torch
 import torch
 
+# Run on every catalog and store pair (see tests/python/conftest.py).
+BACKEND_MATRIX = True
+
 RUN = "crashy"
 WORLD = 2
 

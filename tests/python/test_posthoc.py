@@ -19,6 +19,9 @@ import safetensors.torch
 import torch
 from refs import rel_err, std_to_exp
 
+# Run on every catalog and store pair (see tests/python/conftest.py).
+BACKEND_MATRIX = True
+
 
 def p_dot_p(t_a, gamma_a, t_b, gamma_b):
     """EDM2 eq. 128: the inner product of two power-function profiles."""

@@ -25,6 +25,9 @@ from shardsim import push_ranks
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+# Run on every catalog and store pair (see tests/python/conftest.py).
+BACKEND_MATRIX = True
+
 WORLD = 2
 DIMS = {"fc1.weight": 1}  # one tensor chunked along dim 1 (assembled, not streamed)
 

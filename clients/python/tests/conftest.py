@@ -13,7 +13,31 @@ import stat
 
 import polyak
 import pytest
-from polyak.testing import PolyakServer, find_binary
+from polyak.testing import Backends, find_binary
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Modules with BACKEND_MATRIX = True run on every catalog and store pair.
+    if "backend" in metafunc.fixturenames:
+        pairs = (
+            Backends.PAIRS
+            if getattr(metafunc.module, "BACKEND_MATRIX", False)
+            else Backends.PAIRS[:1]
+        )
+        metafunc.parametrize("backend", pairs, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
+def backends():
+    b = Backends()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session")
+def backend(request: pytest.FixtureRequest) -> str:
+    """The catalog and store pair of this test's servers."""
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -25,17 +49,19 @@ def polyak_binary(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory, polyak_binary: str):
-    srv = PolyakServer(tmp_path_factory.mktemp("polyak-data"), binary=polyak_binary)
+def server(
+    tmp_path_factory: pytest.TempPathFactory, polyak_binary: str, backends: Backends, backend: str
+):
+    srv = backends.server(backend, tmp_path_factory.mktemp("polyak-data"), binary=polyak_binary)
     srv.start()
     yield srv
     srv.stop()
 
 
 @pytest.fixture()
-def fresh_server(tmp_path, polyak_binary: str):
+def fresh_server(tmp_path, polyak_binary: str, backends: Backends, backend: str):
     """A server of its own (for tests that pause, stop or restart it); not started."""
-    srv = PolyakServer(tmp_path / "data", binary=polyak_binary)
+    srv = backends.server(backend, tmp_path / "data", binary=polyak_binary)
     yield srv
     srv.stop()
 

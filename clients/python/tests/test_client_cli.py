@@ -161,7 +161,8 @@ def test_cli_snapshots_downloads_compare_resume_posthoc(server, client, run_name
 
     assert main(["--url", url, "resume", run_name, "4"]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("resumed from snapshot periodic-4") and line.endswith("at step 4"), line
+    (periodic4,) = [s["id"] for s in run.snapshots(kind="periodic") if s["step"] == 4]
+    assert line == f"resumed from snapshot {periodic4} at step 4", line
     assert run.rank(0)["last_step"] == 4
     assert main(["--url", url, "posthoc", run_name, "--sigma-rel", "0.9"]) == 1
     assert "422" in capsys.readouterr().err

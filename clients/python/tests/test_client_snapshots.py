@@ -35,6 +35,9 @@ from polyak_refs import (
 from polyak_workers import dcp_load_worker, run_ranks, snapshot_worker
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+# Run on every catalog and store pair (see tests/python/conftest.py).
+BACKEND_MATRIX = True
+
 BETA = 0.9
 
 

@@ -244,7 +244,7 @@ pub async fn plan(
     let gs = target_gammas.clone();
     let fits = tokio::task::spawn_blocking(move || posthoc::solve(&inputs, (step + 1) as f64, &gs))
         .await
-        .map_err(|e| SnapshotError::Invalid(format!("solving the post-hoc weights: {e}")))?
+        .map_err(|e| SnapshotError::Worker(format!("solving the post-hoc weights: {e}")))?
         .map_err(|e| match e {
             PosthocError::Solve(m) => SnapshotError::Invalid(m),
             other => SnapshotError::Invalid(other.to_string()),

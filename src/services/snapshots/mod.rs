@@ -59,6 +59,17 @@ pub enum SnapshotError {
     /// not hold together): answered 500, never blamed on the request.
     #[error("{0}")]
     Internal(String),
+    /// A stored part could not be read back (truncated, bytes that do not
+    /// parse, a part missing for a profile): 500 `snapshot_corrupt`.
+    #[error("{0}")]
+    Corrupt(String),
+    /// Writing a snapshot's parts or committing it failed (the reason is
+    /// the snapshot's): 500 `snapshot_write_failed`.
+    #[error("{0}")]
+    WriteFailed(String),
+    /// A blocking worker panicked or was cancelled: 500 `worker_failed`.
+    #[error("a worker failed: {0}")]
+    Worker(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
@@ -539,7 +550,7 @@ fn capture_bytes(capture: &RankCapture) -> u64 {
 fn write_rank(data_dir: &Path, capture: RankCapture) -> Result<Vec<FileRow>, SnapshotError> {
     let dir = files::snapshot_rel_dir(&capture.run, &capture.snapshot);
     let meta_json =
-        serde_json::to_string(&capture.meta).map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+        serde_json::to_string(&capture.meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
     let base_meta = |part: &str| {
         format::part_metadata(
             &capture.run,
@@ -786,7 +797,7 @@ pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotEr
         _ => Ok(()),
     })
     .await
-    .map_err(|e| SnapshotError::Invalid(e.to_string()))??;
+    .map_err(|e| SnapshotError::Worker(e.to_string()))??;
     Ok(())
 }
 
@@ -901,7 +912,7 @@ pub async fn persist_state(
         .engine
         .call(move |e| e.capture_state(&run_name, &sid, force))
         .await??;
-    let Some(captures) = captures else {
+    let Some((captures, covered)) = captures else {
         return Ok(None);
     };
     if captures.is_empty() {
@@ -943,11 +954,25 @@ pub async fn persist_state(
         write_capture(state.clone(), c);
     }
     match rx.await {
-        Ok(Finished::Complete) => Ok(Some(id)),
-        Ok(Finished::Failed(reason)) => Err(SnapshotError::Conflict(reason)),
-        Err(_) => Err(SnapshotError::Conflict("state snapshot abandoned".into())),
+        Ok(Finished::Complete) => {
+            // Only now is the newest EMA durable: until here the run stays
+            // dirty, so a failed write is taken again.
+            let run_name = run.config.name.clone();
+            run.engine
+                .call(move |e| e.mark_persisted(&run_name, covered))
+                .await?;
+            Ok(Some(id))
+        }
+        Ok(Finished::Failed(reason)) => Err(SnapshotError::WriteFailed(reason)),
+        Err(_) => Err(SnapshotError::WriteFailed(
+            "state snapshot abandoned".into(),
+        )),
     }
 }
+
+/// How soon a failed state snapshot is tried again (never later than the
+/// run's own interval).
+const STATE_RETRY: Duration = Duration::from_secs(2);
 
 /// State snapshots of runs whose `persist_every_secs` has elapsed.
 async fn persist_due(state: &Snaps) {
@@ -969,24 +994,51 @@ async fn persist_due(state: &Snaps) {
             // Off the ticker, so a long write does not delay deadlines.
             tokio::spawn(async move {
                 if let Err(e) = persist_state(&state, &run, false).await {
-                    tracing::warn!(run = %run.config.name, error = %e, "state snapshot failed");
+                    tracing::warn!(run = %run.config.name, error = %e, "state snapshot failed; retrying");
+                    retry_state_soon(&state, &run.config.name, every);
                 }
             });
         }
     }
 }
 
-/// On graceful shutdown: a state snapshot of every run that changed.
+/// Makes a run's next state snapshot due [`STATE_RETRY`] from now.
+fn retry_state_soon(state: &Snaps, run: &str, every_secs: u64) {
+    let every = Duration::from_secs(every_secs);
+    let wait = STATE_RETRY.min(every);
+    let at = Instant::now()
+        .checked_sub(every - wait)
+        .unwrap_or_else(Instant::now);
+    state
+        .pending
+        .last_state
+        .lock()
+        .expect("state lock")
+        .insert(run.to_string(), at);
+}
+
+/// Attempts at persisting a run's state on shutdown before giving up.
+const SHUTDOWN_ATTEMPTS: u32 = 3;
+
+/// On graceful shutdown: a state snapshot of every run that changed (or
+/// whose last state write failed), each tried a few times.
 pub async fn persist_all(state: &Snaps) {
     let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
-        match persist_state(state, &run, false).await {
-            Ok(Some(id)) => {
-                tracing::info!(run = %run.config.name, snapshot = %id, "state persisted")
-            }
-            Ok(None) => {}
-            Err(e) => {
-                tracing::error!(run = %run.config.name, error = %e, "persisting state failed")
+        for attempt in 1..=SHUTDOWN_ATTEMPTS {
+            match persist_state(state, &run, false).await {
+                Ok(Some(id)) => {
+                    tracing::info!(run = %run.config.name, snapshot = %id, "state persisted");
+                    break;
+                }
+                Ok(None) => break,
+                Err(e) if attempt < SHUTDOWN_ATTEMPTS => {
+                    tracing::warn!(run = %run.config.name, error = %e, attempt, "persisting state failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => {
+                    tracing::error!(run = %run.config.name, error = %e, "persisting state failed")
+                }
             }
         }
     }
@@ -1002,7 +1054,7 @@ pub async fn parts_of(
     let mut out = Vec::new();
     for f in files.into_iter().filter(|f| f.part == part) {
         let meta: RankMeta =
-            serde_json::from_str(&f.state).map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+            serde_json::from_str(&f.state).map_err(|e| SnapshotError::Store(e.into()))?;
         let mut meta = meta;
         meta.layout.rebuild_index();
         out.push(assemble::StoredPart {
@@ -1027,8 +1079,8 @@ fn load_restorable(
     }
     let mut out = Vec::new();
     for (rank, files) in by_rank {
-        let meta: RankMeta = serde_json::from_str(&files[0].state)
-            .map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+        let meta: RankMeta =
+            serde_json::from_str(&files[0].state).map_err(|e| SnapshotError::Store(e.into()))?;
         let read = |part: &str| -> Result<Option<Vec<u8>>, SnapshotError> {
             match files.iter().find(|f| f.part == part) {
                 Some(f) => Ok(Some(std::fs::read(data_dir.join(&f.path))?)),
@@ -1038,7 +1090,7 @@ fn load_restorable(
         let mut profiles = Vec::new();
         for p in &config.profiles {
             profiles.push(read(p.name())?.ok_or_else(|| {
-                SnapshotError::Invalid(format!(
+                SnapshotError::Corrupt(format!(
                     "rank {rank} has no file for profile `{}`",
                     p.name()
                 ))
@@ -1051,7 +1103,7 @@ fn load_restorable(
         };
         let restored =
             format::restore_rank(meta, &profiles, mirror.as_deref(), config.ema_dtype.kind())
-                .map_err(|e| SnapshotError::Invalid(e.to_string()))?;
+                .map_err(|e| SnapshotError::Corrupt(format!("rank {rank}: {e}")))?;
         out.push((rank, restored));
     }
     Ok(out)
@@ -1080,7 +1132,7 @@ pub async fn restore_from(
     let data_dir = state.pending.data_dir.clone();
     let ranks = tokio::task::spawn_blocking(move || load_restorable(&data_dir, &config, files))
         .await
-        .map_err(|e| SnapshotError::Invalid(e.to_string()))??;
+        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
     let steps: BTreeMap<u32, u64> = ranks
         .iter()
         .map(|(r, rr)| (*r, rr.meta.last_step.unwrap_or(0)))
@@ -1202,7 +1254,7 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
     let data_dir = state.pending.data_dir.clone();
     let removed = tokio::task::spawn_blocking(move || files::remove_unlisted(&data_dir, &keep))
         .await
-        .map_err(|e| SnapshotError::Invalid(e.to_string()))??;
+        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
     for path in removed {
         tracing::info!(path = %path.display(), "removed an incomplete snapshot file");
     }

@@ -1,0 +1,521 @@
+//! The object store: where snapshot parts live, behind one interface over
+//! local files (`file://DIR`, the embedded default under `--data-dir`) and
+//! S3-compatible services (`s3://BUCKET/PREFIX` through the `object_store`
+//! crate: AWS S3, GCS's S3 interface, MinIO, SeaweedFS, Garage, Ceph).
+//!
+//! Writes are streamed: an [`Upload`] takes the bytes in pieces as they
+//! are produced, hashes them (sha256) on the way, and sends S3 parts of
+//! [`PART_BYTES`] with at most [`PARTS_IN_FLIGHT`] uploading at once, so
+//! memory stays at a few part buffers whatever the object's size. An S3
+//! upload has an id from its first request on: callers record it (the
+//! catalog) so an upload interrupted by a crash can be aborted at the next
+//! start ([`ObjectStore::abort_upload`]). A file upload writes a temporary
+//! name, fsyncs it and renames it, as the rest of the data dir does.
+//!
+//! Reads are ranged ([`ObjectStore::read_range`]); nothing reads a whole
+//! object to serve part of it.
+
+use std::ops::Range;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures::stream::{FuturesOrdered, StreamExt, TryStreamExt};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::local::LocalFileSystem;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path;
+use object_store::{ClientOptions, PutPayload, RetryConfig};
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
+
+pub mod metrics;
+
+pub use metrics::StoreMetrics;
+
+/// Size of one S3 part (S3 wants at least 5 MiB for all but the last).
+pub const PART_BYTES: usize = 8 << 20;
+/// S3 parts uploading at once per upload.
+pub const PARTS_IN_FLIGHT: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store URL `{0}`: expected file://DIR or s3://BUCKET[/PREFIX]")]
+    Url(String),
+    #[error("object store: {0}")]
+    Backend(#[from] object_store::Error),
+    #[error("object store files: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("object `{0}` not found")]
+    NotFound(String),
+}
+
+impl StoreError {
+    /// True when the store could not be reached or answered with a server
+    /// error (an outage: retry later), as opposed to a missing object.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Backend(object_store::Error::NotFound { .. }) | StoreError::NotFound(_) => {
+                false
+            }
+            StoreError::Backend(object_store::Error::Generic { .. }) => true,
+            StoreError::Io(e) => e.kind() != std::io::ErrorKind::NotFound,
+            _ => false,
+        }
+    }
+}
+
+enum Backend {
+    File { root: PathBuf, fs: LocalFileSystem },
+    S3 { s3: Arc<AmazonS3>, prefix: String },
+}
+
+/// A snapshot store (cheap to clone).
+#[derive(Clone)]
+pub struct ObjectStore {
+    backend: Arc<Backend>,
+    metrics: StoreMetrics,
+    describe: Arc<str>,
+}
+
+/// What a finished upload wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uploaded {
+    pub key: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+impl ObjectStore {
+    /// Opens the store at `url`: `file://DIR` (created when missing) or
+    /// `s3://BUCKET[/PREFIX]`, whose credentials and region come from the
+    /// usual `AWS_*` environment variables; `s3_endpoint` names a
+    /// non-AWS service (`http://` allowed, for a local one).
+    pub fn open(url: &str, s3_endpoint: Option<&str>) -> Result<Self, StoreError> {
+        let backend = if let Some(dir) = url.strip_prefix("file://") {
+            let root = PathBuf::from(dir);
+            std::fs::create_dir_all(&root)?;
+            let fs = LocalFileSystem::new_with_prefix(&root)?;
+            Backend::File { root, fs }
+        } else if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(StoreError::Url(url.to_string()));
+            }
+            let mut builder = AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(RetryConfig {
+                    max_retries: 3,
+                    retry_timeout: Duration::from_secs(30),
+                    ..RetryConfig::default()
+                })
+                .with_client_options(
+                    ClientOptions::new()
+                        .with_connect_timeout(Duration::from_secs(5))
+                        .with_timeout(Duration::from_secs(120)),
+                );
+            if let Some(endpoint) = s3_endpoint {
+                builder = builder
+                    .with_endpoint(endpoint)
+                    .with_allow_http(endpoint.starts_with("http://"))
+                    .with_virtual_hosted_style_request(false);
+            }
+            Backend::S3 {
+                s3: Arc::new(builder.build()?),
+                prefix: prefix.trim_matches('/').to_string(),
+            }
+        } else {
+            return Err(StoreError::Url(url.to_string()));
+        };
+        Ok(ObjectStore {
+            backend: Arc::new(backend),
+            metrics: StoreMetrics::new(),
+            describe: url.into(),
+        })
+    }
+
+    /// `file://<data_dir>`: the default.
+    pub fn default_url(data_dir: &FsPath) -> String {
+        format!("file://{}", data_dir.display())
+    }
+
+    /// `file` or `s3`.
+    pub fn kind(&self) -> &'static str {
+        match &*self.backend {
+            Backend::File { .. } => "file",
+            Backend::S3 { .. } => "s3",
+        }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.describe
+    }
+
+    pub fn metrics(&self) -> &StoreMetrics {
+        &self.metrics
+    }
+
+    fn path(&self, key: &str) -> Path {
+        match &*self.backend {
+            Backend::S3 { prefix, .. } if !prefix.is_empty() => {
+                Path::from(format!("{prefix}/{key}"))
+            }
+            _ => Path::from(key),
+        }
+    }
+
+    /// Times `op`, counting its outcome in the metrics.
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let out = fut.await;
+        self.metrics.observe(op, started.elapsed(), out.is_ok());
+        out
+    }
+
+    /// Starts writing `key`; nothing is visible under it until
+    /// [`Upload::finish`].
+    pub async fn begin_upload(&self, key: &str) -> Result<Upload, StoreError> {
+        let sink = match &*self.backend {
+            Backend::File { root, .. } => {
+                let dest = root.join(key);
+                if let Some(dir) = dest.parent() {
+                    tokio::fs::create_dir_all(dir).await?;
+                }
+                let tmp = tmp_name(&dest);
+                let file = tokio::fs::File::create(&tmp).await?;
+                Sink::File { file, tmp, dest }
+            }
+            Backend::S3 { s3, .. } => {
+                let path = self.path(key);
+                let id = self
+                    .timed("create_upload", async {
+                        Ok(s3.create_multipart(&path).await?)
+                    })
+                    .await?;
+                Sink::S3 {
+                    s3: s3.clone(),
+                    path,
+                    id,
+                    in_flight: FuturesOrdered::new(),
+                    parts: Vec::new(),
+                }
+            }
+        };
+        Ok(Upload {
+            store: self.clone(),
+            key: key.to_string(),
+            sink,
+            buffer: BytesMut::new(),
+            hasher: Sha256::new(),
+            bytes: 0,
+        })
+    }
+
+    /// Aborts an S3 upload left open (by a crash, or a failure whose abort
+    /// did not reach the service). Unknown ids are not an error.
+    pub async fn abort_upload(&self, key: &str, upload_id: &str) -> Result<(), StoreError> {
+        if let Backend::S3 { s3, .. } = &*self.backend {
+            let path = self.path(key);
+            let id = upload_id.to_string();
+            let out = self
+                .timed("abort_upload", async {
+                    Ok(s3.abort_multipart(&path, &id).await?)
+                })
+                .await;
+            match out {
+                Err(StoreError::Backend(object_store::Error::NotFound { .. })) => {}
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes `range` of `key`.
+    pub async fn read_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, StoreError> {
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let path = self.path(key);
+        let len = range.end - range.start;
+        let out = self
+            .timed("get", async {
+                let store = self.dyn_store();
+                store
+                    .get_range(&path, range)
+                    .await
+                    .map_err(|e| not_found(e, key))
+            })
+            .await?;
+        self.metrics.read_bytes.inc_by(len);
+        Ok(out)
+    }
+
+    /// The size of `key` in bytes.
+    pub async fn size(&self, key: &str) -> Result<u64, StoreError> {
+        let path = self.path(key);
+        self.timed("head", async {
+            let meta = self
+                .dyn_store()
+                .head(&path)
+                .await
+                .map_err(|e| not_found(e, key))?;
+            Ok(meta.size)
+        })
+        .await
+    }
+
+    /// Deletes every object under `prefix` (a snapshot's or a run's keys);
+    /// returns how many.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        let base = self.path(prefix.trim_end_matches('/'));
+        self.timed("delete", async {
+            let store = self.dyn_store();
+            let found: Vec<Path> = store
+                .list(Some(&base))
+                .map_ok(|m| m.location)
+                .try_collect()
+                .await?;
+            let n = found.len() as u64;
+            for location in found {
+                match store.delete(&location).await {
+                    Err(object_store::Error::NotFound { .. }) | Ok(()) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Ok(n)
+        })
+        .await
+    }
+
+    /// Keys under `prefix` with their sizes.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let base = self.path(prefix.trim_end_matches('/'));
+        let strip = match &*self.backend {
+            Backend::S3 { prefix, .. } if !prefix.is_empty() => prefix.len() + 1,
+            _ => 0,
+        };
+        self.timed("list", async {
+            let metas: Vec<_> = self.dyn_store().list(Some(&base)).try_collect().await?;
+            Ok(metas
+                .into_iter()
+                .map(|m| (m.location.as_ref()[strip..].to_string(), m.size))
+                .collect())
+        })
+        .await
+    }
+
+    /// A cheap request that needs the service: listing one key.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let base = self.path("");
+        self.timed("ping", async {
+            let mut listing = self.dyn_store().list(Some(&base));
+            if let Some(item) = listing.next().await {
+                item?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    fn dyn_store(&self) -> &dyn object_store::ObjectStore {
+        match &*self.backend {
+            Backend::File { fs, .. } => fs,
+            Backend::S3 { s3, .. } => s3.as_ref(),
+        }
+    }
+}
+
+fn not_found(e: object_store::Error, key: &str) -> StoreError {
+    match e {
+        object_store::Error::NotFound { .. } => StoreError::NotFound(key.to_string()),
+        other => other.into(),
+    }
+}
+
+fn tmp_name(dest: &FsPath) -> PathBuf {
+    let mut name = dest.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{:08x}", rand::random::<u32>()));
+    dest.with_file_name(name)
+}
+
+type PartFuture = futures::future::BoxFuture<'static, Result<PartId, object_store::Error>>;
+
+enum Sink {
+    File {
+        file: tokio::fs::File,
+        tmp: PathBuf,
+        dest: PathBuf,
+    },
+    S3 {
+        s3: Arc<AmazonS3>,
+        path: Path,
+        id: String,
+        in_flight: FuturesOrdered<PartFuture>,
+        parts: Vec<PartId>,
+    },
+}
+
+/// An object being written. Dropping it without [`Upload::finish`] or
+/// [`Upload::abort`] leaves an S3 upload open (and a temporary file):
+/// the recorded id lets the next start abort it.
+pub struct Upload {
+    store: ObjectStore,
+    key: String,
+    sink: Sink,
+    buffer: BytesMut,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl Upload {
+    /// The S3 upload id (`None` for files), to record until finished.
+    pub fn id(&self) -> Option<&str> {
+        match &self.sink {
+            Sink::S3 { id, .. } => Some(id),
+            Sink::File { .. } => None,
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Appends `data`. S3 parts go out as the buffer fills; this waits
+    /// while [`PARTS_IN_FLIGHT`] are uploading.
+    pub async fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
+        self.hasher.update(data);
+        self.bytes += data.len() as u64;
+        match &mut self.sink {
+            Sink::File { file, .. } => {
+                file.write_all(data).await?;
+                Ok(())
+            }
+            Sink::S3 { .. } => {
+                let mut rest = data;
+                while !rest.is_empty() {
+                    let room = PART_BYTES - self.buffer.len();
+                    let take = room.min(rest.len());
+                    self.buffer.extend_from_slice(&rest[..take]);
+                    rest = &rest[take..];
+                    if self.buffer.len() == PART_BYTES {
+                        self.send_part().await?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn send_part(&mut self) -> Result<(), StoreError> {
+        let part = self.buffer.split().freeze();
+        let Sink::S3 {
+            s3,
+            path,
+            id,
+            in_flight,
+            parts,
+        } = &mut self.sink
+        else {
+            return Ok(());
+        };
+        while in_flight.len() >= PARTS_IN_FLIGHT {
+            if let Some(done) = in_flight.next().await {
+                parts.push(done?);
+            }
+        }
+        let index = parts.len() + in_flight.len();
+        let (s3, path, id) = (s3.clone(), path.clone(), id.clone());
+        let metrics = self.store.metrics.clone();
+        let len = part.len() as u64;
+        in_flight.push_back(Box::pin(async move {
+            let started = Instant::now();
+            let out = s3.put_part(&path, &id, index, PutPayload::from(part)).await;
+            metrics.observe("put_part", started.elapsed(), out.is_ok());
+            if out.is_ok() {
+                metrics.written_bytes.inc_by(len);
+            }
+            out
+        }));
+        Ok(())
+    }
+
+    /// Completes the object; returns its size and sha256. On an error the
+    /// upload is aborted before the error is returned.
+    pub async fn finish(mut self) -> Result<Uploaded, StoreError> {
+        match self.complete().await {
+            Ok(()) => Ok(Uploaded {
+                key: self.key.clone(),
+                bytes: self.bytes,
+                sha256: hex::encode(self.hasher.clone().finalize()),
+            }),
+            Err(e) => {
+                let _ = self.abort_inner().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn complete(&mut self) -> Result<(), StoreError> {
+        if matches!(self.sink, Sink::S3 { .. }) && (!self.buffer.is_empty() || self.bytes == 0) {
+            self.send_part().await?;
+        }
+        let store = self.store.clone();
+        match &mut self.sink {
+            Sink::File { file, tmp, dest } => {
+                let started = Instant::now();
+                file.flush().await?;
+                file.sync_all().await?;
+                tokio::fs::rename(&*tmp, &*dest).await?;
+                if let Some(dir) = dest.parent() {
+                    tokio::fs::File::open(dir).await?.sync_all().await?;
+                }
+                store.metrics.observe("put", started.elapsed(), true);
+                store.metrics.written_bytes.inc_by(self.bytes);
+                Ok(())
+            }
+            Sink::S3 {
+                s3,
+                path,
+                id,
+                in_flight,
+                parts,
+            } => {
+                while let Some(done) = in_flight.next().await {
+                    parts.push(done?);
+                }
+                let parts = std::mem::take(parts);
+                store
+                    .timed("complete_upload", async {
+                        Ok(s3.complete_multipart(path, id, parts).await?)
+                    })
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Gives the upload up: the S3 upload is aborted, the file removed.
+    pub async fn abort(mut self) -> Result<(), StoreError> {
+        self.abort_inner().await
+    }
+
+    async fn abort_inner(&mut self) -> Result<(), StoreError> {
+        match &mut self.sink {
+            Sink::File { tmp, .. } => match tokio::fs::remove_file(&*tmp).await {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+                _ => Ok(()),
+            },
+            Sink::S3 { in_flight, .. } => {
+                // Parts still sending would land after the abort.
+                while in_flight.next().await.is_some() {}
+                let id = self.id().unwrap_or_default().to_string();
+                self.store.abort_upload(&self.key, &id).await
+            }
+        }
+    }
+}
