@@ -21,10 +21,11 @@ const LAYERS: &[(&str, u32)] = &[
     ("wire", 2),
     // The engine thread, then what is built beside it: the on-disk snapshot
     // format and the download/compare/post-hoc machinery over it, the
-    // catalog, the Prometheus registry.
+    // catalog, the object store, the Prometheus registry.
     ("engine", 3),
     ("snapshot", 4),
     ("store", 4),
+    ("objstore", 4),
     ("telemetry", 4),
     // The run registry and the event bus.
     ("registry", 5),
