@@ -8,31 +8,39 @@
 //!
 //! # Layout
 //!
-//! Data flows one way: `http` -> `engine` -> `snapshot` -> `store`.
+//! Modules only use modules of lower layers (`tests/layers.rs` checks it):
+//! `server` -> `http` -> `state` -> `services` -> {`registry`, `events`} ->
+//! {`snapshot`, `store`, `telemetry`} -> `engine` -> `wire` -> `run` ->
+//! leaves.
 //!
-//! - [`config`]: the `polyak serve` flags (every one also an environment variable).
-//! - [`sigma_rel`]: EDM2's `sigma_rel` <-> power exponent (a leaf).
-//! - [`run`]: a run's configuration (profiles, `update_every`, dtypes, policies)
-//!   and its validation, field by field.
+//! - Leaves: [`clock`] (wall-clock milliseconds), [`config`] (the
+//!   `polyak serve` flags, each also an environment variable), [`sigma_rel`]
+//!   (EDM2's `sigma_rel` <-> power exponent), [`hugepages`] (transparent huge
+//!   pages for the large host buffers).
+//! - [`run`]: a run's configuration (profiles, `update_every`, dtypes,
+//!   policies, alert rules) and its validation, field by field.
 //! - [`wire`]: the push body (safetensors, parsed in place), shard metadata,
 //!   non-finite scans, and the safetensors writer used for responses.
 //! - [`engine`]: the thread (one per device) that owns every tensor; decay
 //!   schedules ([`engine::schedule`]), per-rank flat EMA buffers and the update
 //!   kernels.
-//! - [`snapshot`]: consistent cuts, durable files, downloads (full,
-//!   sharded, HF shards), compare, resume and crash recovery.
-//! - [`store`]: the catalog (runs, ranks, events, snapshot rows) on SQLite
-//!   or PostgreSQL, migrations under `migrations/sqlite/` and
+//! - [`snapshot`]: the on-disk format of a snapshot part, durable files,
+//!   downloads as streamed recipes (full, sharded, HF shards), compare, the
+//!   post-hoc arithmetic.
+//! - [`store`]: the catalog (runs, ranks, snapshots, events, metrics) on
+//!   SQLite or PostgreSQL, migrations under `migrations/sqlite/` and
 //!   `migrations/postgres/`.
 //! - [`objstore`]: the object store for snapshot parts (local files or an
 //!   S3-compatible service): streamed multipart uploads, ranged reads.
-//! - [`monitor`]: series the server records (EMA drift, per tensor too, ingest rate).
-//! - [`alerts`]: per-run alert rules evaluated on the server, webhooks.
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
-//! - [`hugepages`]: transparent huge pages for the large host buffers.
-//! - [`http`]: routes, handlers, the one error type that maps every failure
-//!   to a status and a JSON body, auth, OpenAPI.
-//! - [`state`]: what handlers share: the run registry, engines, event bus.
+//! - [`registry`]: the runs, their ranks' summaries, the engine of each device.
+//! - [`events`]: the event bus (numbered, broadcast to SSE, stored).
+//! - [`services`]: the domain work handlers call: ingest, the snapshot
+//!   lifecycle (and derived snapshots), monitoring series, alerts.
+//! - [`state`]: `AppState`, handles to the services and nothing else.
+//! - [`http`]: routes, handlers (extract, one service call, render), the one
+//!   error type that maps every failure to a status and a JSON body, auth,
+//!   OpenAPI.
 //! - [`server`]: wires everything together; `run(listener, state, shutdown)` is
 //!   what `main` and the integration tests call.
 

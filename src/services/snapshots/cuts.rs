@@ -1,0 +1,206 @@
+//! Manual cuts and the final snapshot of a finished run: where a cut
+//! falls, its catalog row, and the engine request that captures it.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// The next update step after the furthest rank (0 when no rank pushed).
+pub fn next_step(config: &RunConfig, furthest: Option<u64>) -> u64 {
+    match furthest {
+        None => 0,
+        Some(s) => (s / config.update_every + 1) * config.update_every,
+    }
+}
+
+/// Where a snapshot without a step cuts: at the ranks' current step when
+/// every rank has applied it (`current`: nothing to wait for), else at the
+/// next update step after the furthest rank (`next_update`: ranks are mid
+/// step, or some never pushed), as v1 did.
+pub fn cut_now(config: &RunConfig, steps: &[Option<u64>]) -> (u64, &'static str) {
+    let first = steps.first().copied().flatten();
+    if let Some(s) = first {
+        if steps.iter().all(|r| *r == Some(s)) && config.is_update_step(s) {
+            return (s, CUT_CURRENT);
+        }
+    }
+    let furthest = steps.iter().flatten().copied().max();
+    (next_step(config, furthest), CUT_NEXT_UPDATE)
+}
+
+/// `detail.cut` of a manual snapshot: how its step was chosen.
+pub const CUT_CURRENT: &str = "current";
+pub const CUT_NEXT_UPDATE: &str = "next_update";
+pub const CUT_REQUESTED: &str = "requested";
+pub const CUT_FINAL: &str = "final";
+
+/// Schedules a consistent cut of `run` at `step`; without one, at the
+/// ranks' current step or the next update step (see [`cut_now`]; the row's
+/// `detail.cut` says which). Returns the catalog row.
+pub async fn create(
+    state: &Snaps,
+    run: &RunHandle,
+    step: Option<u64>,
+    profiles: Option<Vec<String>>,
+    label: Option<String>,
+) -> Result<SnapshotRow, SnapshotError> {
+    let config = run.config.clone();
+    let (names, indices) = profile_choice(&config, profiles)?;
+    // A push may move a rank past the step read here before the cut is
+    // scheduled; a cut of "now" then looks again (a bounded number of times).
+    let mut attempt = 0;
+    loop {
+        let run_name = config.name.clone();
+        let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
+        let (at, cut) = match step {
+            Some(s) => (s, CUT_REQUESTED),
+            None => cut_now(&config, &steps),
+        };
+        match schedule_manual(state, run, at, &names, &indices, label.clone(), cut).await {
+            Err(SnapshotError::Conflict(_)) if step.is_none() && attempt < 3 => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+/// The profile names and indices a snapshot captures (default all).
+pub(super) fn profile_choice(
+    config: &RunConfig,
+    profiles: Option<Vec<String>>,
+) -> Result<(Vec<String>, Vec<usize>), SnapshotError> {
+    let names = match profiles {
+        None => config
+            .profiles
+            .iter()
+            .map(|p| p.name().to_string())
+            .collect(),
+        Some(list) if list.is_empty() => {
+            return Err(SnapshotError::Invalid(
+                "profiles: give at least one profile".into(),
+            ))
+        }
+        Some(list) => list,
+    };
+    let mut indices = Vec::new();
+    for name in &names {
+        indices.push(config.profile_index(name).ok_or_else(|| {
+            SnapshotError::Invalid(format!("profiles: no profile `{name}` in this run"))
+        })?);
+    }
+    Ok((names, indices))
+}
+
+/// Records a pending manual snapshot at `step` and asks the engine for the
+/// cut (ranks already at `step` are captured at once).
+pub(super) async fn schedule_manual(
+    state: &Snaps,
+    run: &RunHandle,
+    step: u64,
+    names: &[String],
+    indices: &[usize],
+    label: Option<String>,
+    cut: &str,
+) -> Result<SnapshotRow, SnapshotError> {
+    let config = run.config.clone();
+    if !config.is_update_step(step) {
+        return Err(SnapshotError::Invalid(format!(
+            "step: {step} is not an update step (update_every = {})",
+            config.update_every
+        )));
+    }
+    // The run's resident bytes bound what the cut writes (every profile,
+    // copied tensors, mirror).
+    disk::check(state, run.resident_bytes())?;
+    let id = snapshot_id(MANUAL, step);
+    let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
+    let row = SnapshotRow {
+        label,
+        deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
+        detail: serde_json::json!({"cut": cut}),
+        ..SnapshotRow::pending(&id, &config.name, step, MANUAL, names.to_vec())
+    };
+    state.store.insert_snapshot(&row).await?;
+    state.pending.register(
+        &id,
+        &config.name,
+        MANUAL,
+        (0..config.world_size).collect(),
+        Some(Instant::now() + timeout),
+        None,
+    );
+    let (run_name, sid, indices) = (config.name.clone(), id.clone(), indices.to_vec());
+    let scheduled = run
+        .engine
+        .call(move |e| e.schedule_cut(&run_name, &sid, step, indices))
+        .await?;
+    if let Err(e) = scheduled {
+        state
+            .pending
+            .pending
+            .lock()
+            .expect("pending lock")
+            .remove(&id);
+        state.store.delete_snapshot(&id).await?;
+        return Err(SnapshotError::Conflict(e.to_string()));
+    }
+    state.events.emit(
+        &config.name,
+        "snapshot",
+        None,
+        Some(step),
+        serde_json::json!({"id": id, "status": "pending", "kind": MANUAL, "cut": cut}),
+    );
+    Ok(row)
+}
+
+/// `POST /finish`: marks the run finished at its furthest rank's last step
+/// (later pushes are refused from here on) and takes the final snapshot
+/// there: ranks already at that step are captured at once, ranks behind
+/// when they push it. A finished run answers with how it ended.
+pub async fn finish(
+    state: &Snaps,
+    run: &RunHandle,
+    label: Option<String>,
+) -> Result<(RunFinish, Option<SnapshotRow>), SnapshotError> {
+    let name = run.config.name.clone();
+    if let Some(done) = run.finished() {
+        let row = match &done.snapshot {
+            Some(id) => state.store.snapshot(&name, id).await?,
+            None => None,
+        };
+        return Ok((done, row));
+    }
+    let run_name = name.clone();
+    let at = run.engine.call(move |e| e.finish(&run_name)).await??;
+    let (names, indices) = profile_choice(&run.config, None)?;
+    let row = match at.0 {
+        Some(step) => Some(
+            schedule_manual(
+                state,
+                run,
+                step,
+                &names,
+                &indices,
+                Some(label.unwrap_or_else(|| "final".into())),
+                CUT_FINAL,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    let done = RunFinish {
+        at_ms: now_ms(),
+        step: at.0,
+        snapshot: row.as_ref().map(|r| r.id.clone()),
+    };
+    state.store.finish_run(&name, &done).await?;
+    *run.finished.lock().expect("run finish lock") = Some(done.clone());
+    state.events.emit(
+        &name,
+        "finished",
+        None,
+        at.0,
+        serde_json::json!({"snapshot": done.snapshot}),
+    );
+    tracing::info!(run = %name, step = ?at.0, "run finished");
+    Ok((done, row))
+}

@@ -1,0 +1,248 @@
+//! Restore and recovery: a run's EMA read back from a complete snapshot
+//! (`resume`, and at start after a crash or restart).
+
+#[allow(unused_imports)]
+use super::*;
+
+/// The files of a complete snapshot, by rank, for one part.
+pub async fn parts_of(
+    state: &Snaps,
+    row: &SnapshotRow,
+    part: &str,
+) -> Result<Vec<assemble::StoredPart>, SnapshotError> {
+    let files = state.store.snapshot_files(&row.id).await?;
+    let mut out = Vec::new();
+    for f in files.into_iter().filter(|f| f.part == part) {
+        let meta: RankMeta =
+            serde_json::from_str(&f.state).map_err(|e| SnapshotError::Store(e.into()))?;
+        let mut meta = meta;
+        meta.layout.rebuild_index();
+        out.push(assemble::StoredPart {
+            rank: f.rank,
+            path: Arc::new(state.pending.data_dir.join(&f.path)),
+            sha256: f.sha256,
+            meta: Arc::new(meta),
+        });
+    }
+    Ok(out)
+}
+
+/// Reads every rank of a complete snapshot back into restorable tensors.
+pub(super) fn load_restorable(
+    data_dir: &Path,
+    config: &RunConfig,
+    files: Vec<FileRow>,
+) -> Result<Vec<(u32, RestoredRank)>, SnapshotError> {
+    let mut by_rank: BTreeMap<u32, Vec<FileRow>> = BTreeMap::new();
+    for f in files {
+        by_rank.entry(f.rank).or_default().push(f);
+    }
+    let mut out = Vec::new();
+    for (rank, files) in by_rank {
+        let meta: RankMeta =
+            serde_json::from_str(&files[0].state).map_err(|e| SnapshotError::Store(e.into()))?;
+        let read = |part: &str| -> Result<Option<Vec<u8>>, SnapshotError> {
+            match files.iter().find(|f| f.part == part) {
+                Some(f) => Ok(Some(std::fs::read(data_dir.join(&f.path))?)),
+                None => Ok(None),
+            }
+        };
+        let mut profiles = Vec::new();
+        for p in &config.profiles {
+            profiles.push(read(p.name())?.ok_or_else(|| {
+                SnapshotError::Corrupt(format!(
+                    "rank {rank} has no file for profile `{}`",
+                    p.name()
+                ))
+            })?);
+        }
+        let mirror = if config.mirror {
+            read(MIRROR_PART)?
+        } else {
+            None
+        };
+        let restored =
+            format::restore_rank(meta, &profiles, mirror.as_deref(), config.ema_dtype.kind())
+                .map_err(|e| SnapshotError::Corrupt(format!("rank {rank}: {e}")))?;
+        out.push((rank, restored));
+    }
+    Ok(out)
+}
+
+/// Whether a complete snapshot can restore the run: every profile present.
+pub(super) fn restorable(config: &RunConfig, row: &SnapshotRow) -> bool {
+    // Derived snapshots (post-hoc, merged) hold weights no run ever had.
+    row.status == "complete"
+        && matches!(row.kind.as_str(), MANUAL | PERIODIC | STATE)
+        && config
+            .profiles
+            .iter()
+            .all(|p| row.profiles.iter().any(|n| n == p.name()))
+}
+
+/// Restores every rank of `run` from `row`; ranks absent from it are
+/// emptied. Updates the rank summaries; returns per-rank steps.
+pub async fn restore_from(
+    state: &Snaps,
+    run: &RunHandle,
+    row: &SnapshotRow,
+) -> Result<BTreeMap<u32, u64>, SnapshotError> {
+    let files = state.store.snapshot_files(&row.id).await?;
+    let config = run.config.clone();
+    let data_dir = state.pending.data_dir.clone();
+    let ranks = tokio::task::spawn_blocking(move || load_restorable(&data_dir, &config, files))
+        .await
+        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
+    let steps: BTreeMap<u32, u64> = ranks
+        .iter()
+        .map(|(r, rr)| (*r, rr.meta.last_step.unwrap_or(0)))
+        .collect();
+    let run_name = run.config.name.clone();
+    run.engine
+        .call(move |e| e.restore(&run_name, ranks))
+        .await??;
+    for rank in 0..run.config.world_size {
+        let summary = run.update_rank(rank, |s| match steps.get(&rank) {
+            Some(&step) => {
+                s.last_step = Some(step);
+                s.live = true;
+            }
+            None => {
+                s.last_step = None;
+                s.live = false;
+            }
+        });
+        state.record_rank(run, rank, &summary, None);
+    }
+    Ok(steps)
+}
+
+/// The lowest step any rank of a restorable snapshot sits at: a cut's
+/// step, or for a `state` snapshot the lowest of its ranks' steps.
+pub(super) fn lowest_rank_step(row: &SnapshotRow) -> u64 {
+    row.detail["rank_steps"]
+        .as_object()
+        .and_then(|steps| steps.values().filter_map(|v| v.as_u64()).min())
+        .unwrap_or(row.step)
+}
+
+/// What `resume` restored.
+pub struct Resumed {
+    pub row: SnapshotRow,
+    pub rank_steps: BTreeMap<u32, u64>,
+    /// The snapshot misses updates up to the step asked for (only with
+    /// `allow_older`).
+    pub older: bool,
+}
+
+/// `POST /resume`: the newest restorable snapshot at or before `step`.
+///
+/// `step` is the last step the trainer's checkpoint pushed (the number of
+/// optimizer steps it took, minus one). A snapshot older than the last
+/// update step at or before it would leave the EMA without updates the
+/// trainer will not push again: refused unless `allow_older`.
+pub async fn resume(
+    state: &Snaps,
+    run: &RunHandle,
+    step: u64,
+    allow_older: bool,
+) -> Result<Resumed, SnapshotError> {
+    let rows = state.store.snapshots(&run.config.name).await?;
+    let mut best: Option<(u64, &SnapshotRow)> = None;
+    for row in rows.iter().filter(|r| restorable(&run.config, r)) {
+        // A state snapshot's ranks may sit at different steps: all must be
+        // at or before the requested one.
+        let top = row.step;
+        if top <= step
+            && best.is_none_or(|(s, b)| {
+                top > s || (top == s && row.completed_at_ms > b.completed_at_ms)
+            })
+        {
+            best = Some((top, row));
+        }
+    }
+    let Some((_, row)) = best else {
+        return Err(SnapshotError::NotFound(format!(
+            "no complete snapshot of run `{}` at or before step {step} holds every profile",
+            run.config.name
+        )));
+    };
+    let wanted = step - step % run.config.update_every;
+    let lowest = lowest_rank_step(row);
+    let older = lowest < wanted;
+    if older && !allow_older {
+        return Err(SnapshotError::Older(format!(
+            "the newest complete snapshot of run `{}` at or before step {step} is `{}`, at step {lowest}: \
+             restoring it would leave the EMA without the updates of steps {}..={wanted}. \
+             `step` is the last step the checkpoint pushed (the optimizer steps it took minus one; \
+             Lightning's and HF's global_step minus one); take a snapshot at that step when you \
+             checkpoint, or pass allow_older: true to restore step {lowest} anyway",
+            run.config.name,
+            row.id,
+            lowest + 1
+        )));
+    }
+    let row = row.clone();
+    let steps = restore_from(state, run, &row).await?;
+    if older {
+        tracing::warn!(run = %run.config.name, snapshot = %row.id, asked = step, restored = lowest,
+            "resumed from an older snapshot (allow_older)");
+    }
+    state.events.emit(
+        &run.config.name,
+        "resumed",
+        None,
+        Some(row.step),
+        serde_json::json!({"snapshot": row.id, "rank_steps": steps, "requested_step": step, "older": older}),
+    );
+    Ok(Resumed {
+        row,
+        rank_steps: steps,
+        older,
+    })
+}
+
+/// At start: fails snapshots a stop interrupted, removes files the catalog
+/// does not list as complete, and restores every run from its newest
+/// restorable snapshot.
+pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
+    let interrupted = state.store.fail_interrupted(now_ms()).await?;
+    for (run, id) in &interrupted {
+        tracing::warn!(run = %run, snapshot = %id, "snapshot interrupted by the last stop; marked failed");
+    }
+    let keep = state.store.complete_snapshot_ids().await?;
+    let data_dir = state.pending.data_dir.clone();
+    let removed = tokio::task::spawn_blocking(move || files::remove_unlisted(&data_dir, &keep))
+        .await
+        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
+    for path in removed {
+        tracing::info!(path = %path.display(), "removed an incomplete snapshot file");
+    }
+    let runs: Vec<Arc<RunHandle>> = state.all_runs();
+    for run in runs {
+        let rows = state.store.snapshots(&run.config.name).await?;
+        let newest = rows
+            .iter()
+            .filter(|r| restorable(&run.config, r))
+            .max_by_key(|r| (r.completed_at_ms, r.step));
+        let Some(row) = newest else { continue };
+        match restore_from(state, &run, row).await {
+            Ok(steps) => {
+                for (rank, step) in &steps {
+                    tracing::info!(run = %run.config.name, rank, step, snapshot = %row.id, "rank resumed from snapshot");
+                }
+                state.events.emit(
+                    &run.config.name,
+                    "restored",
+                    None,
+                    Some(row.step),
+                    serde_json::json!({"snapshot": row.id, "rank_steps": steps}),
+                );
+            }
+            Err(e) => {
+                tracing::error!(run = %run.config.name, snapshot = %row.id, error = %e, "restoring failed")
+            }
+        }
+    }
+    Ok(())
+}

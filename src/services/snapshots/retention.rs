@@ -1,0 +1,100 @@
+//! Deleting snapshots and a deleted run's files, and the run's retention.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// After a run is deleted: fails its pending snapshots and removes every
+/// file it had (`runs/<run>/`), so a deleted run's disk space comes back at
+/// once, not at the next start.
+pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotError> {
+    let pending: Vec<String> = state
+        .pending
+        .pending
+        .lock()
+        .expect("pending lock")
+        .iter()
+        .filter(|(_, p)| p.run == run)
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in pending {
+        fail(state, &id, "the run was deleted").await;
+    }
+    let dir = state.pending.data_dir.join(files::run_rel_dir(run));
+    tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    })
+    .await
+    .map_err(|e| SnapshotError::Worker(e.to_string()))??;
+    Ok(())
+}
+
+pub(super) fn remove_files(state: &Snaps, run: &str, id: &str) {
+    let dir = state
+        .pending
+        .data_dir
+        .join(files::snapshot_rel_dir(run, id));
+    if dir.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(path = %dir.display(), error = %e, "removing snapshot files failed");
+        }
+    }
+}
+
+/// Deletes a snapshot: the catalog row first (so a crash never leaves a
+/// complete snapshot without files), then the files.
+pub async fn delete(state: &Snaps, run: &str, id: &str) -> Result<bool, SnapshotError> {
+    if state
+        .pending
+        .pending
+        .lock()
+        .expect("pending lock")
+        .contains_key(id)
+    {
+        fail(state, id, "deleted while pending").await;
+    }
+    let existed = state.store.delete_snapshot(id).await?;
+    remove_files(state, run, id);
+    Ok(existed)
+}
+
+/// Applies the run's retention to complete manual and periodic snapshots,
+/// and keeps the newest state snapshots.
+pub(super) async fn apply_retention(state: &Snaps, run: &str) -> Result<(), SnapshotError> {
+    let Some(handle) = state.run(run) else {
+        return Ok(());
+    };
+    let retention = handle.config.retention.clone();
+    let all = state.store.snapshots(run).await?;
+    let mut doomed = Vec::new();
+    let mut states: Vec<&SnapshotRow> = all
+        .iter()
+        .filter(|s| s.kind == STATE && s.status == "complete")
+        .collect();
+    states.sort_by_key(|s| std::cmp::Reverse(s.completed_at_ms));
+    doomed.extend(states.iter().skip(STATE_KEEP).map(|s| s.id.clone()));
+    if retention.keep_last > 0 {
+        let mut cuts: Vec<&SnapshotRow> = all
+            .iter()
+            .filter(|s| (s.kind == MANUAL || s.kind == PERIODIC) && s.status == "complete")
+            .collect();
+        cuts.sort_by_key(|s| std::cmp::Reverse((s.step, s.created_at_ms)));
+        for s in cuts.iter().skip(retention.keep_last as usize) {
+            if retention.keep_every > 0 && s.step % retention.keep_every == 0 {
+                continue;
+            }
+            doomed.push(s.id.clone());
+        }
+    }
+    for id in doomed {
+        delete(state, run, &id).await?;
+        state.events.emit(
+            run,
+            "snapshot",
+            None,
+            None,
+            serde_json::json!({"id": id, "status": "deleted", "reason": "retention"}),
+        );
+    }
+    Ok(())
+}
