@@ -298,7 +298,10 @@ def test_log_metrics_and_download_progress(client, server, run_name, tmp_path, c
     )
     raw = httpx.get(f"{server.url}/v1/runs/{run_name}/metrics", params={"names": "loss"}).json()
     assert [p[:2] for p in raw["series"][0]["points"]] == [[s, v] for s, v in series["loss"]]
-    assert run.metrics(rank=0) == {"grad_norm@0": [(3, 0.5)]}
+    # The server samples its own per-rank series (`ingest/...`) every few
+    # seconds; only what the client logged is compared here.
+    logged = {k: v for k, v in run.metrics(rank=0).items() if not k.startswith("ingest/")}
+    assert logged == {"grad_norm@0": [(3, 0.5)]}
     assert [s for s, _ in run.metrics(["loss"], since_step=6)["loss"]] == [6, 7]
 
     seen: list[tuple[int, int | None]] = []
