@@ -189,7 +189,9 @@ class CopyOnlyPusher(polyak.Pusher):
     copy thread's, as with a server on another machine that keeps up,
     minus the network."""
 
-    def _deliver(self, conn: Any, job: Any) -> dict[str, Any]:
+    def _deliver(
+        self, conn: Any, job: Any, prev: Any = None, encoded: Any = None
+    ) -> dict[str, Any]:
         job.body.wait_ready()
         return {"applied": True, "duplicate": False}
 

@@ -61,6 +61,8 @@ pub struct RankSummary {
     pub drift: BTreeMap<String, (f64, f64)>,
     /// The step of that sample.
     pub drift_step: Option<u64>,
+    /// Wire bytes against logical bytes, codec time.
+    pub wire: crate::wire::stats::WireStats,
 }
 
 /// Pushes remembered per rank for its throughput.
@@ -319,14 +321,17 @@ pub struct AppInner {
     pub inflight_kib: usize,
     /// Reused receive buffers for push bodies.
     pub bodies: Arc<crate::wire::bodies::BodyPool>,
+    /// Pipelined pushes waiting for their predecessors.
+    pub pipeline: crate::http::pipeline::Pipeline,
     pub started: Instant,
 }
 
 pub type AppState = Arc<AppInner>;
 
-/// Idle push receive buffers kept for reuse: one for the body being
-/// received while another is applied, one spare.
-const BODY_BUFFERS_KEPT: usize = 2;
+/// Idle push receive buffers kept for reuse: bodies being received while
+/// another is applied (two with a pipelining client), a decoded body beside
+/// its encoded one, one spare.
+const BODY_BUFFERS_KEPT: usize = 4;
 
 impl AppInner {
     /// Opens the catalog and loads every run from it. The receiver gets what
@@ -354,6 +359,10 @@ impl AppInner {
             inflight: Arc::new(Semaphore::new(inflight_kib)),
             inflight_kib,
             bodies: crate::wire::bodies::BodyPool::new(BODY_BUFFERS_KEPT),
+            pipeline: crate::http::pipeline::Pipeline::new(
+                std::time::Duration::from_secs_f64(args.pipeline_timeout_secs.max(0.0)),
+                args.pipeline_depth,
+            ),
             started: Instant::now(),
             args,
         });
@@ -546,6 +555,8 @@ pub struct RankView {
     pub bytes_per_second: Option<f64>,
     /// Latest `||EMA - online|| / ||online||` per profile.
     pub drift: BTreeMap<String, f64>,
+    /// Wire bytes against logical bytes, and codec time.
+    pub wire: crate::wire::stats::WireStats,
     /// The registered layout (with `?layout=true`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -596,6 +607,7 @@ impl RankView {
                 .iter()
                 .map(|(p, (d, o))| (p.clone(), if *o > 0.0 { (d / o).sqrt() } else { d.sqrt() }))
                 .collect(),
+            wire: s.wire.clone(),
             layout: if with_layout {
                 s.layout.as_deref().cloned()
             } else {

@@ -127,6 +127,19 @@ impl From<WireError> for ApiError {
     }
 }
 
+impl From<crate::wire::codec::CodecError> for ApiError {
+    fn from(e: crate::wire::codec::CodecError) -> Self {
+        use crate::wire::codec::CodecError;
+        let message = e.to_string();
+        match e {
+            CodecError::Corrupt(_) => Self::bad_request("invalid_encoding", message),
+            CodecError::TooLarge { .. } => {
+                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
+            }
+        }
+    }
+}
+
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         let message = e.to_string();
@@ -138,6 +151,7 @@ impl From<EngineError> for ApiError {
             EngineError::RunFinished(_) => Self::conflict("run_finished", message),
             EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
             EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
+            EngineError::Nonfinite(_) => Self::unprocessable("nonfinite", message),
             EngineError::UnknownProfile(_) => Self::not_found("profile_not_found", message),
             EngineError::Stopped | EngineError::Torch(_) => Self::internal(message),
         }

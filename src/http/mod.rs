@@ -14,6 +14,7 @@
 //!   effective averaging windows.
 //! - [`ops`]: health, metrics, OpenAPI, docs and dashboard files.
 //! - [`openapi`]: what the document says of every operation (auth, errors).
+//! - [`pipeline`]: pipelined pushes of a rank, applied in step order.
 
 pub mod auth;
 pub mod conn;
@@ -24,6 +25,7 @@ pub mod extract;
 pub mod insight;
 pub mod metrics;
 pub mod openapi;
+pub mod pipeline;
 pub mod ops;
 pub mod push;
 pub mod runs;

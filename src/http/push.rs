@@ -44,17 +44,19 @@ pub struct PushResponse {
 const DRAIN_LIMIT: u64 = 64 << 20;
 
 /// Push one rank's tensors for one step (body: a safetensors file,
-/// optionally `Content-Encoding: zstd`).
+/// optionally `Content-Encoding: zstd` or `polyak-bgz`).
 #[utoipa::path(method(put, post), path = "/v1/runs/{run}/ranks/{rank}/steps/{step}", tag = "push",
-    params(("run" = String, Path), ("rank" = u32, Path), ("step" = u64, Path)),
+    params(("run" = String, Path), ("rank" = u32, Path), ("step" = u64, Path),
+           ("polyak-prev-step" = Option<u64>, Header, description = "pipelining: the step this client pushed before; the push is applied after that one is answered"),
+           ("polyak-encode-seconds" = Option<f64>, Header, description = "seconds the client spent encoding the body (reported in the rank's wire figures)")),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = PushResponse),
               (status = 400, body = ErrorBody, description = "malformed safetensors"),
               (status = 404, body = ErrorBody, description = "no such run or rank"),
-              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe"),
+              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe, predecessor_timeout"),
               (status = 408, body = ErrorBody, description = "body_timeout: the body arrived too slowly"),
               (status = 413, body = ErrorBody, description = "body or header over the limit"),
-              (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd"),
+              (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd or polyak-bgz"),
               (status = 422, body = ErrorBody, description = "nonfinite, unsupported_dtype, invalid_shards"),
               (status = 429, body = ErrorBody, description = "busy; see Retry-After")))]
 pub async fn push(
@@ -85,6 +87,18 @@ pub async fn push(
     };
     let result =
         receive_and_apply(&state, &run, rank, step, &headers, declared, body, started).await;
+    // Answered for good, applied or refused: pipelined successors may go
+    // on. An answer the client retries (busy, too slow, a server fault) is
+    // not: the successor keeps waiting for the retry.
+    let final_answer = match &result {
+        Ok(_) => true,
+        Err(e) => !(e.status == StatusCode::TOO_MANY_REQUESTS
+            || e.status == StatusCode::REQUEST_TIMEOUT
+            || e.status.is_server_error()),
+    };
+    if final_answer {
+        state.pipeline.answered(&run.config.name, rank, step);
+    }
     if let Err(e) = &result {
         record_rejection(&state, &run, rank, step, e);
     }
@@ -123,6 +137,8 @@ async fn receive_and_apply(
                 resident_bytes: summary.resident_bytes,
                 apply_seconds: 0.0,
                 drift: None,
+                logical_bytes: 0,
+                mirror_mismatch: None,
             },
             rank,
             reason: Some(format!(
@@ -131,19 +147,15 @@ async fn receive_and_apply(
             )),
         });
     }
-    let zstd = match headers
-        .get(header::CONTENT_ENCODING)
-        .map(|v| v.to_str().unwrap_or("?"))
-    {
-        None | Some("identity") => false,
-        Some("zstd") => true,
-        Some(other) => {
+    let PushHeaders {
+        encoding,
+        prev_step,
+        encode_seconds,
+    } = match PushHeaders::parse(headers, step) {
+        Ok(h) => h,
+        Err(e) => {
             drain(body, declared).await;
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_encoding",
-                format!("Content-Encoding `{other}`: only zstd (or none) is accepted"),
-            ));
+            return Err(e);
         }
     };
     if let Some(len) = declared {
@@ -169,26 +181,36 @@ async fn receive_and_apply(
         header_limit: state.args.header_limit.0,
     };
     let policy = config.nonfinite;
-    let parsed = if zstd {
-        let (bytes, budget_after) = tokio::task::spawn_blocking(move || {
-            let out = decompress(&raw, limit)?;
-            budget.reserve(out.len() as u64)?;
-            Ok::<_, ApiError>((out, budget))
-        })
-        .await??;
-        budget = budget_after;
-        tokio::task::spawn_blocking(move || parse_push(bytes, limits, policy)).await??
-    } else {
-        tokio::task::spawn_blocking(move || parse_push(raw, limits, policy)).await??
-    };
+    let pool = state.bodies.clone();
+    let (parsed, decode_seconds, budget) = tokio::task::spawn_blocking(move || {
+        decode_and_validate(raw, encoding, limit, limits, policy, &pool, budget)
+    })
+    .await??;
     state
         .metrics
         .push_seconds
         .with_label_values(&["validate"])
         .observe(received.elapsed().as_secs_f64());
 
+    // A pipelined push waits here, validated, for its predecessor's answer.
+    if let Some(prev) = prev_step {
+        let applied = || run.rank(rank).and_then(|s| s.last_step);
+        state
+            .pipeline
+            .wait_for(
+                &config.name,
+                rank,
+                step,
+                prev,
+                applied,
+                state.args.retry_after_secs,
+            )
+            .await?;
+    }
+
     // Apply on the engine. The budget is released when the engine is done
     // with the body.
+    let parsed_kind = PushLabels::of(&parsed);
     let run_name = config.name.clone();
     let queued = Instant::now();
     let outcome = run
@@ -219,6 +241,20 @@ async fn receive_and_apply(
         .push_bytes
         .with_label_values(&[&config.name])
         .inc_by(wire_len);
+    if !outcome.duplicate {
+        note_wire(
+            state,
+            run,
+            rank,
+            step,
+            &outcome,
+            wire_len,
+            encoding,
+            &parsed_kind,
+            encode_seconds,
+            decode_seconds,
+        );
+    }
 
     let layout = outcome.registered.clone();
     let latency = started.elapsed().as_secs_f64();
@@ -292,6 +328,196 @@ async fn receive_and_apply(
         rank,
         reason,
     })
+}
+
+/// Header in which a client reports the seconds it spent encoding the body
+/// (shown with the rank's wire figures; never trusted for anything else).
+pub const ENCODE_SECONDS: &str = "polyak-encode-seconds";
+
+/// What a push's headers declare besides its length.
+struct PushHeaders {
+    encoding: Encoding,
+    /// Pipelining: the step the client pushed before this one.
+    prev_step: Option<u64>,
+    /// Client-reported encoding time.
+    encode_seconds: f64,
+}
+
+impl PushHeaders {
+    fn parse(headers: &HeaderMap, step: u64) -> Result<Self, ApiError> {
+        let encoding = match headers
+            .get(header::CONTENT_ENCODING)
+            .map(|v| v.to_str().unwrap_or("?"))
+        {
+            None | Some("identity") => Encoding::Identity,
+            Some("zstd") => Encoding::Zstd,
+            Some(crate::wire::codec::ENCODING) => Encoding::ByteGroup,
+            Some(other) => {
+                return Err(ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_encoding",
+                    format!(
+                        "Content-Encoding `{other}`: only zstd, {} (or none) is accepted",
+                        crate::wire::codec::ENCODING
+                    ),
+                ))
+            }
+        };
+        let prev_step = match headers.get(super::pipeline::PREV_STEP) {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .filter(|&p| p < step)
+                    .ok_or_else(|| {
+                        ApiError::bad_request(
+                            "invalid_header",
+                            format!(
+                                "{}: must be a step below {step}",
+                                super::pipeline::PREV_STEP
+                            ),
+                        )
+                    })?,
+            ),
+        };
+        let encode_seconds = headers
+            .get(ENCODE_SECONDS)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .unwrap_or(0.0);
+        Ok(PushHeaders {
+            encoding,
+            prev_step,
+            encode_seconds,
+        })
+    }
+}
+
+/// The validation pass, on a blocking thread: an encoded body is decoded
+/// first (written once, into a pooled buffer) and validated from there.
+/// Returns the push, the decoding seconds and the budget, which now covers
+/// the decoded body.
+fn decode_and_validate(
+    raw: bytes::Bytes,
+    encoding: Encoding,
+    limit: u64,
+    limits: WireLimits,
+    policy: crate::run::NonfinitePolicy,
+    pool: &Arc<BodyPool>,
+    mut budget: Budget,
+) -> Result<(crate::wire::ParsedPush, f64, Budget), ApiError> {
+    let decoding = Instant::now();
+    let bytes = match encoding {
+        Encoding::Identity => raw,
+        Encoding::Zstd => decompress(&raw, limit)?,
+        Encoding::ByteGroup => crate::wire::codec::decode(&raw, limit, pool)?,
+    };
+    let decode_seconds = match encoding {
+        Encoding::Identity => 0.0,
+        _ => decoding.elapsed().as_secs_f64(),
+    };
+    budget.reserve(bytes.len() as u64)?;
+    let parsed = parse_push(bytes, limits, policy)?;
+    Ok((parsed, decode_seconds, budget))
+}
+
+/// How the body arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Identity,
+    Zstd,
+    ByteGroup,
+}
+
+impl Encoding {
+    fn name(self) -> &'static str {
+        match self {
+            Encoding::Identity => "identity",
+            Encoding::Zstd => "zstd",
+            Encoding::ByteGroup => crate::wire::codec::ENCODING,
+        }
+    }
+}
+
+/// What a push was, for the rank's wire figures.
+struct PushLabels {
+    kind: &'static str,
+    quant: Option<String>,
+}
+
+impl PushLabels {
+    fn of(push: &crate::wire::ParsedPush) -> Self {
+        use crate::wire::quant::QuantFormat;
+        PushLabels {
+            kind: match push.kind {
+                crate::wire::PushKind::Full => "full",
+                crate::wire::PushKind::Delta => "delta",
+                crate::wire::PushKind::Xor => "xor",
+            },
+            quant: push.tensors.iter().find_map(|t| t.quant.as_ref()).map(|q| {
+                match q.format {
+                    QuantFormat::Bf16 => "bf16".to_string(),
+                    QuantFormat::Fp8E4m3 => format!("fp8_e4m3/{}", q.block),
+                    QuantFormat::Int8 => format!("int8/{}", q.block),
+                }
+            }),
+        }
+    }
+}
+
+/// Records an applied push's wire figures (rank view, Prometheus) and a
+/// keyframe's mirror mismatch (event, counter).
+#[allow(clippy::too_many_arguments)]
+fn note_wire(
+    state: &AppState,
+    run: &Arc<RunHandle>,
+    rank: u32,
+    step: u64,
+    outcome: &PushOutcome,
+    wire_len: u64,
+    encoding: Encoding,
+    labels: &PushLabels,
+    encode_seconds: f64,
+    decode_seconds: f64,
+) {
+    let name = &run.config.name;
+    let m = &state.metrics;
+    m.push_logical_bytes
+        .with_label_values(&[name])
+        .inc_by(outcome.logical_bytes);
+    m.codec_seconds
+        .with_label_values(&[name, "encode"])
+        .inc_by(encode_seconds);
+    m.codec_seconds
+        .with_label_values(&[name, "decode"])
+        .inc_by(decode_seconds);
+    if let Some(mismatch) = &outcome.mirror_mismatch {
+        m.mirror_mismatches.with_label_values(&[name]).inc();
+        state.events.emit(
+            name,
+            "mirror_mismatch",
+            Some(rank),
+            Some(step),
+            serde_json::json!({
+                "client_crc32": mismatch.client_crc32,
+                "server_crc32": mismatch.server_crc32,
+                "repaired": true,
+            }),
+        );
+        tracing::warn!(run = %name, rank, step, "keyframe found the mirror diverged from the client's copy; repaired");
+    }
+    run.update_rank(rank, |s| {
+        s.wire
+            .note(wire_len, outcome.logical_bytes, encode_seconds, decode_seconds);
+        s.wire.last_kind = Some(labels.kind.to_string());
+        s.wire.last_encoding = Some(encoding.name().to_string());
+        s.wire.last_quant = labels.quant.clone();
+        if outcome.mirror_mismatch.is_some() {
+            s.wire.mirror_mismatches += 1;
+        }
+    });
 }
 
 fn too_large(len: u64, limit: u64) -> ApiError {

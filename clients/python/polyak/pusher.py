@@ -4,8 +4,13 @@ On the training thread, :meth:`Pusher.push` only finds this rank's tensors
 (:mod:`polyak.shards`) and copies them into a reusable host body
 (:class:`~polyak.wire.HostBody`: the safetensors header is already there; on
 CUDA the memory is pinned and the copies are ``non_blocking`` with an event).
-A sender thread takes bodies from a bounded queue and PUTs them over one
-keep-alive connection, retrying what can be retried.
+Sender threads (``pipeline`` of them, default 2, each with its own
+keep-alive connection) take bodies from a bounded queue in order and PUT
+them, retrying what can be retried; each push names the step sent before it
+(``Polyak-Prev-Step``), so the server receives the next body while it
+applies the previous one and still applies them in step order. With
+``codec`` or ``delta`` the sender also encodes each body (in dispatch order,
+never on the training thread).
 
 Deferred copies: parameters change only in ``optimizer.step()`` (forward
 and backward read them), so a push from :meth:`Pusher.attach` copies at
@@ -20,8 +25,8 @@ it returns unless asked ``defer=True`` (the caller then calls
 is not the sender: a slow server delays sending, never the copy the next
 step waits for.
 
-Queue and buffers: ``max_queue`` bodies may wait while one is in flight, so
-there are at most ``max_queue + 1`` bodies, allocated on first use and
+Queue and buffers: ``max_queue`` bodies may wait while ``pipeline`` are in
+flight, so there are at most ``max_queue + pipeline`` bodies, allocated on first use and
 reused; the training thread never writes a body the sender is reading. When
 the queue is full, policy ``block`` waits for room and ``drop_oldest`` takes
 the buffer of the oldest waiting push (never the one in flight) and counts
@@ -58,6 +63,7 @@ from urllib.parse import quote, urlsplit
 import torch
 from torch import nn
 
+from .encode import Encoded, MirrorEncoder
 from .errors import PolyakError, error_from_response, parse_retry_after
 from .shards import (
     LocalPart,
@@ -143,6 +149,14 @@ class PushStats:
     deferred: int = 0
     #: Time the copy thread spent on deferred copies (not the training thread's).
     deferred_copy_seconds: float = 0.0
+    #: CPU time the sender thread spent encoding bodies (codec, deltas).
+    encode_seconds: float = 0.0
+    #: Pushes encoded (``codec`` or ``delta`` set).
+    encoded: int = 0
+    #: Bytes of the bodies before encoding (with ``bytes_sent``: the ratio).
+    logical_bytes: int = 0
+    #: Keyframes (full pushes) among the encoded pushes.
+    keyframes: int = 0
 
     @property
     def training_thread_seconds(self) -> float:
@@ -225,8 +239,11 @@ class Pusher:
 
     Options:
 
-    - ``max_queue``: pushes that may wait while one is in flight (host
-      memory: ``max_queue + 1`` copies of this rank's shard).
+    - ``max_queue``: pushes that may wait while others are in flight (host
+      memory: ``max_queue + pipeline`` copies of this rank's shard).
+    - ``pipeline``: pushes in flight at once, each on its own connection
+      (default 2; 1 sends one at a time). The server applies them in step
+      order and answers each after its own apply.
     - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
       dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
       push is dropped and counted).
@@ -238,6 +255,15 @@ class Pusher:
       averaged. The server decides that from the run's ``copy_patterns``;
       the pusher checks at its first push that they cover these names.
     - ``compress``: a zstd level (needs ``zstandard``), for slow links.
+    - ``codec="bgz"``: the lossless byte-grouped zstd codec (needs
+      ``zstandard``; compresses float weights better than plain zstd), at
+      zstd level ``codec_level``.
+    - ``delta``: send deltas against the server's mirror (the run needs
+      ``mirror: true``): ``"xor"`` (lossless) or quantised ``"bf16"``,
+      ``"fp8_e4m3"``, ``"int8"`` (``block`` values per scale, 128 or 256),
+      with error feedback; a keyframe (full push) every ``keyframe_every``
+      pushes (default: the run's ``keyframe_every``). Encoding runs on the
+      sender thread.
     - ``retry``: a :class:`RetryPolicy`.
     - ``split_replicated``: plain (non-DTensor, non-ShardedTensor) tensors
       are taken to be the same on every rank (DDP replicas, FSDP buffers)
@@ -259,6 +285,12 @@ class Pusher:
         compress: int | None = None,
         retry: RetryPolicy | None = None,
         split_replicated: bool = True,
+        pipeline: int = 2,
+        codec: str | None = None,
+        codec_level: int = 3,
+        delta: str | None = None,
+        block: int = 128,
+        keyframe_every: int | None = None,
     ) -> None:
         if not 0 <= rank < run.world_size:
             raise ValueError(
@@ -266,6 +298,9 @@ class Pusher:
             )
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if pipeline < 1:
+            raise ValueError("pipeline must be >= 1")
+        self.pipeline = int(pipeline)
         if policy not in ("block", "drop_oldest"):
             raise ValueError(f"policy must be `block` or `drop_oldest`, not {policy!r}")
         if dtype is not None and not dtype.is_floating_point:
@@ -280,6 +315,21 @@ class Pusher:
         self.skip = tuple(skip)
         self.copy_only = tuple(copy_only)
         self.compress = compress
+        if compress is not None and (codec is not None or delta is not None):
+            raise ValueError("compress (plain zstd) and codec/delta are exclusive")
+        self._encoder: MirrorEncoder | None = None
+        if codec is not None or delta is not None:
+            self._encoder = MirrorEncoder(
+                delta,
+                block=block,
+                keyframe_every=int(keyframe_every or run.keyframe_every),
+                codec=codec,
+                level=codec_level,
+            )
+        self._encode_seconds = 0.0
+        self._encoded = 0
+        self._logical_bytes = 0
+        self._keyframes = 0
         self.retry = retry or RetryPolicy()
         self.split_replicated = bool(split_replicated)
         self._token = run.write_token or run.client.token
@@ -287,7 +337,12 @@ class Pusher:
 
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
-        self._in_flight: _Job | None = None
+        self._in_flight: list[_Job] = []
+        # Taking a job and encoding it happen in dispatch order, one sender
+        # at a time; sending happens side by side.
+        self._dispatch = threading.Lock()
+        self._last_dispatched: int | None = None
+        self._threads: list[threading.Thread] = []
         self._free: list[HostBody] = []
         self._allocated = 0
         self._layout: WireLayout | None = None
@@ -524,7 +579,7 @@ class Pusher:
                     if self._free:
                         body = self._free.pop()
                         break
-                    if self._allocated < self.max_queue + 1:
+                    if self._allocated < self.max_queue + self.pipeline:
                         self._allocated += 1
                         allocate = True
                         break
@@ -589,12 +644,10 @@ class Pusher:
         failure, or ``flush_timeout`` naming what is still pending."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._queue or self._in_flight is not None) and self._pending_error is None:
+            while (self._queue or self._in_flight) and self._pending_error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    steps = ([self._in_flight.step] if self._in_flight else []) + [
-                        j.step for j in self._queue
-                    ]
+                    steps = [j.step for j in self._in_flight] + [j.step for j in self._queue]
                     raise PolyakError(
                         f"{len(steps)} push(es) not acknowledged after {timeout:g}s "
                         f"(steps {_steps_text(steps)}); last attempt: {self._last_transient or 'in progress'}",
@@ -640,8 +693,8 @@ class Pusher:
                 dropped=c["dropped"],
                 rejected=c["rejected"],
                 retries=c["retries"],
-                pending=len(self._queue) + (self._in_flight is not None),
-                in_flight_step=self._in_flight.step if self._in_flight is not None else None,
+                pending=len(self._queue) + len(self._in_flight),
+                in_flight_step=self._in_flight[0].step if self._in_flight else None,
                 last_step=self._last_acked,
                 bytes_sent=c["bytes_sent"],
                 copy_seconds=self._copy_seconds,
@@ -651,6 +704,10 @@ class Pusher:
                 waits=self._waits,
                 deferred=self._deferred,
                 deferred_copy_seconds=self._deferred_copy_seconds,
+                encode_seconds=self._encode_seconds,
+                encoded=self._encoded,
+                logical_bytes=self._logical_bytes,
+                keyframes=self._keyframes,
             )
 
     @property
@@ -670,16 +727,16 @@ class Pusher:
             self._closed = True
             with self._cond:
                 self._stopping = True
-                aborting = bool(self._queue) or self._in_flight is not None
+                aborting = bool(self._queue) or bool(self._in_flight)
                 if aborting:
                     self._abort.set()
                 self._cond.notify_all()
             if self._copier is not None:
                 self._copier.join()
-            if self._thread is not None:
+            for thread in self._threads:
                 # An abandoned request may be stuck in a socket call; the
                 # thread is a daemon, so do not wait for it long.
-                self._thread.join(timeout=5.0 if aborting else None)
+                thread.join(timeout=5.0 if aborting else None)
             with self._cond:
                 self._free.clear()  # the host buffers go back to the allocator
 
@@ -795,12 +852,15 @@ class Pusher:
 
     def _ensure_threads(self, *, copier: bool) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._send_loop,
-                name=f"polyak-push-{self.run.name}-{self.rank}",
-                daemon=True,
-            )
-            self._thread.start()
+            for slot in range(self.pipeline):
+                thread = threading.Thread(
+                    target=self._send_loop,
+                    name=f"polyak-push-{self.run.name}-{self.rank}-{slot}",
+                    daemon=True,
+                )
+                self._threads.append(thread)
+                thread.start()
+            self._thread = self._threads[0]
         if copier and self._copier is None:
             self._copier = threading.Thread(
                 target=self._copy_loop,
@@ -846,25 +906,48 @@ class Pusher:
         indices, sources = job.deferred
         job.body.fill(sources, indices)
 
+    def _next_job(self) -> tuple[_Job, int | None, Encoded | None] | None:
+        """The next job in dispatch order, its predecessor step, and its
+        encoded body (``None`` when there is nothing left to send)."""
+        with self._dispatch:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue or self._abort.is_set():
+                    return None
+                job = self._queue.popleft()
+                self._in_flight.append(job)
+                prev, self._last_dispatched = self._last_dispatched, job.step
+                while not job.copied:
+                    self._cond.wait()
+            encoded = None
+            if self._encoder is not None and job.copy_error is None:
+                job.body.wait_ready()
+                encoded = self._encoder.encode(job.body.layout, job.body.views, job.body.memory)
+                # Optimistic: the server applies in dispatch order, so the
+                # next delta builds on this one; a refusal resets it.
+                self._encoder.commit(encoded)
+                with self._cond:
+                    self._encode_seconds += encoded.seconds
+                    self._encoded += 1
+                    self._logical_bytes += job.body.layout.nbytes
+                    self._keyframes += encoded.kind == "full"
+            return job, prev, encoded
+
     def _send_loop(self) -> None:
         conn = _Connection(self.run.url, self.retry.request_timeout)
         try:
             while True:
-                with self._cond:
-                    while not self._queue and not self._stopping:
-                        self._cond.wait()
-                    if not self._queue or self._abort.is_set():
-                        return
-                    job = self._queue.popleft()
-                    self._in_flight = job
-                    while not job.copied:
-                        self._cond.wait()
+                taken = self._next_job()
+                if taken is None:
+                    return
+                job, prev, encoded = taken
                 answer: dict[str, Any] | None = None
                 failure: PolyakError | None = None
                 try:
                     if job.copy_error is not None:
                         raise job.copy_error
-                    answer = self._deliver(conn, job)
+                    answer = self._deliver(conn, job, prev, encoded)
                 except PolyakError as e:
                     failure = e.at(step=job.step, rank=self.rank)
                 except Exception as e:  # a bug here must not kill the thread silently
@@ -886,15 +969,18 @@ class Pusher:
                             self._counts["applied"] += 1
                         if answer.get("duplicate"):
                             self._counts["duplicates"] += 1
-                        self._last_acked = job.step
-                        self._last_response = answer
+                        if self._last_acked is None or job.step > self._last_acked:
+                            self._last_acked = job.step
+                            self._last_response = answer
                     self._free.append(job.body)
-                    self._in_flight = None
+                    self._in_flight.remove(job)
                     self._cond.notify_all()
         finally:
             conn.close()
 
-    def _deliver(self, conn: _Connection, job: _Job) -> dict[str, Any]:
+    def _deliver(
+        self, conn: _Connection, job: _Job, prev: int | None, encoded: Encoded | None
+    ) -> dict[str, Any]:
         job.body.wait_ready()
         payload: memoryview | bytes = job.body.memory
         from . import __version__
@@ -905,7 +991,12 @@ class Pusher:
         }
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        if self.compress is not None:
+        if prev is not None:
+            headers["Polyak-Prev-Step"] = str(prev)
+        if encoded is not None:
+            payload = encoded.payload
+            headers.update(encoded.headers)
+        elif self.compress is not None:
             import zstandard
 
             payload = zstandard.ZstdCompressor(level=self.compress).compress(payload)
@@ -926,13 +1017,18 @@ class Pusher:
                 problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             else:
                 if status == 200:
+                    answer = dict(json.loads(data))
                     with self._cond:
                         self._counts["bytes_sent"] += len(payload)
                         self._last_transient = ""
-                    return dict(json.loads(data))
+                    return answer
                 retry_after = parse_retry_after(retry_header)
                 err = error_from_response(status, data, retry_after)
                 if status not in RETRY_STATUSES:
+                    if self._encoder is not None:
+                        # The server's mirror is not what this push assumed
+                        # next: the next push is a keyframe.
+                        self._encoder.reset()
                     raise err
                 problem = f"{status} {err.code}: {err.message}"
             now = time.monotonic()
