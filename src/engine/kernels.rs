@@ -509,11 +509,27 @@ mod tests {
             (Vec::try_from(&m).unwrap(), Vec::try_from(&e).unwrap())
         };
         let st = Tensor::from_slice(&scales).unsqueeze(1);
-        let fp8 = Tensor::from_slice(&q).view_dtype(Kind::Float8e4m3fn).to_kind(Kind::Float);
+        let fp8 = Tensor::from_slice(&q)
+            .view_dtype(Kind::Float8e4m3fn)
+            .to_kind(Kind::Float);
         let int8 = Tensor::from_slice(&qi).to_kind(Kind::Float);
         for (delta, widened) in [
-            (Delta::Fp8 { q: &q, scales: &sbytes, block }, fp8),
-            (Delta::Int8 { q: &qi, scales: &sbytes, block }, int8),
+            (
+                Delta::Fp8 {
+                    q: &q,
+                    scales: &sbytes,
+                    block,
+                },
+                fp8,
+            ),
+            (
+                Delta::Int8 {
+                    q: &qi,
+                    scales: &sbytes,
+                    block,
+                },
+                int8,
+            ),
         ] {
             let deq = widened
                 .constant_pad_nd([0, (padded - n) as i64])
@@ -546,8 +562,14 @@ mod tests {
             }
         }
         // A bf16 mirror rounds the sum to bf16, as `(m.float() + d).bfloat16()`.
-        let mb: Vec<u16> = mirror0.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-        let d: Vec<u16> = ema0.iter().map(|&x| half::bf16::from_f32(x * 1e-2).to_bits()).collect();
+        let mb: Vec<u16> = mirror0
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let d: Vec<u16> = ema0
+            .iter()
+            .map(|&x| half::bf16::from_f32(x * 1e-2).to_bits())
+            .collect();
         let want: Vec<u16> = mb
             .iter()
             .zip(&d)
@@ -570,7 +592,10 @@ mod tests {
             )
         };
         assert_eq!(m, want);
-        let widened: Vec<f32> = want.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let widened: Vec<f32> = want
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
         assert_eq!(e, widened);
     }
 }

@@ -65,7 +65,12 @@ type Job = Box<dyn FnOnce(&mut Engine) + Send>;
 /// unquantised (its header plus each tensor at its registered size): the
 /// logical side of the wire ratio.
 fn logical_bytes(push: &ParsedPush, layout: &RankLayout, order: &[usize]) -> u64 {
-    let header = push.tensors.iter().map(|t| t.range.start).min().unwrap_or(0) as u64;
+    let header = push
+        .tensors
+        .iter()
+        .map(|t| t.range.start)
+        .min()
+        .unwrap_or(0) as u64;
     header
         + order
             .iter()

@@ -887,7 +887,9 @@ impl RankState {
             let delta = delta_slice(push, d, s.numel as usize)?;
             // SAFETY: the EMA buffers, the mirror and the body are distinct
             // allocations; the plan checked alignment and dtypes.
-            return Some(unsafe { kernels::update_delta(&ptrs, ops, mirror, delta, threads, drift) });
+            return Some(unsafe {
+                kernels::update_delta(&ptrs, ops, mirror, delta, threads, drift)
+            });
         }
         let src = self.host_source(s, push)?;
         // SAFETY: each profile's buffer is a distinct contiguous float
@@ -905,13 +907,20 @@ impl RankState {
         let mut hasher = crc32fast::Hasher::new();
         for &i in order {
             let l = &self.layout.tensors[i];
+            if l.numel == 0 {
+                // No bytes (and maybe no storage to point at).
+                continue;
+            }
             let host = mirror[l.mirror.0]
                 .f_narrow(0, l.mirror.1, l.numel)?
                 .f_to(Device::Cpu)?
                 .f_contiguous()?;
             // SAFETY: a contiguous host tensor of numel elements of its dtype.
             let bytes = unsafe {
-                std::slice::from_raw_parts(host.data_ptr() as *const u8, l.numel as usize * l.dtype.size())
+                std::slice::from_raw_parts(
+                    host.data_ptr() as *const u8,
+                    l.numel as usize * l.dtype.size(),
+                )
             };
             hasher.update(bytes);
         }
@@ -942,7 +951,11 @@ impl RankState {
                 let weights = mirror[l.mirror.0]
                     .f_narrow(0, l.mirror.1, l.numel)?
                     .f_view_dtype(bits)?
-                    .f_bitwise_xor_tensor(&body.view(t.range.start, l.numel, l.dtype)?.f_view_dtype(bits)?)?
+                    .f_bitwise_xor_tensor(
+                        &body
+                            .view(t.range.start, l.numel, l.dtype)?
+                            .f_view_dtype(bits)?,
+                    )?
                     .f_view_dtype(l.dtype.kind())?;
                 Ok(!weights.f_isfinite()?.f_all()?.f_is_nonzero()?)
             })
@@ -1014,7 +1027,9 @@ fn add_delta(mirror: &mut Tensor, body: &DeviceBody, s: &Segment) -> Result<(), 
     }
     let raw = body.view(d.offset, n, d.wire)?;
     let mut deq = match d.quant.map(|q| q.format) {
-        Some(QuantFormat::Fp8E4m3) => raw.f_view_dtype(Kind::Float8e4m3fn)?.f_to_kind(Kind::Float)?,
+        Some(QuantFormat::Fp8E4m3) => raw
+            .f_view_dtype(Kind::Float8e4m3fn)?
+            .f_to_kind(Kind::Float)?,
         _ => raw.f_to_kind(Kind::Float)?,
     };
     if let Some(q) = d.quant.filter(|q| q.format.scaled()) {

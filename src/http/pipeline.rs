@@ -122,7 +122,8 @@ impl Pipeline {
     /// `step` of `rank` has been answered: pushes waiting for it go on.
     pub fn answered(&self, run: &str, rank: u32, step: u64) {
         let lane = self.lane(run, rank);
-        lane.answered.send_modify(|s| *s = Some(s.map_or(step, |a| a.max(step))));
+        lane.answered
+            .send_modify(|s| *s = Some(s.map_or(step, |a| a.max(step))));
     }
 
     /// Forgets a deleted run's ranks.
@@ -154,7 +155,10 @@ mod tests {
         waiter.await.unwrap().unwrap();
         // Never answered: a clear 409.
         let err = p.wait_for("r", 1, 9, 8, || None, 1).await.unwrap_err();
-        assert_eq!((err.status, err.code), (StatusCode::CONFLICT, "predecessor_timeout"));
+        assert_eq!(
+            (err.status, err.code),
+            (StatusCode::CONFLICT, "predecessor_timeout")
+        );
         // Bounded: a third waiter on one rank is refused at once.
         let a = {
             let p = p.clone();

@@ -92,9 +92,11 @@ pub async fn push(
     // not: the successor keeps waiting for the retry.
     let final_answer = match &result {
         Ok(_) => true,
-        Err(e) => !(e.status == StatusCode::TOO_MANY_REQUESTS
-            || e.status == StatusCode::REQUEST_TIMEOUT
-            || e.status.is_server_error()),
+        Err(e) => {
+            !(e.status == StatusCode::TOO_MANY_REQUESTS
+                || e.status == StatusCode::REQUEST_TIMEOUT
+                || e.status.is_server_error())
+        }
     };
     if final_answer {
         state.pipeline.answered(&run.config.name, rank, step);
@@ -456,13 +458,15 @@ impl PushLabels {
                 crate::wire::PushKind::Delta => "delta",
                 crate::wire::PushKind::Xor => "xor",
             },
-            quant: push.tensors.iter().find_map(|t| t.quant.as_ref()).map(|q| {
-                match q.format {
+            quant: push
+                .tensors
+                .iter()
+                .find_map(|t| t.quant.as_ref())
+                .map(|q| match q.format {
                     QuantFormat::Bf16 => "bf16".to_string(),
                     QuantFormat::Fp8E4m3 => format!("fp8_e4m3/{}", q.block),
                     QuantFormat::Int8 => format!("int8/{}", q.block),
-                }
-            }),
+                }),
         }
     }
 }
@@ -509,8 +513,12 @@ fn note_wire(
         tracing::warn!(run = %name, rank, step, "keyframe found the mirror diverged from the client's copy; repaired");
     }
     run.update_rank(rank, |s| {
-        s.wire
-            .note(wire_len, outcome.logical_bytes, encode_seconds, decode_seconds);
+        s.wire.note(
+            wire_len,
+            outcome.logical_bytes,
+            encode_seconds,
+            decode_seconds,
+        );
         s.wire.last_kind = Some(labels.kind.to_string());
         s.wire.last_encoding = Some(encoding.name().to_string());
         s.wire.last_quant = labels.quant.clone();

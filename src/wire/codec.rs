@@ -241,7 +241,11 @@ const DECODE_THREADS: usize = 4;
 /// size over `limit`. Every frame must decode to exactly its chunk's length
 /// and carry a zstd content checksum (verified while decoding), so a
 /// corrupted or truncated body is refused, not half-applied.
-pub fn decode(raw: &[u8], limit: u64, pool: &std::sync::Arc<BodyPool>) -> Result<Bytes, CodecError> {
+pub fn decode(
+    raw: &[u8],
+    limit: u64,
+    pool: &std::sync::Arc<BodyPool>,
+) -> Result<Bytes, CodecError> {
     let corrupt = |m: &str| CodecError::Corrupt(m.to_string());
     if raw.get(..4) != Some(&MAGIC[..]) {
         return Err(corrupt("does not start with PBG1"));
@@ -347,8 +351,8 @@ fn decode_run(
     out: &mut [u8],
     base: usize,
 ) -> Result<(), CodecError> {
-    let mut dx = zstd::bulk::Decompressor::new()
-        .map_err(|e| CodecError::Corrupt(format!("zstd: {e}")))?;
+    let mut dx =
+        zstd::bulk::Decompressor::new().map_err(|e| CodecError::Corrupt(format!("zstd: {e}")))?;
     let mut scratch: Vec<u8> = Vec::with_capacity(CHUNK_BYTES);
     for (f, src) in frames.iter().zip(sources) {
         if !has_checksum(src) {
@@ -360,14 +364,12 @@ fn decode_run(
         let want = f.range.len();
         scratch.clear();
         scratch.reserve(want);
-        let got = dx
-            .decompress_to_buffer(*src, &mut scratch)
-            .map_err(|e| {
-                CodecError::Corrupt(format!(
-                    "the frame of bytes {}..{} does not decode: {e}",
-                    f.range.start, f.range.end
-                ))
-            })?;
+        let got = dx.decompress_to_buffer(*src, &mut scratch).map_err(|e| {
+            CodecError::Corrupt(format!(
+                "the frame of bytes {}..{} does not decode: {e}",
+                f.range.start, f.range.end
+            ))
+        })?;
         if got != want {
             return Err(CodecError::Corrupt(format!(
                 "the frame of bytes {}..{} decodes to {got} bytes",
@@ -453,10 +455,19 @@ mod tests {
             .flat_map(|x| x.to_le_bytes())
             .collect();
         for entries in [
-            vec![("a", DType::F32, floats(big, 1)), ("b", DType::BF16, odd.clone())],
-            vec![("e", DType::F32, Vec::new()), ("z", DType::I64, 9i64.to_le_bytes().to_vec())],
+            vec![
+                ("a", DType::F32, floats(big, 1)),
+                ("b", DType::BF16, odd.clone()),
+            ],
+            vec![
+                ("e", DType::F32, Vec::new()),
+                ("z", DType::I64, 9i64.to_le_bytes().to_vec()),
+            ],
             vec![("e", DType::F32, Vec::new())],
-            vec![("n", DType::F32, nan.clone()), ("x", DType::F64, 3f64.to_le_bytes().to_vec())],
+            vec![
+                ("n", DType::F32, nan.clone()),
+                ("x", DType::F64, 3f64.to_le_bytes().to_vec()),
+            ],
         ] {
             let b = body(&entries);
             let enc = encode(&b, 3).unwrap();
@@ -488,7 +499,10 @@ mod tests {
         let enc = encode(&b, 3).unwrap();
         for cut in [3, 11, 20, enc.len() / 2, enc.len() - 1] {
             assert!(
-                matches!(decode(&enc[..cut], 1 << 30, &pool), Err(CodecError::Corrupt(_))),
+                matches!(
+                    decode(&enc[..cut], 1 << 30, &pool),
+                    Err(CodecError::Corrupt(_))
+                ),
                 "cut at {cut}"
             );
         }

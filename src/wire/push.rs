@@ -295,7 +295,11 @@ pub fn parse_push(
     let spans: Vec<Span> = tensors
         .iter()
         .map(|t| Span {
-            dtype: if kind == PushKind::Xor { DType::U8 } else { t.dtype },
+            dtype: if kind == PushKind::Xor {
+                DType::U8
+            } else {
+                t.dtype
+            },
             range: t.range.clone(),
         })
         .collect();
@@ -621,7 +625,9 @@ mod tests {
         );
         let xor = body(&entries, &[(KIND_KEY, "xor")]);
         assert_eq!(
-            parse_push(xor, LIMITS, NonfinitePolicy::Reject).unwrap().kind,
+            parse_push(xor, LIMITS, NonfinitePolicy::Reject)
+                .unwrap()
+                .kind,
             PushKind::Xor
         );
         let bad = body(&entries, &[(KIND_KEY, "sparse")]);
@@ -698,23 +704,46 @@ mod tests {
             &meta,
         );
         let push = parse_push(ok, LIMITS, NonfinitePolicy::Reject).unwrap();
-        assert_eq!(push.tensors.len(), 2, "the scales are not a tensor of the layout");
+        assert_eq!(
+            push.tensors.len(),
+            2,
+            "the scales are not a tensor of the layout"
+        );
         let w = push.tensors.iter().find(|t| t.name == "w").unwrap();
         let tq = w.quant.as_ref().unwrap();
-        assert_eq!((w.dtype, tq.format, tq.block), (DType::U8, QuantFormat::Fp8E4m3, 128));
+        assert_eq!(
+            (w.dtype, tq.format, tq.block),
+            (DType::U8, QuantFormat::Fp8E4m3, 128)
+        );
         assert_eq!(&push.body[tq.scales.clone()], &scales[..]);
-        assert!(push.tensors.iter().find(|t| t.name == "n").unwrap().quant.is_none());
+        assert!(push
+            .tensors
+            .iter()
+            .find(|t| t.name == "n")
+            .unwrap()
+            .quant
+            .is_none());
         // fp8 without a quant declaration is a dtype polyak does not keep.
-        let bare = raw_body(&[("w", "F8_E4M3", vec![300], q.clone())], &[(KIND_KEY, "delta")]);
+        let bare = raw_body(
+            &[("w", "F8_E4M3", vec![300], q.clone())],
+            &[(KIND_KEY, "delta")],
+        );
         assert!(matches!(
             parse_push(bare, LIMITS, NonfinitePolicy::Reject),
             Err(WireError::UnsupportedDtype { .. })
         ));
         // Too few scales, none, or scales of nothing.
         for entries in [
-            vec![("w", "F8_E4M3", vec![300], q.clone()), ("w:scale", "F32", vec![2], f32s(&[1.0, 1.0]))],
+            vec![
+                ("w", "F8_E4M3", vec![300], q.clone()),
+                ("w:scale", "F32", vec![2], f32s(&[1.0, 1.0])),
+            ],
             vec![("w", "F8_E4M3", vec![300], q.clone())],
-            vec![("w", "F8_E4M3", vec![300], q.clone()), ("w:scale", "F32", vec![3], scales.clone()), ("v:scale", "F32", vec![1], f32s(&[1.0]))],
+            vec![
+                ("w", "F8_E4M3", vec![300], q.clone()),
+                ("w:scale", "F32", vec![3], scales.clone()),
+                ("v:scale", "F32", vec![1], f32s(&[1.0])),
+            ],
         ] {
             assert!(matches!(
                 parse_push(raw_body(&entries, &meta), LIMITS, NonfinitePolicy::Reject),
@@ -724,9 +753,22 @@ mod tests {
         // An Inf scale or an fp8 NaN: the tensor holds NaN/Inf.
         for (values, s) in [
             (q.clone(), f32s(&[0.5, f32::INFINITY, 2.0])),
-            ({ let mut v = q.clone(); v[299] = 0x7f; v }, scales.clone()),
+            (
+                {
+                    let mut v = q.clone();
+                    v[299] = 0x7f;
+                    v
+                },
+                scales.clone(),
+            ),
         ] {
-            let b = raw_body(&[("w", "F8_E4M3", vec![300], values), ("w:scale", "F32", vec![3], s)], &meta);
+            let b = raw_body(
+                &[
+                    ("w", "F8_E4M3", vec![300], values),
+                    ("w:scale", "F32", vec![3], s),
+                ],
+                &meta,
+            );
             assert!(matches!(
                 parse_push(b.clone(), LIMITS, NonfinitePolicy::Reject),
                 Err(WireError::Nonfinite { tensor }) if tensor == "w"
@@ -735,11 +777,27 @@ mod tests {
             assert!(skip.tensors[0].nonfinite);
         }
         // An XOR push is not scanned as floats (its NaN bits are not NaN).
-        let xor = body(&[("w", DType::F32, vec![1], f32s(&[f32::NAN]))], &[(KIND_KEY, "xor")]);
-        assert!(!parse_push(xor, LIMITS, NonfinitePolicy::Reject).unwrap().tensors[0].nonfinite);
+        let xor = body(
+            &[("w", DType::F32, vec![1], f32s(&[f32::NAN]))],
+            &[(KIND_KEY, "xor")],
+        );
+        assert!(
+            !parse_push(xor, LIMITS, NonfinitePolicy::Reject)
+                .unwrap()
+                .tensors[0]
+                .nonfinite
+        );
         // A keyframe's mirror checksum.
-        let kf = body(&[("w", DType::F32, vec![1], f32s(&[1.0]))], &[(MIRROR_CRC_KEY, "00c0ffee")]);
-        assert_eq!(parse_push(kf, LIMITS, NonfinitePolicy::Reject).unwrap().mirror_crc32, Some(0xc0ffee));
+        let kf = body(
+            &[("w", DType::F32, vec![1], f32s(&[1.0]))],
+            &[(MIRROR_CRC_KEY, "00c0ffee")],
+        );
+        assert_eq!(
+            parse_push(kf, LIMITS, NonfinitePolicy::Reject)
+                .unwrap()
+                .mirror_crc32,
+            Some(0xc0ffee)
+        );
     }
 
     /// Large bodies are split between two threads: the same digest, flags

@@ -154,7 +154,10 @@ mod tests {
     #[test]
     fn parses_declarations() {
         let q = Quant::parse(r#"{"format":"fp8_e4m3","block":256}"#).unwrap();
-        assert_eq!((q.format, q.block, q.blocks(513)), (QuantFormat::Fp8E4m3, 256, 3));
+        assert_eq!(
+            (q.format, q.block, q.blocks(513)),
+            (QuantFormat::Fp8E4m3, 256, 3)
+        );
         let q = Quant::parse(r#"{"format":"bf16"}"#).unwrap();
         assert_eq!(q.blocks(1000), 0);
         for bad in [

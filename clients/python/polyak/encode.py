@@ -375,7 +375,7 @@ class MirrorEncoder:
                 after.append(view.detach().clone())
             elif self.delta == "xor":
                 bits = _bits_dtype(view.dtype)
-                entries.append((spec.name, view.view(bits) ^ mirror.view(bits)))
+                entries.append((spec.name, (view.view(bits) ^ mirror.view(bits)).view(view.dtype)))
                 after.append(view.detach().clone())
             else:
                 d = view.reshape(-1).float() - mirror.reshape(-1).float()
