@@ -4,7 +4,7 @@ On the training thread, :meth:`Pusher.push` only finds this rank's tensors
 (:mod:`polyak.shards`) and copies them into a reusable host body
 (:class:`~polyak.wire.HostBody`: the safetensors header is already there; on
 CUDA the memory is pinned and the copies are ``non_blocking`` with an event).
-Sender threads (``pipeline`` of them, default 2, each with its own
+Sender threads (``pipeline`` of them, default 1, each with its own
 keep-alive connection) take bodies from a bounded queue in order and PUT
 them, retrying what can be retried; each push names the step sent before it
 (``Polyak-Prev-Step``), so the server receives the next body while it
@@ -242,7 +242,8 @@ class Pusher:
     - ``max_queue``: pushes that may wait while others are in flight (host
       memory: ``max_queue + pipeline`` copies of this rank's shard).
     - ``pipeline``: pushes in flight at once, each on its own connection
-      (default 2; 1 sends one at a time). The server applies them in step
+      (default 1: one at a time; 2 keeps the wire busy while the server
+      applies). The server applies them in step
       order and answers each after its own apply.
     - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
       dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
@@ -285,7 +286,7 @@ class Pusher:
         compress: int | None = None,
         retry: RetryPolicy | None = None,
         split_replicated: bool = True,
-        pipeline: int = 2,
+        pipeline: int = 1,
         codec: str | None = None,
         codec_level: int = 3,
         delta: str | None = None,
