@@ -110,7 +110,8 @@ class Pusher:
     - ``max_queue``: pushes that may wait while others are in flight (host
       memory: ``max_queue + pipeline`` copies of this rank's shard).
     - ``pipeline``: pushes in flight at once, each on its own connection
-      (default 2; 1 sends one at a time). The server applies them in step
+      (default 1: one at a time; 2 keeps the wire busy while the server
+      applies). The server applies them in step
       order and answers each after its own apply.
     - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
       dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
@@ -156,7 +157,7 @@ class Pusher:
         compress: int | None = None,
         retry: RetryPolicy | None = None,
         split_replicated: bool = True,
-        pipeline: int = 2,
+        pipeline: int = 1,
         codec: str | None = None,
         codec_level: int = 3,
         delta: str | None = None,

@@ -119,7 +119,7 @@ def test_bgz_and_xor_pushes_give_the_exact_ema_of_plain_pushes(client, run_name)
             # The reference: AveragedModel's lerp in float32.
             for k, v in state.items():
                 if step == 0 or not v.is_floating_point():
-                    ref[k] = v.float() if v.is_floating_point() else v.clone()
+                    ref[k] = v.float().clone() if v.is_floating_point() else v.clone()
                 else:
                     ref[k] = ref[k].lerp(v.float(), 0.1)
         stats = c.stats()
