@@ -63,7 +63,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             println!("polyak metrics on http://{maddr}/metrics");
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let app = crate::http::metrics_router(state.clone());
-            let limits = ConnLimits::from_args(&state.args());
+            let limits = ConnLimits::from_args(state.args());
             let open = state.metrics().connections.clone();
             let task = tokio::spawn(crate::http::conn::serve(
                 listener,
@@ -110,7 +110,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let drain = Duration::from_secs(state.args().shutdown_timeout_secs);
-    let limits = ConnLimits::from_args(&state.args());
+    let limits = ConnLimits::from_args(state.args());
     let app = crate::http::router(state.clone());
     let open = state.metrics().connections.clone();
     crate::http::conn::serve(listener, app, limits, open, shutdown, drain).await;

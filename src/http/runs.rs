@@ -150,7 +150,7 @@ pub async fn create_run(
 ) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
     caller.require_admin()?;
     let meta = super::insight::meta_of_spec(&spec)?;
-    let config = spec.validate(&state.registry().default_device(), |d| {
+    let config = spec.validate(state.registry().default_device(), |d| {
         device::resolve(d).map(device::name)
     })?;
     if let Some(existing) = state.run(&config.name) {

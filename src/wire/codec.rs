@@ -308,6 +308,10 @@ pub fn decode(
     Ok(buf.freeze())
 }
 
+/// One decoding thread's share: its frames, their compressed bytes, the
+/// part of the data section they fill, and where that part starts.
+type FrameRun<'a, 'b> = (&'a [Frame], &'a [&'b [u8]], &'a mut [u8], usize);
+
 /// Decodes every frame into its range of `data`, on up to
 /// [`DECODE_THREADS`] threads (each a contiguous run of frames).
 fn decode_frames(frames: &[Frame], sources: &[&[u8]], data: &mut [u8]) -> Result<(), CodecError> {
@@ -320,7 +324,7 @@ fn decode_frames(frames: &[Frame], sources: &[&[u8]], data: &mut [u8]) -> Result
         return decode_run(frames, sources, data, 0);
     }
     let per = frames.len().div_ceil(threads);
-    let mut parts: Vec<(&[Frame], &[&[u8]], &mut [u8], usize)> = Vec::with_capacity(threads);
+    let mut parts: Vec<FrameRun<'_, '_>> = Vec::with_capacity(threads);
     let mut rest = data;
     let mut consumed = 0usize;
     for (fs, ss) in frames.chunks(per).zip(sources.chunks(per)) {
@@ -364,7 +368,7 @@ fn decode_run(
         let want = f.range.len();
         scratch.clear();
         scratch.reserve(want);
-        let got = dx.decompress_to_buffer(*src, &mut scratch).map_err(|e| {
+        let got = dx.decompress_to_buffer(src, &mut scratch).map_err(|e| {
             CodecError::Corrupt(format!(
                 "the frame of bytes {}..{} does not decode: {e}",
                 f.range.start, f.range.end
