@@ -187,7 +187,7 @@ def measure(
 class CopyOnlySender(Sender):
     """A sender that acknowledges without sending (bench instrumentation)."""
 
-    def deliver(self, conn: Any, job: Any) -> dict[str, Any]:
+    def deliver(self, conn: Any, job: Any, prev: Any = None, wire: Any = None) -> dict[str, Any]:
         job.body.wait_ready()
         return {"applied": True, "duplicate": False}
 

@@ -85,6 +85,17 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_QUEUE_DEPTH", default_value_t = 16)]
     pub queue_depth: usize,
 
+    /// Pipelined pushes (`Polyak-Prev-Step`): seconds a push whose
+    /// predecessor step has not been answered yet waits for it before it is
+    /// refused (`409 predecessor_timeout`).
+    #[arg(long, env = "POLYAK_PIPELINE_TIMEOUT", default_value_t = 30.0)]
+    pub pipeline_timeout_secs: f64,
+
+    /// Pipelined pushes of one rank that may wait for their predecessor at
+    /// once; past it pushes are answered with 429.
+    #[arg(long, env = "POLYAK_PIPELINE_DEPTH", default_value_t = 4)]
+    pub pipeline_depth: usize,
+
     /// Seconds a client is told to wait (`Retry-After`) when the queue is full.
     #[arg(long, env = "POLYAK_RETRY_AFTER", default_value_t = 1)]
     pub retry_after_secs: u64,

@@ -47,6 +47,8 @@ pub struct RankSummary {
     pub drift: BTreeMap<String, (f64, f64)>,
     /// The step of that sample.
     pub drift_step: Option<u64>,
+    /// Wire bytes against logical bytes, codec time.
+    pub wire: crate::wire::stats::WireStats,
 }
 
 /// Milliseconds without a push after which a rank counts as stale, at

@@ -1,8 +1,8 @@
 //! Logging set-up and the Prometheus metrics (all prefixed `polyak_`).
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -28,6 +28,14 @@ pub struct Metrics {
     pub pushes: IntCounterVec,
     /// Body bytes received by run.
     pub push_bytes: IntCounterVec,
+    /// Bytes the applied pushes stand for, uncompressed and unquantised,
+    /// by run (with `push_bytes`: the wire ratio).
+    pub push_logical_bytes: IntCounterVec,
+    /// Codec seconds by run and stage (`encode`: reported by the client,
+    /// `decode`: the server's).
+    pub codec_seconds: CounterVec,
+    /// Keyframes that found the mirror other than the client held it.
+    pub mirror_mismatches: IntCounterVec,
     /// Seconds per push, by stage (`receive`, `validate`, `queue_and_apply`, `apply`).
     pub push_seconds: HistogramVec,
     /// Rejected requests by run and error code.
@@ -68,6 +76,30 @@ impl Metrics {
         .expect("metric");
         let push_bytes = IntCounterVec::new(
             Opts::new("polyak_push_bytes_total", "Push body bytes received"),
+            &["run"],
+        )
+        .expect("metric");
+        let push_logical_bytes = IntCounterVec::new(
+            Opts::new(
+                "polyak_push_logical_bytes_total",
+                "Bytes the applied pushes stand for, uncompressed and unquantised",
+            ),
+            &["run"],
+        )
+        .expect("metric");
+        let codec_seconds = CounterVec::new(
+            Opts::new(
+                "polyak_push_codec_seconds_total",
+                "Seconds spent encoding (client-reported) and decoding push bodies",
+            ),
+            &["run", "stage"],
+        )
+        .expect("metric");
+        let mirror_mismatches = IntCounterVec::new(
+            Opts::new(
+                "polyak_mirror_mismatches_total",
+                "Keyframes whose mirror checksum did not match the server's mirror",
+            ),
             &["run"],
         )
         .expect("metric");
@@ -166,6 +198,9 @@ impl Metrics {
             Box::new(disk_reserve_bytes.clone()),
             Box::new(unrecorded_failures.clone()),
             Box::new(push_bytes.clone()),
+            Box::new(push_logical_bytes.clone()),
+            Box::new(codec_seconds.clone()),
+            Box::new(mirror_mismatches.clone()),
             Box::new(push_seconds.clone()),
             Box::new(rejections.clone()),
             Box::new(resident_bytes.clone()),
@@ -182,6 +217,9 @@ impl Metrics {
             registry,
             pushes,
             push_bytes,
+            push_logical_bytes,
+            codec_seconds,
+            mirror_mismatches,
             push_seconds,
             rejections,
             resident_bytes,
@@ -205,6 +243,11 @@ impl Metrics {
             let _ = self.pushes.remove_label_values(&[run, outcome]);
         }
         let _ = self.push_bytes.remove_label_values(&[run]);
+        let _ = self.push_logical_bytes.remove_label_values(&[run]);
+        let _ = self.mirror_mismatches.remove_label_values(&[run]);
+        for stage in ["encode", "decode"] {
+            let _ = self.codec_seconds.remove_label_values(&[run, stage]);
+        }
         let _ = self.resident_bytes.remove_label_values(&[run]);
         let _ = self.metric_points.remove_label_values(&[run]);
         let _ = self.snapshots_skipped.remove_label_values(&[run]);

@@ -37,6 +37,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("services::error", 6),
     ("services::monitor", 7),
     ("services::alerts", 7),
+    ("services::pipeline", 7),
     ("services::snapshots", 8),
     ("services::ingest", 9),
     // Handles to the services, then the HTTP edge, then the wiring.

@@ -15,6 +15,8 @@
 
 use half::slice::HalfFloatSliceExt;
 
+use crate::wire::quant::{scale_at, FP8_E4M3};
+
 /// What one profile does to the segment.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Op {
@@ -87,30 +89,40 @@ pub unsafe fn update(
     drift: bool,
 ) -> Vec<(f64, f64)> {
     assert_eq!(emas.len(), ops.len());
-    let n = src.len();
+    in_parallel(src.len(), threads, emas.len(), &|start, end| {
+        // SAFETY: disjoint ranges of the caller's buffers.
+        unsafe { update_range(emas, ops, src.range(start, end), start, drift) }
+    })
+}
+
+/// Runs `part(start, end)` over contiguous, block-aligned ranges of
+/// `0..n` on up to `threads` threads (one when `n` is small) and sums the
+/// per-profile drift pairs.
+fn in_parallel(
+    n: usize,
+    threads: usize,
+    profiles: usize,
+    part: &(dyn Fn(usize, usize) -> Vec<(f64, f64)> + Sync),
+) -> Vec<(f64, f64)> {
     let threads = if n >= PARALLEL_MIN {
         threads.clamp(1, 16)
     } else {
         1
     };
     if threads == 1 {
-        return update_range(emas, ops, src, 0, drift);
+        return part(0, n);
     }
     // Contiguous per-thread ranges, rounded to whole blocks.
     let per = n.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
-    let mut totals = vec![(0.0, 0.0); emas.len()];
+    let mut totals = vec![(0.0, 0.0); profiles];
     std::thread::scope(|scope| {
         let handles: Vec<_> = (1..threads)
             .filter_map(|t| {
                 let (start, end) = (t * per, ((t + 1) * per).min(n));
-                (start < end).then(|| {
-                    let part = src.range(start, end);
-                    // SAFETY: disjoint ranges of the caller's buffers.
-                    scope.spawn(move || unsafe { update_range(emas, ops, part, start, drift) })
-                })
+                (start < end).then(|| scope.spawn(move || part(start, end)))
             })
             .collect();
-        let first = update_range(emas, ops, src.range(0, per.min(n)), 0, drift);
+        let first = part(0, per.min(n));
         for (t, d) in totals.iter_mut().zip(first) {
             t.0 += d.0;
             t.1 += d.1;
@@ -124,6 +136,163 @@ pub unsafe fn update(
         }
     });
     totals
+}
+
+/// A delta pushed against the mirror, as stored in the body.
+#[derive(Debug, Clone, Copy)]
+pub enum Delta<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [u16]),
+    /// fp8 e4m3 values and their little-endian float32 scales, one per
+    /// `block` values.
+    Fp8 {
+        q: &'a [u8],
+        scales: &'a [u8],
+        block: usize,
+    },
+    Int8 {
+        q: &'a [i8],
+        scales: &'a [u8],
+        block: usize,
+    },
+}
+
+impl Delta<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Delta::F32(s) => s.len(),
+            Delta::BF16(s) => s.len(),
+            Delta::Fp8 { q, .. } => q.len(),
+            Delta::Int8 { q, .. } => q.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `out[j] = dequant(element start + j)`: `float32(q) * scale`, one
+    /// rounding, as torch computes `q.float() * scale`.
+    fn dequant(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match *self {
+            Delta::F32(s) => out.copy_from_slice(&s[start..end]),
+            Delta::BF16(s) => {
+                for (o, &x) in out.iter_mut().zip(&s[start..end]) {
+                    *o = f32::from_bits((x as u32) << 16);
+                }
+            }
+            Delta::Fp8 { q, scales, block } => {
+                for (j, (o, &x)) in out.iter_mut().zip(&q[start..end]).enumerate() {
+                    *o = FP8_E4M3[x as usize] * scale_at(scales, (start + j) / block);
+                }
+            }
+            Delta::Int8 { q, scales, block } => {
+                for (j, (o, &x)) in out.iter_mut().zip(&q[start..end]).enumerate() {
+                    *o = x as f32 * scale_at(scales, (start + j) / block);
+                }
+            }
+        }
+    }
+}
+
+/// A mirror segment the delta is added to, in its dtype.
+#[derive(Clone, Copy)]
+pub enum MirrorPtr {
+    F32(*mut f32),
+    BF16(*mut u16),
+}
+// SAFETY: every thread writes a disjoint range of the mirror.
+unsafe impl Send for MirrorPtr {}
+unsafe impl Sync for MirrorPtr {}
+
+/// Adds `delta` to `mirror` and updates `emas` from the new mirror, in one
+/// pass: each block of the delta is dequantised, added to the mirror block
+/// (rounded to the mirror's dtype) and, still in cache, averaged into every
+/// profile. Returns the drift sums as [`update`] does.
+///
+/// # Safety
+/// As [`update`], and `mirror` must point to `delta.len()` writable
+/// elements that alias neither the EMAs nor the delta.
+pub unsafe fn update_delta(
+    emas: &[EmaPtr],
+    ops: &[Op],
+    mirror: MirrorPtr,
+    delta: Delta<'_>,
+    threads: usize,
+    drift: bool,
+) -> Vec<(f64, f64)> {
+    assert_eq!(emas.len(), ops.len());
+    in_parallel(delta.len(), threads, emas.len(), &|start, end| {
+        // SAFETY: disjoint ranges of the caller's buffers.
+        unsafe { update_delta_range(emas, ops, mirror, delta, start, end, drift) }
+    })
+}
+
+unsafe fn update_delta_range(
+    emas: &[EmaPtr],
+    ops: &[Op],
+    mirror: MirrorPtr,
+    delta: Delta<'_>,
+    start: usize,
+    end: usize,
+    drift: bool,
+) -> Vec<(f64, f64)> {
+    let fma = has_fma();
+    let mut sums = vec![(0.0f64, 0.0f64); emas.len()];
+    let mut buf = vec![0f32; BLOCK.min(end - start)];
+    let mut i = start;
+    while i < end {
+        let len = BLOCK.min(end - i);
+        let w = &mut buf[..len];
+        delta.dequant(i, w);
+        match mirror {
+            MirrorPtr::F32(m) => {
+                let m = std::slice::from_raw_parts_mut(m.add(i), len);
+                for (x, d) in m.iter_mut().zip(w.iter_mut()) {
+                    *x += *d;
+                    *d = *x;
+                }
+            }
+            MirrorPtr::BF16(m) => {
+                let m = std::slice::from_raw_parts_mut(m.add(i), len);
+                for (x, d) in m.iter_mut().zip(w.iter_mut()) {
+                    let sum = half::bf16::from_f32(f32::from_bits((*x as u32) << 16) + *d);
+                    *x = sum.to_bits();
+                    *d = sum.to_f32();
+                }
+            }
+        }
+        apply_ops(emas, ops, i, w, drift, fma, &mut sums);
+        i += len;
+    }
+    sums
+}
+
+/// Every profile's op on elements `[at, at + w.len())`, from the block `w`.
+unsafe fn apply_ops(
+    emas: &[EmaPtr],
+    ops: &[Op],
+    at: usize,
+    w: &[f32],
+    drift: bool,
+    fma: bool,
+    sums: &mut [(f64, f64)],
+) {
+    for ((ema, op), sum) in emas.iter().zip(ops).zip(sums) {
+        // SAFETY: the caller guarantees the range lies in each buffer.
+        let dst = std::slice::from_raw_parts_mut(ema.0.add(at), w.len());
+        match *op {
+            Op::Copy => dst.copy_from_slice(w),
+            Op::Lerp(weight) => lerp(dst, w, weight, fma),
+            Op::Hold => {}
+        }
+        if drift {
+            let (d, o) = drift_block(dst, w);
+            sum.0 += d;
+            sum.1 += o;
+        }
+    }
 }
 
 /// Updates elements `[offset, offset + src.len())` of every EMA.
@@ -157,20 +326,7 @@ unsafe fn update_range(
                 &buf[..len]
             }
         };
-        for ((ema, op), sum) in emas.iter().zip(ops).zip(&mut sums) {
-            // SAFETY: the caller guarantees `offset + n` floats behind it.
-            let dst = std::slice::from_raw_parts_mut(ema.0.add(offset + i), len);
-            match *op {
-                Op::Copy => dst.copy_from_slice(w),
-                Op::Lerp(weight) => lerp(dst, w, weight, fma),
-                Op::Hold => {}
-            }
-            if drift {
-                let (d, o) = drift_block(dst, w);
-                sum.0 += d;
-                sum.1 += o;
-            }
-        }
+        apply_ops(emas, ops, offset + i, w, drift, fma, &mut sums);
         i += len;
     }
     sums
@@ -328,5 +484,118 @@ mod tests {
         run(&mut a, &[Op::Copy], Src::F16(&h), 1);
         run(&mut b, &[Op::Copy], Src::F32(&hw), 1);
         assert_eq!(a, b);
+    }
+
+    /// The fused delta update equals torch's unfused one on the same
+    /// numbers: `mirror += q.float() * scale` (per block), then `lerp_`.
+    #[test]
+    fn delta_update_matches_torch_dequant_add_and_lerp() {
+        use tch::{Kind, Tensor};
+        let block = 128usize;
+        let n = 3 * BLOCK + 77; // a partial last block
+        let q: Vec<u8> = (0..n).map(|i| ((i * 37) % 256) as u8 & 0xf6).collect();
+        let qi: Vec<i8> = (0..n).map(|i| ((i * 53) % 255) as i8).collect();
+        let nb = n.div_ceil(block);
+        let scales: Vec<f32> = (0..nb).map(|b| 1e-3 * (1.0 + (b % 7) as f32)).collect();
+        let sbytes: Vec<u8> = scales.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mirror0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).sin()).collect();
+        let ema0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.02).cos()).collect();
+        let padded = nb * block;
+        let torch_ref = |deq: Tensor| -> (Vec<f32>, Vec<f32>) {
+            let mut m = Tensor::from_slice(&mirror0);
+            let _ = m.g_add_(&deq);
+            let mut e = Tensor::from_slice(&ema0);
+            let _ = e.lerp_(&m, 0.25);
+            (Vec::try_from(&m).unwrap(), Vec::try_from(&e).unwrap())
+        };
+        let st = Tensor::from_slice(&scales).unsqueeze(1);
+        let fp8 = Tensor::from_slice(&q)
+            .view_dtype(Kind::Float8e4m3fn)
+            .to_kind(Kind::Float);
+        let int8 = Tensor::from_slice(&qi).to_kind(Kind::Float);
+        for (delta, widened) in [
+            (
+                Delta::Fp8 {
+                    q: &q,
+                    scales: &sbytes,
+                    block,
+                },
+                fp8,
+            ),
+            (
+                Delta::Int8 {
+                    q: &qi,
+                    scales: &sbytes,
+                    block,
+                },
+                int8,
+            ),
+        ] {
+            let deq = widened
+                .constant_pad_nd([0, (padded - n) as i64])
+                .view([nb as i64, block as i64])
+                .g_mul(&st)
+                .view([-1])
+                .narrow(0, 0, n as i64);
+            let (want_m, want_e) = torch_ref(deq);
+            for threads in [1, 2] {
+                let mut m = mirror0.clone();
+                let mut e = ema0.clone();
+                // SAFETY: distinct vectors of n floats.
+                unsafe {
+                    update_delta(
+                        &[EmaPtr(e.as_mut_ptr())],
+                        &[Op::Lerp(0.25)],
+                        MirrorPtr::F32(m.as_mut_ptr()),
+                        delta,
+                        threads,
+                        false,
+                    )
+                };
+                assert_eq!(m, want_m, "mirror bit-exact");
+                let worst = e
+                    .iter()
+                    .zip(&want_e)
+                    .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+                    .fold(0f32, f32::max);
+                assert!(worst <= 1.2e-7, "{worst}");
+            }
+        }
+        // A bf16 mirror rounds the sum to bf16, as `(m.float() + d).bfloat16()`.
+        let mb: Vec<u16> = mirror0
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let d: Vec<u16> = ema0
+            .iter()
+            .map(|&x| half::bf16::from_f32(x * 1e-2).to_bits())
+            .collect();
+        let want: Vec<u16> = mb
+            .iter()
+            .zip(&d)
+            .map(|(&a, &b)| {
+                let s = half::bf16::from_bits(a).to_f32() + half::bf16::from_bits(b).to_f32();
+                half::bf16::from_f32(s).to_bits()
+            })
+            .collect();
+        let mut m = mb.clone();
+        let mut e = vec![0f32; n];
+        // SAFETY: distinct buffers of n elements.
+        unsafe {
+            update_delta(
+                &[EmaPtr(e.as_mut_ptr())],
+                &[Op::Copy],
+                MirrorPtr::BF16(m.as_mut_ptr()),
+                Delta::BF16(&d),
+                1,
+                false,
+            )
+        };
+        assert_eq!(m, want);
+        let widened: Vec<f32> = want
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        assert_eq!(e, widened);
     }
 }

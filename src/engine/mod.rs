@@ -27,7 +27,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::run::{EmaDtype, RunConfig};
+use crate::run::{EmaDtype, NonfinitePolicy, RunConfig};
 use crate::wire::ParsedPush;
 use capture::{capture_rank, Backlog, CaptureEvent, PendingCut, RankCapture, RestoredRank};
 use rank::{PushOutcome, RankLayout, RankState};
@@ -51,6 +51,8 @@ pub enum EngineError {
     LayoutMismatch(String),
     #[error("{0}")]
     NeedsKeyframe(String),
+    #[error("tensor `{0}` holds NaN or Inf (the run's nonfinite policy is `reject`)")]
+    Nonfinite(String),
     #[error("no profile `{0}` in this run")]
     UnknownProfile(String),
     #[error("torch: {0}")]
@@ -58,6 +60,26 @@ pub enum EngineError {
 }
 
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+
+/// The bytes a push would take in the registered dtypes, uncompressed and
+/// unquantised (its header plus each tensor at its registered size): the
+/// logical side of the wire ratio.
+fn logical_bytes(push: &ParsedPush, layout: &RankLayout, order: &[usize]) -> u64 {
+    let header = push
+        .tensors
+        .iter()
+        .map(|t| t.range.start)
+        .min()
+        .unwrap_or(0) as u64;
+    header
+        + order
+            .iter()
+            .map(|&i| {
+                let t = &layout.tensors[i];
+                t.numel as u64 * t.dtype.size() as u64
+            })
+            .sum::<u64>()
+}
 
 /// A cheap, cloneable handle on an engine thread.
 #[derive(Clone)]
@@ -251,7 +273,7 @@ impl Engine {
         run: &str,
         rank: u32,
         step: u64,
-        push: ParsedPush,
+        mut push: ParsedPush,
     ) -> Result<PushOutcome, EngineError> {
         let started = Instant::now();
         let device = self.device;
@@ -297,6 +319,8 @@ impl Engine {
                             resident_bytes: state.resident_bytes(&config),
                             apply_seconds: 0.0,
                             drift: None,
+                            logical_bytes: 0,
+                            mirror_mismatch: None,
                         });
                     }
                     return Err(EngineError::StepConflict(format!(
@@ -320,10 +344,11 @@ impl Engine {
                 (0..push.tensors.len()).collect()
             }
         };
-        if push.kind == crate::wire::PushKind::Delta {
+        if push.kind.is_relative() {
             if !config.mirror {
                 return Err(EngineError::NeedsKeyframe(
-                    "needs keyframe: delta pushes need a run created with `mirror: true`".into(),
+                    "needs keyframe: delta and xor pushes need a run created with `mirror: true`"
+                        .into(),
                 ));
             }
             if !slot.as_ref().is_some_and(|s| s.has_keyframe) {
@@ -336,6 +361,32 @@ impl Engine {
             *slot = Some(RankState::new(layout.clone(), &config, device)?);
         }
         let state = slot.as_mut().expect("rank state present");
+        if push.kind == crate::wire::PushKind::Xor && config.nonfinite != NonfinitePolicy::Allow {
+            let flags = state.xor_nonfinite(&push, &order, device)?;
+            for (t, bad) in push.tensors.iter_mut().zip(flags) {
+                if bad && config.nonfinite == NonfinitePolicy::Reject {
+                    return Err(EngineError::Nonfinite(t.name.clone()));
+                }
+                t.nonfinite = bad;
+            }
+        }
+        // A keyframe checks the client's idea of the mirror against the
+        // mirror, before it overwrites (and so repairs) it.
+        let mirror_mismatch = match push.mirror_crc32 {
+            Some(claimed)
+                if push.kind == crate::wire::PushKind::Full
+                    && state.has_keyframe
+                    && state.mirror.is_some() =>
+            {
+                let found = state.mirror_crc32(&order)?;
+                (found != claimed).then_some(rank::MirrorMismatch {
+                    client_crc32: format!("{claimed:08x}"),
+                    server_crc32: format!("{found:08x}"),
+                })
+            }
+            _ => None,
+        };
+        let logical_bytes = logical_bytes(&push, &state.layout, &order);
         let report = state.apply_push(&config, &push, &order, step, device)?;
         entry.dirty += 1;
         self.after_apply(run, rank, step);
@@ -352,6 +403,8 @@ impl Engine {
             resident_bytes: state.resident_bytes(&config),
             apply_seconds: started.elapsed().as_secs_f64(),
             drift: report.drift,
+            logical_bytes,
+            mirror_mismatch,
         })
     }
 

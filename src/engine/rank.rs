@@ -19,12 +19,13 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::kernels::{self, EmaPtr, Op, Src};
+use super::kernels::{self, Delta, EmaPtr, MirrorPtr, Op, Src};
 use super::schedule::{decide, Action};
 use super::EngineError;
 use crate::hugepages;
 use crate::run::RunConfig;
 use crate::wire::check::BodyDigest;
+use crate::wire::quant::QuantFormat;
 use crate::wire::{Chunk, DType, ParsedPush, PushKind, WireTensor};
 
 /// Whether a tensor is averaged or copied, and where it lives.
@@ -183,7 +184,15 @@ impl RankLayout {
                     .get(&p.name)
                     .ok_or_else(|| format!("`{}` is not in the registered layout", p.name))?;
                 let t = &self.tensors[i];
-                if t.dtype != p.dtype {
+                if p.quant.is_some() {
+                    // A quantised delta: stored other than registered.
+                    if !t.dtype.is_float() {
+                        return Err(format!(
+                            "`{}` was registered as {}, which is not averaged, and is now a quantised delta",
+                            p.name, t.dtype
+                        ));
+                    }
+                } else if t.dtype != p.dtype {
                     return Err(format!(
                         "`{}` was registered as {} and is now {}",
                         p.name, t.dtype, p.dtype
@@ -318,6 +327,21 @@ pub struct PushOutcome {
     /// EMA drift per profile, on the pushes where it is sampled.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drift: Option<Vec<DriftSample>>,
+    /// The push's size in the registered dtypes, uncompressed (see the
+    /// wire ratio).
+    #[serde(skip)]
+    pub logical_bytes: u64,
+    /// Set on a keyframe whose `polyak.mirror_crc32` did not match the
+    /// mirror it replaced (the keyframe repaired it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mirror_mismatch: Option<MirrorMismatch>,
+}
+
+/// A keyframe found the mirror other than the client held it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct MirrorMismatch {
+    pub client_crc32: String,
+    pub server_crc32: String,
 }
 
 /// Where the source of one tensor's update lives.
@@ -329,6 +353,37 @@ enum Source {
     Mirror(usize, i64),
 }
 
+/// A delta's values in the body: where, stored how.
+#[derive(Debug, Clone, Copy)]
+struct DeltaSrc {
+    offset: usize,
+    /// The storage dtype on the wire (`U8` for fp8 e4m3).
+    wire: DType,
+    quant: Option<QuantSrc>,
+}
+
+/// A quantised delta's format and the byte offset of its scales.
+#[derive(Debug, Clone, Copy)]
+struct QuantSrc {
+    format: QuantFormat,
+    block: usize,
+    scales: usize,
+}
+
+impl DeltaSrc {
+    fn of(t: &WireTensor) -> Self {
+        DeltaSrc {
+            offset: t.range.start,
+            wire: t.dtype,
+            quant: t.quant.as_ref().map(|q| QuantSrc {
+                format: q.format,
+                block: q.block,
+                scales: q.scales.start,
+            }),
+        }
+    }
+}
+
 /// A maximal run of tensors contiguous in both source and destination.
 #[derive(Debug, Clone, Copy)]
 struct Segment {
@@ -336,11 +391,19 @@ struct Segment {
     dst: i64,
     numel: i64,
     dtype: DType,
+    /// Mirror updates: the delta added to (or XOR'd into) the mirror range.
+    /// Averaged segments: a delta the fused kernel adds to the mirror
+    /// range it reads, in the same pass.
+    delta: Option<DeltaSrc>,
 }
 
 impl Segment {
     fn extends(&self, next: &Segment) -> bool {
-        if self.dtype != next.dtype || self.dst + self.numel != next.dst {
+        if self.dtype != next.dtype
+            || self.dst + self.numel != next.dst
+            || self.delta.is_some()
+            || next.delta.is_some()
+        {
             return false;
         }
         match (self.src, next.src) {
@@ -351,6 +414,23 @@ impl Segment {
             _ => false,
         }
     }
+}
+
+/// What one push does, sorted by the buffer it writes.
+struct Plan {
+    /// Per mirror group: ranges copied from the body.
+    mirror_copy: Vec<Vec<Segment>>,
+    /// Per mirror group: deltas added through libtorch (the fused kernel
+    /// takes the rest, see `Segment::delta`).
+    mirror_add: Vec<Vec<Segment>>,
+    /// Per mirror group: XOR pushes undone against the mirror.
+    mirror_xor: Vec<Vec<Segment>>,
+    /// The EMA buffers' segments.
+    averaged: Vec<Segment>,
+    /// Per copied group.
+    copied: Vec<Vec<Segment>>,
+    /// Averaged tensors' names, in `averaged` order (drift samples only).
+    tensor_names: Vec<String>,
 }
 
 /// Merges consecutive segments into maximal contiguous ones.
@@ -540,187 +620,27 @@ impl RankState {
         device: Device,
     ) -> Result<ApplyReport, EngineError> {
         let body = DeviceBody::new(push, device)?;
-        let skipped: Vec<&WireTensor> = push.tensors.iter().filter(|t| t.nonfinite).collect();
-        let pairs = || {
-            push.tensors
-                .iter()
-                .zip(order)
-                .filter(|(t, _)| !t.nonfinite)
-                .map(|(t, &i)| (t, &self.layout.tensors[i]))
-        };
+        let fused = device == Device::Cpu && config.ema_dtype.kind() == Kind::Float;
+        self.applied += 1;
+        let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
+        let plan = self.plan(push, order, fused, sample_drift);
 
-        // 1. The mirror takes the new weights (a copy, or the delta added).
-        if let Some(mirror) = &mut self.mirror {
-            let mut by_group: Vec<Vec<Segment>> = vec![Vec::new(); mirror.len()];
-            let mut deltas: Vec<Vec<Segment>> = vec![Vec::new(); mirror.len()];
-            for (t, l) in pairs() {
-                let seg = Segment {
-                    src: Source::Body(t.range.start),
-                    dst: l.mirror.1,
-                    numel: l.numel,
-                    dtype: l.dtype,
-                };
-                if push.kind == PushKind::Delta && l.dtype.is_float() {
-                    deltas[l.mirror.0].push(seg);
-                } else {
-                    by_group[l.mirror.0].push(seg);
-                }
-            }
-            for (g, segs) in by_group.into_iter().enumerate() {
-                for s in coalesce(segs) {
-                    let Source::Body(offset) = s.src else {
-                        unreachable!()
-                    };
-                    let src = body.view(offset, s.numel, s.dtype)?;
-                    mirror[g].f_narrow(0, s.dst, s.numel)?.f_copy_(&src)?;
-                }
-            }
-            for (g, segs) in deltas.into_iter().enumerate() {
-                for s in coalesce(segs) {
-                    let Source::Body(offset) = s.src else {
-                        unreachable!()
-                    };
-                    let src = body.view(offset, s.numel, s.dtype)?;
-                    let _ = mirror[g].f_narrow(0, s.dst, s.numel)?.f_add_(&src)?;
-                }
-            }
-        }
-        let source_of = |t: &WireTensor, l: &LayoutTensor| {
-            if self.mirror.is_some() {
-                Source::Mirror(l.mirror.0, l.mirror.1)
-            } else {
-                Source::Body(t.range.start)
-            }
-        };
-        let view = |s: &Segment| -> Result<Tensor, EngineError> {
-            match s.src {
-                Source::Body(offset) => body.view(offset, s.numel, s.dtype),
-                Source::Mirror(g, offset) => {
-                    let m = self.mirror.as_ref().expect("mirror source without mirror");
-                    Ok(m[g].f_narrow(0, offset, s.numel)?)
-                }
-            }
-        };
-
-        // 2. What each profile does at this step.
+        // 1. The mirror takes the new weights (copied, deltas added, XOR
+        //    undone), except the deltas the fused kernel adds in step 2.
+        self.update_mirror(&body, &plan)?;
+        // 2. Averaged tensors: per segment, read the source once and update
+        //    every profile.
         let decisions: Vec<_> = config
             .profiles
             .iter()
             .zip(&self.swa_n)
             .map(|(p, &n)| decide(p, step, self.last_step, n))
             .collect();
-
-        // 3. Averaged tensors: per contiguous segment, read the source once
-        //    and update every profile.
-        let mut averaged = Vec::new();
-        let mut copied: Vec<Vec<Segment>> = vec![Vec::new(); self.copied.len()];
-        self.applied += 1;
-        let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
-        // On drift samples the segments stay one per tensor (not coalesced)
-        // so the same pass yields each tensor's sums.
-        let mut tensor_names = Vec::new();
-        for (t, l) in pairs() {
-            let src = source_of(t, l);
-            if sample_drift && matches!(l.slot, Slot::Averaged { .. }) {
-                tensor_names.push(l.name.clone());
-            }
-            match l.slot {
-                Slot::Averaged { offset } => averaged.push(Segment {
-                    src,
-                    dst: offset,
-                    numel: l.numel,
-                    dtype: l.dtype,
-                }),
-                Slot::Copied { group, offset } => copied[group].push(Segment {
-                    src,
-                    dst: offset,
-                    numel: l.numel,
-                    dtype: l.dtype,
-                }),
-            }
-        }
-        let ema_kind = config.ema_dtype.kind();
-        let mut drift = vec![(0.0, 0.0); self.ema.len()];
-        let mut per_tensor: Vec<Vec<(f64, f64)>> = if sample_drift {
-            vec![vec![(0.0, 0.0); averaged.len()]; self.ema.len()]
-        } else {
-            Vec::new()
-        };
-        let segments = if sample_drift {
-            averaged
-        } else {
-            coalesce(averaged)
-        };
-        let fused = device == Device::Cpu && ema_kind == Kind::Float;
-        let threads = tch::get_num_threads().max(1) as usize;
-        // Drift sums still on the device: (profile, tensor, [diff_sq, online_sq]).
-        let mut pending: Vec<(usize, usize, Tensor)> = Vec::new();
-        for (si, s) in segments.into_iter().enumerate() {
-            if fused {
-                if let Some(src) = self.host_source(&s, push) {
-                    let ops: Vec<Op> = decisions
-                        .iter()
-                        .map(|d| match d.action {
-                            Action::Copy => Op::Copy,
-                            // ATen's opmath weight for float tensors.
-                            Action::Lerp { weight } => Op::Lerp(weight as f32),
-                            Action::Hold => Op::Hold,
-                        })
-                        .collect();
-                    let ptrs: Vec<EmaPtr> = self
-                        .ema
-                        .iter()
-                        // SAFETY: `s.dst + s.numel` is within each flat buffer.
-                        .map(|e| EmaPtr(unsafe { (e.data_ptr() as *mut f32).add(s.dst as usize) }))
-                        .collect();
-                    // SAFETY: each profile's buffer is a distinct contiguous
-                    // float tensor owned by this rank; the source is the body
-                    // or the mirror, neither of which aliases them.
-                    let sums = unsafe { kernels::update(&ptrs, &ops, src, threads, sample_drift) };
-                    for (p, (acc, (d, o))) in drift.iter_mut().zip(sums).enumerate() {
-                        acc.0 += d;
-                        acc.1 += o;
-                        if let Some(t) = per_tensor.get_mut(p) {
-                            t[si] = (d, o);
-                        }
-                    }
-                    continue;
-                }
-            }
-            let mut src = view(&s)?;
-            if src.kind() != ema_kind {
-                src = src.f_to_kind(ema_kind)?;
-            }
-            for (p, (ema, d)) in self.ema.iter_mut().zip(&decisions).enumerate() {
-                let mut dst = ema.f_narrow(0, s.dst, s.numel)?;
-                match d.action {
-                    Action::Copy => dst.f_copy_(&src)?,
-                    Action::Lerp { weight } => {
-                        let _ = dst.f_lerp_(&src, weight)?;
-                    }
-                    Action::Hold => {}
-                }
-                if sample_drift {
-                    pending.push((p, si, drift_sums(&dst, &src)?));
-                }
-            }
-        }
-        if !pending.is_empty() {
-            let sums: Vec<&Tensor> = pending.iter().map(|(_, _, t)| t).collect();
-            let host = Tensor::f_stack(&sums, 0)?
-                .f_to(Device::Cpu)?
-                .f_flatten(0, -1)?;
-            let values = Vec::<f64>::try_from(&host)?;
-            for ((p, si, _), pair) in pending.iter().zip(values.chunks_exact(2)) {
-                let one = (pair[0], pair[1]);
-                drift[*p].0 += one.0;
-                drift[*p].1 += one.1;
-                per_tensor[*p][*si] = one;
-            }
-        }
-        for (g, segs) in copied.into_iter().enumerate() {
-            for s in coalesce(segs) {
-                let src = view(&s)?;
+        let sums = self.update_averaged(config, push, &body, &plan, &decisions, fused)?;
+        // 3. Copied tensors.
+        for (g, segs) in plan.copied.iter().enumerate() {
+            for s in coalesce(segs.clone()) {
+                let src = self.view(&body, &s)?;
                 self.copied[g].f_narrow(0, s.dst, s.numel)?.f_copy_(&src)?;
             }
         }
@@ -733,24 +653,452 @@ impl RankState {
         self.last_step = Some(step);
         self.last_digest = Some(BodyDigest::Blocks(push.digest));
         Ok(ApplyReport {
-            skipped: skipped.into_iter().map(|t| t.name.clone()).collect(),
-            drift: sample_drift.then(|| {
-                let names = Arc::new(tensor_names);
-                let mut per_tensor = per_tensor.into_iter();
-                config
-                    .profiles
-                    .iter()
-                    .zip(drift)
-                    .map(|(p, (diff_sq, online_sq))| DriftSample {
-                        profile: p.name().to_string(),
-                        diff_sq,
-                        online_sq,
-                        tensors: per_tensor.next().unwrap_or_default(),
-                        tensor_names: names.clone(),
-                    })
-                    .collect()
-            }),
+            skipped: push
+                .tensors
+                .iter()
+                .filter(|t| t.nonfinite)
+                .map(|t| t.name.clone())
+                .collect(),
+            drift: sample_drift.then(|| sums.into_samples(config, plan.tensor_names)),
         })
+    }
+
+    /// Sorts the push's tensors into the buffers they update. With a
+    /// mirror, the EMA reads the mirror (after the push is applied to it);
+    /// without, the body.
+    fn plan(&self, push: &ParsedPush, order: &[usize], fused: bool, sample_drift: bool) -> Plan {
+        let groups = self.mirror.as_ref().map_or(0, |m| m.len());
+        let mut plan = Plan {
+            mirror_copy: vec![Vec::new(); groups],
+            mirror_add: vec![Vec::new(); groups],
+            mirror_xor: vec![Vec::new(); groups],
+            averaged: Vec::new(),
+            copied: vec![Vec::new(); self.copied.len()],
+            tensor_names: Vec::new(),
+        };
+        let base = push.body.as_ptr() as usize;
+        for (t, &i) in push.tensors.iter().zip(order).filter(|(t, _)| !t.nonfinite) {
+            let l = &self.layout.tensors[i];
+            let relative = push.kind.is_relative() && l.dtype.is_float();
+            let averaged = matches!(l.slot, Slot::Averaged { .. });
+            // A delta the fused kernel adds while it averages.
+            let fused_delta = relative
+                && push.kind == PushKind::Delta
+                && fused
+                && averaged
+                && self.mirror.is_some()
+                && fusable(l.dtype, t, base);
+            if self.mirror.is_some() {
+                let seg = Segment {
+                    src: Source::Body(t.range.start),
+                    dst: l.mirror.1,
+                    numel: l.numel,
+                    dtype: l.dtype,
+                    delta: relative.then(|| DeltaSrc::of(t)),
+                };
+                match (relative, push.kind) {
+                    (false, _) => plan.mirror_copy[l.mirror.0].push(seg),
+                    (true, PushKind::Xor) => plan.mirror_xor[l.mirror.0].push(seg),
+                    (true, _) if !fused_delta => plan.mirror_add[l.mirror.0].push(seg),
+                    (true, _) => {}
+                }
+            }
+            let src = if self.mirror.is_some() {
+                Source::Mirror(l.mirror.0, l.mirror.1)
+            } else {
+                Source::Body(t.range.start)
+            };
+            let mut seg = Segment {
+                src,
+                dst: 0,
+                numel: l.numel,
+                dtype: l.dtype,
+                delta: fused_delta.then(|| DeltaSrc::of(t)),
+            };
+            match l.slot {
+                Slot::Averaged { offset } => {
+                    seg.dst = offset;
+                    if sample_drift {
+                        plan.tensor_names.push(l.name.clone());
+                    }
+                    plan.averaged.push(seg);
+                }
+                Slot::Copied { group, offset } => {
+                    seg.dst = offset;
+                    plan.copied[group].push(seg);
+                }
+            }
+        }
+        // On drift samples the segments stay one per tensor (not coalesced)
+        // so the same pass yields each tensor's sums.
+        if !sample_drift {
+            plan.averaged = coalesce(std::mem::take(&mut plan.averaged));
+        }
+        plan
+    }
+
+    /// Step 1 of [`Self::apply_push`]: the mirror's copies, libtorch deltas
+    /// and XORs.
+    fn update_mirror(&mut self, body: &DeviceBody, plan: &Plan) -> Result<(), EngineError> {
+        let Some(mirror) = &mut self.mirror else {
+            return Ok(());
+        };
+        for (g, segs) in plan.mirror_copy.iter().enumerate() {
+            for s in coalesce(segs.clone()) {
+                let Source::Body(offset) = s.src else {
+                    unreachable!("mirror copies come from the body")
+                };
+                let src = body.view(offset, s.numel, s.dtype)?;
+                mirror[g].f_narrow(0, s.dst, s.numel)?.f_copy_(&src)?;
+            }
+        }
+        for (g, segs) in plan.mirror_add.iter().enumerate() {
+            for s in segs {
+                let mut dst = mirror[g].f_narrow(0, s.dst, s.numel)?;
+                add_delta(&mut dst, body, s)?;
+            }
+        }
+        for (g, segs) in plan.mirror_xor.iter().enumerate() {
+            for s in segs {
+                let Source::Body(offset) = s.src else {
+                    unreachable!("XOR pushes come from the body")
+                };
+                let bits = bits_kind(s.dtype);
+                let src = body.view(offset, s.numel, s.dtype)?.f_view_dtype(bits)?;
+                let _ = mirror[g]
+                    .f_narrow(0, s.dst, s.numel)?
+                    .f_view_dtype(bits)?
+                    .f_bitwise_xor_tensor_(&src)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A segment's source as a tensor (body or mirror).
+    fn view(&self, body: &DeviceBody, s: &Segment) -> Result<Tensor, EngineError> {
+        match s.src {
+            Source::Body(offset) => body.view(offset, s.numel, s.dtype),
+            Source::Mirror(g, offset) => {
+                let m = self.mirror.as_ref().expect("mirror source without mirror");
+                Ok(m[g].f_narrow(0, offset, s.numel)?)
+            }
+        }
+    }
+
+    /// Step 2 of [`Self::apply_push`]: every profile's update of every
+    /// averaged segment, fused on the CPU where the dtypes allow, through
+    /// libtorch otherwise; with the drift sums on sampled pushes.
+    fn update_averaged(
+        &mut self,
+        config: &RunConfig,
+        push: &ParsedPush,
+        body: &DeviceBody,
+        plan: &Plan,
+        decisions: &[super::schedule::Decision],
+        fused: bool,
+    ) -> Result<DriftSums, EngineError> {
+        let sample = !plan.tensor_names.is_empty();
+        let mut sums = DriftSums::new(self.ema.len(), plan.averaged.len(), sample);
+        let ema_kind = config.ema_dtype.kind();
+        let threads = tch::get_num_threads().max(1) as usize;
+        let ops: Vec<Op> = decisions
+            .iter()
+            .map(|d| match d.action {
+                Action::Copy => Op::Copy,
+                // ATen's opmath weight for float tensors.
+                Action::Lerp { weight } => Op::Lerp(weight as f32),
+                Action::Hold => Op::Hold,
+            })
+            .collect();
+        // Drift sums still on the device: (profile, tensor, [diff_sq, online_sq]).
+        let mut pending: Vec<(usize, usize, Tensor)> = Vec::new();
+        for (si, s) in plan.averaged.iter().enumerate() {
+            if fused {
+                if let Some(found) = self.fused_update(s, push, &ops, threads, sample) {
+                    sums.add_segment(si, found);
+                    continue;
+                }
+            }
+            if let (Some(_), Source::Mirror(g, offset)) = (s.delta, s.src) {
+                // Planned for the fused kernel, which did not take it.
+                let mirror = self.mirror.as_mut().expect("delta segment without mirror");
+                add_delta(&mut mirror[g].f_narrow(0, offset, s.numel)?, body, s)?;
+            }
+            let mut src = self.view(body, s)?;
+            if src.kind() != ema_kind {
+                src = src.f_to_kind(ema_kind)?;
+            }
+            for (p, (ema, d)) in self.ema.iter_mut().zip(decisions).enumerate() {
+                let mut dst = ema.f_narrow(0, s.dst, s.numel)?;
+                match d.action {
+                    Action::Copy => dst.f_copy_(&src)?,
+                    Action::Lerp { weight } => {
+                        let _ = dst.f_lerp_(&src, weight)?;
+                    }
+                    Action::Hold => {}
+                }
+                if sample {
+                    pending.push((p, si, drift_sums(&dst, &src)?));
+                }
+            }
+        }
+        if !pending.is_empty() {
+            let all: Vec<&Tensor> = pending.iter().map(|(_, _, t)| t).collect();
+            let host = Tensor::f_stack(&all, 0)?
+                .f_to(Device::Cpu)?
+                .f_flatten(0, -1)?;
+            let values = Vec::<f64>::try_from(&host)?;
+            for ((p, si, _), pair) in pending.iter().zip(values.chunks_exact(2)) {
+                sums.add_one(*p, *si, (pair[0], pair[1]));
+            }
+        }
+        Ok(sums)
+    }
+
+    /// The fused CPU kernel on one segment, when its memory allows it
+    /// (float32 EMA, a source dtype with a kernel, aligned); `None` to fall
+    /// back to libtorch.
+    fn fused_update(
+        &mut self,
+        s: &Segment,
+        push: &ParsedPush,
+        ops: &[Op],
+        threads: usize,
+        drift: bool,
+    ) -> Option<Vec<(f64, f64)>> {
+        let ptrs: Vec<EmaPtr> = self
+            .ema
+            .iter()
+            // SAFETY: `s.dst + s.numel` is within each flat buffer.
+            .map(|e| EmaPtr(unsafe { (e.data_ptr() as *mut f32).add(s.dst as usize) }))
+            .collect();
+        if let Some(d) = s.delta {
+            let Source::Mirror(g, offset) = s.src else {
+                return None;
+            };
+            let m = &self.mirror.as_ref()?[g];
+            // SAFETY: offset + numel is within the mirror group.
+            let at = unsafe { (m.data_ptr() as *mut u8).add(offset as usize * s.dtype.size()) };
+            let mirror = match s.dtype {
+                DType::F32 => MirrorPtr::F32(at as *mut f32),
+                DType::BF16 => MirrorPtr::BF16(at as *mut u16),
+                _ => return None,
+            };
+            let delta = delta_slice(push, d, s.numel as usize)?;
+            // SAFETY: the EMA buffers, the mirror and the body are distinct
+            // allocations; the plan checked alignment and dtypes.
+            return Some(unsafe {
+                kernels::update_delta(&ptrs, ops, mirror, delta, threads, drift)
+            });
+        }
+        let src = self.host_source(s, push)?;
+        // SAFETY: each profile's buffer is a distinct contiguous float
+        // tensor owned by this rank; the source is the body or the mirror,
+        // neither of which aliases them.
+        Some(unsafe { kernels::update(&ptrs, ops, src, threads, drift) })
+    }
+
+    /// CRC-32 of the mirror's bytes of the push's tensors, in body order:
+    /// what a keyframe's `polyak.mirror_crc32` claims.
+    pub fn mirror_crc32(&self, order: &[usize]) -> Result<u32, EngineError> {
+        let Some(mirror) = &self.mirror else {
+            return Ok(0);
+        };
+        let mut hasher = crc32fast::Hasher::new();
+        for &i in order {
+            let l = &self.layout.tensors[i];
+            if l.numel == 0 {
+                // No bytes, and no data pointer to make a slice from.
+                continue;
+            }
+            let host = mirror[l.mirror.0]
+                .f_narrow(0, l.mirror.1, l.numel)?
+                .f_to(Device::Cpu)?
+                .f_contiguous()?;
+            // SAFETY: a contiguous host tensor of numel elements of its dtype.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    host.data_ptr() as *const u8,
+                    l.numel as usize * l.dtype.size(),
+                )
+            };
+            hasher.update(bytes);
+        }
+        Ok(hasher.finalize())
+    }
+
+    /// For each tensor of an XOR push, whether the weights it encodes (its
+    /// bits XOR the mirror's) hold NaN or Inf. Reads, changes nothing.
+    pub fn xor_nonfinite(
+        &self,
+        push: &ParsedPush,
+        order: &[usize],
+        device: Device,
+    ) -> Result<Vec<bool>, EngineError> {
+        let Some(mirror) = &self.mirror else {
+            return Ok(vec![false; push.tensors.len()]);
+        };
+        let body = DeviceBody::new(push, device)?;
+        push.tensors
+            .iter()
+            .zip(order)
+            .map(|(t, &i)| {
+                let l = &self.layout.tensors[i];
+                if !l.dtype.is_float() || l.numel == 0 {
+                    return Ok(false);
+                }
+                let bits = bits_kind(l.dtype);
+                let weights = mirror[l.mirror.0]
+                    .f_narrow(0, l.mirror.1, l.numel)?
+                    .f_view_dtype(bits)?
+                    .f_bitwise_xor_tensor(
+                        &body
+                            .view(t.range.start, l.numel, l.dtype)?
+                            .f_view_dtype(bits)?,
+                    )?
+                    .f_view_dtype(l.dtype.kind())?;
+                Ok(!weights.f_isfinite()?.f_all()?.f_is_nonzero()?)
+            })
+            .collect()
+    }
+}
+
+/// Whether the fused kernel can add this delta: a float32 or bf16 mirror,
+/// and wire values it reads in place (aligned for their dtype).
+fn fusable(mirror: DType, t: &WireTensor, base: usize) -> bool {
+    if !matches!(mirror, DType::F32 | DType::BF16) {
+        return false;
+    }
+    let aligned = (base + t.range.start) % t.dtype.size() == 0;
+    match &t.quant {
+        Some(_) => aligned,
+        None => aligned && t.dtype == mirror,
+    }
+}
+
+/// The delta of a fused segment as the kernel reads it.
+fn delta_slice<'a>(push: &'a ParsedPush, d: DeltaSrc, n: usize) -> Option<Delta<'a>> {
+    fn scales_of<'a>(body: &'a [u8], q: &QuantSrc, n: usize) -> &'a [u8] {
+        &body[q.scales..q.scales + 4 * n.div_ceil(q.block)]
+    }
+    let bytes = &push.body[d.offset..d.offset + n * d.wire.size()];
+    let ptr = bytes.as_ptr();
+    // SAFETY: `bytes` is `n` elements of `d.wire`, aligned (checked by
+    // `fusable`), in the body, which outlives the update.
+    unsafe {
+        Some(match (d.quant, d.wire) {
+            (Some(q), _) if q.format == QuantFormat::Fp8E4m3 => Delta::Fp8 {
+                q: bytes,
+                scales: scales_of(&push.body, &q, n),
+                block: q.block,
+            },
+            (Some(q), _) if q.format == QuantFormat::Int8 => Delta::Int8 {
+                q: std::slice::from_raw_parts(ptr as *const i8, n),
+                scales: scales_of(&push.body, &q, n),
+                block: q.block,
+            },
+            (_, DType::BF16) => Delta::BF16(std::slice::from_raw_parts(ptr as *const u16, n)),
+            (_, DType::F32) => Delta::F32(std::slice::from_raw_parts(ptr as *const f32, n)),
+            _ => return None,
+        })
+    }
+}
+
+/// The integer kind of a float dtype's width (XOR works on bits).
+fn bits_kind(dtype: DType) -> Kind {
+    match dtype.size() {
+        8 => Kind::Int64,
+        4 => Kind::Int,
+        2 => Kind::Int16,
+        _ => Kind::Uint8,
+    }
+}
+
+/// `mirror += dequant(delta)` through libtorch (CUDA, and dtypes the fused
+/// kernel does not take): `float32(q) * scale` per block, added in float32
+/// and rounded to the mirror's dtype, as the client computes it.
+fn add_delta(mirror: &mut Tensor, body: &DeviceBody, s: &Segment) -> Result<(), EngineError> {
+    let d = s.delta.expect("a mirror delta segment carries its delta");
+    let n = s.numel;
+    if d.quant.is_none() && d.wire == s.dtype {
+        let src = body.view(d.offset, n, d.wire)?;
+        let _ = mirror.f_add_(&src)?;
+        return Ok(());
+    }
+    let raw = body.view(d.offset, n, d.wire)?;
+    let mut deq = match d.quant.map(|q| q.format) {
+        Some(QuantFormat::Fp8E4m3) => raw
+            .f_view_dtype(Kind::Float8e4m3fn)?
+            .f_to_kind(Kind::Float)?,
+        _ => raw.f_to_kind(Kind::Float)?,
+    };
+    if let Some(q) = d.quant.filter(|q| q.format.scaled()) {
+        let blocks = (n as usize).div_ceil(q.block) as i64;
+        let scales = body.view(q.scales, blocks, DType::F32)?;
+        deq = deq
+            .f_constant_pad_nd([0, blocks * q.block as i64 - n])?
+            .f_view([blocks, q.block as i64])?
+            .f_mul(&scales.f_unsqueeze(1)?)?
+            .f_view([-1])?
+            .f_narrow(0, 0, n)?;
+    }
+    if mirror.kind() == Kind::Float {
+        let _ = mirror.f_add_(&deq)?;
+    } else {
+        let sum = mirror.f_to_kind(Kind::Float)?.f_add(&deq)?;
+        mirror.f_copy_(&sum)?;
+    }
+    Ok(())
+}
+
+/// Drift sums of one push: per profile the totals, and per averaged
+/// segment the pair (on sampled pushes, where segments are tensors).
+struct DriftSums {
+    totals: Vec<(f64, f64)>,
+    per_tensor: Vec<Vec<(f64, f64)>>,
+}
+
+impl DriftSums {
+    fn new(profiles: usize, segments: usize, sample: bool) -> Self {
+        DriftSums {
+            totals: vec![(0.0, 0.0); profiles],
+            per_tensor: if sample {
+                vec![vec![(0.0, 0.0); segments]; profiles]
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    fn add_segment(&mut self, segment: usize, per_profile: Vec<(f64, f64)>) {
+        for (p, one) in per_profile.into_iter().enumerate() {
+            self.add_one(p, segment, one);
+        }
+    }
+
+    fn add_one(&mut self, profile: usize, segment: usize, (d, o): (f64, f64)) {
+        self.totals[profile].0 += d;
+        self.totals[profile].1 += o;
+        if let Some(t) = self.per_tensor.get_mut(profile) {
+            t[segment] = (d, o);
+        }
+    }
+
+    fn into_samples(self, config: &RunConfig, names: Vec<String>) -> Vec<DriftSample> {
+        let names = Arc::new(names);
+        let mut per_tensor = self.per_tensor.into_iter();
+        config
+            .profiles
+            .iter()
+            .zip(self.totals)
+            .map(|(p, (diff_sq, online_sq))| DriftSample {
+                profile: p.name().to_string(),
+                diff_sq,
+                online_sq,
+                tensors: per_tensor.next().unwrap_or_default(),
+                tensor_names: names.clone(),
+            })
+            .collect()
     }
 }
 
@@ -765,6 +1113,7 @@ mod tests {
             dst,
             numel,
             dtype: DType::F32,
+            delta: None,
         };
         // Three tensors back to back in both body and buffer: one segment.
         let merged = coalesce(vec![seg(100, 0, 4), seg(116, 4, 2), seg(124, 6, 3)]);

@@ -17,21 +17,24 @@ use http_body_util::BodyExt;
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, step_of};
-use crate::services::ingest::{drain, BodyFault, PushRequest, PushResponse};
+use crate::services::ingest::{drain, BodyFault, PushRequest, PushResponse, ENCODE_SECONDS};
+use crate::services::pipeline::PREV_STEP;
 use crate::state::AppState;
 
 /// Push one rank's tensors for one step (body: a safetensors file,
-/// optionally `Content-Encoding: zstd`).
+/// optionally `Content-Encoding: zstd` or `polyak-bgz`).
 #[utoipa::path(method(put, post), path = "/v1/runs/{run}/ranks/{rank}/steps/{step}", tag = "push",
-    params(("run" = String, Path), ("rank" = u32, Path), ("step" = u64, Path)),
+    params(("run" = String, Path), ("rank" = u32, Path), ("step" = u64, Path),
+           ("polyak-prev-step" = Option<u64>, Header, description = "pipelining: the step this client pushed before; the push is applied after that one is answered"),
+           ("polyak-encode-seconds" = Option<f64>, Header, description = "seconds the client spent encoding the body (reported in the rank's wire figures)")),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = PushResponse),
               (status = 400, body = ErrorBody, description = "malformed safetensors"),
               (status = 404, body = ErrorBody, description = "no such run or rank"),
-              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe"),
+              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe, predecessor_timeout"),
               (status = 408, body = ErrorBody, description = "body_timeout: the body arrived too slowly"),
               (status = 413, body = ErrorBody, description = "body or header over the limit"),
-              (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd"),
+              (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd or polyak-bgz"),
               (status = 422, body = ErrorBody, description = "nonfinite, unsupported_dtype, invalid_shards"),
               (status = 429, body = ErrorBody, description = "busy; see Retry-After")))]
 pub async fn push(
@@ -52,9 +55,14 @@ pub async fn push(
         drain(body, declared).await;
         Err(err)
     };
-    let encoding = headers
-        .get(header::CONTENT_ENCODING)
-        .map(|v| v.to_str().unwrap_or("?").to_string());
+    let text_of = |name| {
+        headers
+            .get(name)
+            .map(|v: &header::HeaderValue| v.to_str().unwrap_or("?").to_string())
+    };
+    let encoding = text_of(header::CONTENT_ENCODING.as_str());
+    let prev_step = text_of(PREV_STEP);
+    let encode_seconds = text_of(ENCODE_SECONDS);
     let rank = match rank_of(&run, &rank) {
         Ok(r) => r,
         Err(e) => return early(e, body).await,
@@ -68,6 +76,8 @@ pub async fn push(
         rank,
         step,
         encoding,
+        prev_step,
+        encode_seconds,
         declared,
         body: body.map_err(body_fault),
         started,

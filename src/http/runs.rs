@@ -501,6 +501,8 @@ pub struct RankView {
     pub bytes_per_second: Option<f64>,
     /// Latest `||EMA - online|| / ||online||` per profile.
     pub drift: BTreeMap<String, f64>,
+    /// Wire bytes against logical bytes, and codec time.
+    pub wire: crate::wire::stats::WireStats,
     /// The registered layout (with `?layout=true`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -547,6 +549,7 @@ impl RankView {
                 .iter()
                 .map(|(p, (d, o))| (p.clone(), if *o > 0.0 { (d / o).sqrt() } else { d.sqrt() }))
                 .collect(),
+            wire: s.wire.clone(),
             layout: if with_layout {
                 s.layout.as_deref().cloned()
             } else {

@@ -162,6 +162,9 @@ mod defaults {
     pub fn drift_every() -> u64 {
         10
     }
+    pub fn keyframe_every() -> u64 {
+        100
+    }
 }
 
 impl ProfileSpec {
@@ -319,6 +322,10 @@ pub struct RunSpec {
     /// pushes of a rank (0 = never).
     #[serde(default = "defaults::drift_every")]
     pub drift_every: u64,
+    /// Delta pushes (`delta`, `xor`): clients send a keyframe (a full push,
+    /// which also checks the mirror's checksum) every N pushes.
+    #[serde(default = "defaults::keyframe_every")]
+    pub keyframe_every: u64,
     /// Labels to find the run by; editable later (`PATCH /v1/runs/{run}`).
     #[serde(default)]
     pub tags: Vec<String>,
@@ -348,6 +355,9 @@ pub struct RunConfig {
     pub persist_every_secs: u64,
     #[serde(default = "defaults::drift_every")]
     pub drift_every: u64,
+    /// Clients of delta pushes send a keyframe every N pushes.
+    #[serde(default = "defaults::keyframe_every")]
+    pub keyframe_every: u64,
 }
 
 /// Largest world size a run may declare.
@@ -377,6 +387,9 @@ impl RunSpec {
         }
         if self.update_every == 0 {
             return Err(field_err("update_every", "must be >= 1"));
+        }
+        if self.keyframe_every == 0 {
+            return Err(field_err("keyframe_every", "must be >= 1"));
         }
         let mut profiles = self.profiles.unwrap_or_else(|| {
             vec![ProfileSpec::Constant {
@@ -425,6 +438,7 @@ impl RunSpec {
             snapshot_timeout_secs: self.snapshot_timeout_secs,
             persist_every_secs: self.persist_every_secs,
             drift_every: self.drift_every,
+            keyframe_every: self.keyframe_every,
         })
     }
 }

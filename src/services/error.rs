@@ -6,6 +6,7 @@
 use crate::engine::EngineError;
 use crate::run::FieldError;
 use crate::store::StoreError;
+use crate::wire::codec::CodecError;
 use crate::wire::WireError;
 
 #[derive(Debug)]
@@ -119,6 +120,16 @@ impl From<WireError> for ServiceError {
     }
 }
 
+impl From<CodecError> for ServiceError {
+    fn from(e: CodecError) -> Self {
+        let message = e.to_string();
+        match e {
+            CodecError::Corrupt(_) => Self::bad_request("invalid_encoding", message),
+            CodecError::TooLarge { .. } => Self::too_large("body_too_large", message),
+        }
+    }
+}
+
 impl From<EngineError> for ServiceError {
     fn from(e: EngineError) -> Self {
         let message = e.to_string();
@@ -130,6 +141,7 @@ impl From<EngineError> for ServiceError {
             EngineError::RunFinished(_) => Self::conflict("run_finished", message),
             EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
             EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
+            EngineError::Nonfinite(_) => Self::unprocessable("nonfinite", message),
             EngineError::UnknownProfile(_) => Self::not_found("profile_not_found", message),
             EngineError::Stopped | EngineError::Torch(_) => Self::internal(message),
         }

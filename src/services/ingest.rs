@@ -2,9 +2,11 @@
 //!
 //! [`Ingest::push`] runs the stages in order: [`Ingest::receive`] takes the
 //! body into one pooled buffer under the in-flight byte budget,
-//! [`Ingest::validate`] parses and scans it on a blocking thread and yields
-//! a [`ValidatedPush`] — a body that passed every check and waits to be
-//! applied — and [`Ingest::apply`] queues that on the run's engine. The
+//! [`Ingest::validate`] decodes (zstd, `polyak-bgz`), parses and scans it on
+//! a blocking thread and yields a [`ValidatedPush`] — a body that passed
+//! every check and waits to be applied —, a pipelined push
+//! (`Polyak-Prev-Step`) then waits in the [`Pipeline`] for its predecessor's
+//! answer, and [`Ingest::apply`] queues it on the run's engine. The
 //! bookkeeping that follows (metrics, rank summary, catalog, drift series,
 //! events) and that of a refused push is done here too, so the handler only
 //! extracts the request and renders the answer.
@@ -19,13 +21,16 @@ use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use utoipa::ToSchema;
 
+use super::pipeline::{Pipeline, PREV_STEP};
 use super::{Context, ServiceError};
 use crate::clock::now_ms;
 use crate::engine::rank::PushOutcome;
 use crate::engine::EngineError;
 use crate::registry::{counts_of, RunHandle};
+use crate::run::NonfinitePolicy;
 use crate::wire::bodies::BodyPool;
-use crate::wire::{parse_push, ParsedPush, WireLimits};
+use crate::wire::quant::QuantFormat;
+use crate::wire::{codec, parse_push, ParsedPush, PushKind, WireLimits};
 
 /// The answer to a push.
 #[derive(Debug, Serialize, ToSchema)]
@@ -55,6 +60,10 @@ pub struct PushRequest<B> {
     pub step: u64,
     /// The `Content-Encoding` header, if any.
     pub encoding: Option<String>,
+    /// The `Polyak-Prev-Step` header (pipelining), if any.
+    pub prev_step: Option<String>,
+    /// The [`ENCODE_SECONDS`] header, if any.
+    pub encode_seconds: Option<String>,
     /// The `Content-Length` header, if any.
     pub declared: Option<u64>,
     pub body: B,
@@ -70,22 +79,142 @@ pub struct ValidatedPush {
     pub rank: u32,
     pub step: u64,
     pub parsed: ParsedPush,
-    /// Bytes as they came over the wire (before zstd).
+    /// Bytes as they came over the wire (before decoding).
     pub wire_len: u64,
     pub started: Instant,
+    /// How the body arrived and what it was, for the rank's wire figures.
+    wire: WireNote,
     budget: Budget,
 }
 
 /// A body received in full, not yet parsed.
 struct Received {
     raw: Bytes,
-    zstd: bool,
+    headers: PushHeaders,
     budget: Budget,
 }
 
-/// Idle push receive buffers kept for reuse: one for the body being
-/// received while another is applied, one spare.
-const BODY_BUFFERS_KEPT: usize = 2;
+/// Header in which a client reports the seconds it spent encoding the body
+/// (shown with the rank's wire figures; never trusted for anything else).
+pub const ENCODE_SECONDS: &str = "polyak-encode-seconds";
+
+/// What a push's headers declare besides its length.
+#[derive(Debug, Clone, Copy)]
+struct PushHeaders {
+    encoding: Encoding,
+    /// Pipelining: the step the client pushed before this one.
+    prev_step: Option<u64>,
+    /// Client-reported encoding time.
+    encode_seconds: f64,
+}
+
+impl PushHeaders {
+    fn parse(
+        step: u64,
+        encoding: Option<&str>,
+        prev_step: Option<&str>,
+        encode_seconds: Option<&str>,
+    ) -> Result<Self, ServiceError> {
+        let encoding = match encoding {
+            None | Some("identity") => Encoding::Identity,
+            Some("zstd") => Encoding::Zstd,
+            Some(codec::ENCODING) => Encoding::ByteGroup,
+            Some(other) => {
+                return Err(ServiceError::new(
+                    415,
+                    "unsupported_encoding",
+                    format!(
+                        "Content-Encoding `{other}`: only zstd, {} (or none) is accepted",
+                        codec::ENCODING
+                    ),
+                ))
+            }
+        };
+        let prev_step = match prev_step {
+            None => None,
+            Some(v) => Some(
+                v.trim()
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|&p| p < step)
+                    .ok_or_else(|| {
+                        ServiceError::bad_request(
+                            "invalid_header",
+                            format!("{PREV_STEP}: must be a step below {step}"),
+                        )
+                    })?,
+            ),
+        };
+        let encode_seconds = encode_seconds
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .unwrap_or(0.0);
+        Ok(PushHeaders {
+            encoding,
+            prev_step,
+            encode_seconds,
+        })
+    }
+}
+
+/// How the body arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Identity,
+    Zstd,
+    ByteGroup,
+}
+
+impl Encoding {
+    fn name(self) -> &'static str {
+        match self {
+            Encoding::Identity => "identity",
+            Encoding::Zstd => "zstd",
+            Encoding::ByteGroup => codec::ENCODING,
+        }
+    }
+}
+
+/// What a validated push was and how it arrived, for the rank's wire
+/// figures.
+struct WireNote {
+    encoding: Encoding,
+    kind: &'static str,
+    quant: Option<String>,
+    /// Client-reported encoding seconds.
+    encode_seconds: f64,
+    /// Seconds the server spent decoding the body.
+    decode_seconds: f64,
+}
+
+impl WireNote {
+    fn of(push: &ParsedPush, headers: &PushHeaders, decode_seconds: f64) -> Self {
+        WireNote {
+            encoding: headers.encoding,
+            kind: match push.kind {
+                PushKind::Full => "full",
+                PushKind::Delta => "delta",
+                PushKind::Xor => "xor",
+            },
+            quant: push
+                .tensors
+                .iter()
+                .find_map(|t| t.quant.as_ref())
+                .map(|q| match q.format {
+                    QuantFormat::Bf16 => "bf16".to_string(),
+                    QuantFormat::Fp8E4m3 => format!("fp8_e4m3/{}", q.block),
+                    QuantFormat::Int8 => format!("int8/{}", q.block),
+                }),
+            encode_seconds: headers.encode_seconds,
+            decode_seconds,
+        }
+    }
+}
+
+/// Idle push receive buffers kept for reuse: bodies being received while
+/// another is applied (two with a pipelining client), a decoded body beside
+/// its encoded one, one spare.
+const BODY_BUFFERS_KEPT: usize = 4;
 
 /// Bodies larger than this are not drained before an early error answer
 /// (the connection is closed instead).
@@ -99,6 +228,8 @@ pub struct Ingest {
     inflight_kib: usize,
     /// Reused receive buffers for push bodies.
     bodies: Arc<BodyPool>,
+    /// Pipelined pushes waiting for their predecessors.
+    pipeline: Pipeline,
 }
 
 /// Body buffers idle this long are released (the ingest task trims them).
@@ -111,6 +242,10 @@ impl Ingest {
             inflight: Arc::new(Semaphore::new(inflight_kib)),
             inflight_kib,
             bodies: BodyPool::new(BODY_BUFFERS_KEPT),
+            pipeline: Pipeline::new(
+                std::time::Duration::from_secs_f64(ctx.args.pipeline_timeout_secs.max(0.0)),
+                ctx.args.pipeline_depth,
+            ),
             ctx,
         }
     }
@@ -147,6 +282,16 @@ impl Ingest {
     {
         let (run, rank, step) = (req.run.clone(), req.rank, req.step);
         let result = self.receive_and_apply(req).await;
+        // Answered for good, applied or refused: pipelined successors may go
+        // on. An answer the client retries (busy, too slow, a server fault) is
+        // not: the successor keeps waiting for the retry.
+        let final_answer = match &result {
+            Ok(_) => true,
+            Err(e) => !(e.status == 429 || e.status == 408 || e.status >= 500),
+        };
+        if final_answer {
+            self.pipeline.answered(&run.config.name, rank, step);
+        }
         if let Err(e) = &result {
             self.record_rejection(&run, rank, step, e);
         }
@@ -166,11 +311,26 @@ impl Ingest {
             rank,
             step,
             encoding,
+            prev_step,
+            encode_seconds,
             declared,
             body,
             started,
         } = req;
-        let received = self.receive(body, encoding.as_deref(), declared).await?;
+        let headers = PushHeaders::parse(
+            step,
+            encoding.as_deref(),
+            prev_step.as_deref(),
+            encode_seconds.as_deref(),
+        );
+        let headers = match headers {
+            Ok(h) => h,
+            Err(e) => {
+                drain(body, declared).await;
+                return Err(e);
+            }
+        };
+        let received = self.receive(body, headers, declared).await?;
         let received_at = Instant::now();
         self.ctx
             .metrics
@@ -183,7 +343,31 @@ impl Ingest {
             .push_seconds
             .with_label_values(&["validate"])
             .observe(received_at.elapsed().as_secs_f64());
+        if let Some(prev) = headers.prev_step {
+            self.wait_for_predecessor(&validated, prev).await?;
+        }
         self.apply(validated).await
+    }
+
+    /// A pipelined push waits here, validated, until its predecessor step
+    /// was answered (or the rank applied a step at or past it).
+    async fn wait_for_predecessor(
+        &self,
+        push: &ValidatedPush,
+        prev: u64,
+    ) -> Result<(), ServiceError> {
+        let (run, rank) = (&push.run, push.rank);
+        let applied = || run.rank(rank).and_then(|s| s.last_step);
+        self.pipeline
+            .wait_for(
+                &run.config.name,
+                rank,
+                push.step,
+                prev,
+                applied,
+                self.ctx.args.retry_after_secs,
+            )
+            .await
     }
 
     /// The answer to a push at a step the run does not apply.
@@ -205,6 +389,8 @@ impl Ingest {
                 resident_bytes: summary.resident_bytes,
                 apply_seconds: 0.0,
                 drift: None,
+                logical_bytes: 0,
+                mirror_mismatch: None,
             },
             rank,
             reason: Some(format!(
@@ -214,30 +400,18 @@ impl Ingest {
         }
     }
 
-    /// Checks the encoding and the declared length, then takes the body
-    /// into one buffer under the in-flight byte budget.
+    /// Checks the declared length, then takes the body into one buffer
+    /// under the in-flight byte budget.
     async fn receive<B>(
         &self,
         body: B,
-        encoding: Option<&str>,
+        headers: PushHeaders,
         declared: Option<u64>,
     ) -> Result<Received, ServiceError>
     where
         B: Body<Data = Bytes, Error = BodyFault> + Unpin,
     {
         let limit = self.ctx.args.push_body_limit.0;
-        let zstd = match encoding {
-            None | Some("identity") => false,
-            Some("zstd") => true,
-            Some(other) => {
-                drain(body, declared).await;
-                return Err(ServiceError::new(
-                    415,
-                    "unsupported_encoding",
-                    format!("Content-Encoding `{other}`: only zstd (or none) is accepted"),
-                ));
-            }
-        };
         if let Some(len) = declared {
             if len > limit {
                 drain(body, declared).await;
@@ -246,10 +420,15 @@ impl Ingest {
         }
         let mut budget = Budget::new(self);
         let raw = read_body(body, declared, limit, &mut budget, &self.bodies).await?;
-        Ok(Received { raw, zstd, budget })
+        Ok(Received {
+            raw,
+            headers,
+            budget,
+        })
     }
 
-    /// Decompresses (zstd) and parses the body off the async threads.
+    /// Decodes (zstd, `polyak-bgz`) and parses the body off the async
+    /// threads.
     async fn validate(
         &self,
         run: Arc<RunHandle>,
@@ -265,22 +444,17 @@ impl Ingest {
         let policy = run.config.nonfinite;
         let Received {
             raw,
-            zstd,
-            mut budget,
+            headers,
+            budget,
         } = received;
         let wire_len = raw.len() as u64;
-        let parsed = if zstd {
-            let (bytes, budget_after) = tokio::task::spawn_blocking(move || {
-                let out = decompress(&raw, limit)?;
-                budget.reserve(out.len() as u64)?;
-                Ok::<_, ServiceError>((out, budget))
-            })
-            .await??;
-            budget = budget_after;
-            tokio::task::spawn_blocking(move || parse_push(bytes, limits, policy)).await??
-        } else {
-            tokio::task::spawn_blocking(move || parse_push(raw, limits, policy)).await??
-        };
+        let pool = self.bodies.clone();
+        let encoding = headers.encoding;
+        let (parsed, decode_seconds, budget) = tokio::task::spawn_blocking(move || {
+            decode_and_validate(raw, encoding, limit, limits, policy, &pool, budget)
+        })
+        .await??;
+        let wire = WireNote::of(&parsed, &headers, decode_seconds);
         Ok(ValidatedPush {
             run,
             rank,
@@ -288,6 +462,7 @@ impl Ingest {
             parsed,
             wire_len,
             started,
+            wire,
             budget,
         })
     }
@@ -302,6 +477,7 @@ impl Ingest {
             parsed,
             wire_len,
             started,
+            wire,
             budget,
         } = push;
         let run_name = run.config.name.clone();
@@ -335,6 +511,9 @@ impl Ingest {
             .push_bytes
             .with_label_values(&[&run.config.name])
             .inc_by(wire_len);
+        if !outcome.duplicate {
+            self.record_wire(&run, rank, step, &outcome, wire_len, &wire);
+        }
         self.record_applied(&run, rank, step, &outcome, wire_len, started);
         let reason = outcome.duplicate.then(|| "duplicate".to_string());
         Ok(PushResponse {
@@ -420,6 +599,59 @@ impl Ingest {
                 "skipped": outcome.skipped,
             }),
         );
+    }
+
+    /// Records an applied push's wire figures (rank view, Prometheus) and a
+    /// keyframe's mirror mismatch (event, counter).
+    fn record_wire(
+        &self,
+        run: &RunHandle,
+        rank: u32,
+        step: u64,
+        outcome: &PushOutcome,
+        wire_len: u64,
+        wire: &WireNote,
+    ) {
+        let name = &run.config.name;
+        let m = &self.ctx.metrics;
+        m.push_logical_bytes
+            .with_label_values(&[name])
+            .inc_by(outcome.logical_bytes);
+        m.codec_seconds
+            .with_label_values(&[name, "encode"])
+            .inc_by(wire.encode_seconds);
+        m.codec_seconds
+            .with_label_values(&[name, "decode"])
+            .inc_by(wire.decode_seconds);
+        if let Some(mismatch) = &outcome.mirror_mismatch {
+            m.mirror_mismatches.with_label_values(&[name]).inc();
+            self.ctx.events.emit(
+                name,
+                "mirror_mismatch",
+                Some(rank),
+                Some(step),
+                serde_json::json!({
+                    "client_crc32": mismatch.client_crc32,
+                    "server_crc32": mismatch.server_crc32,
+                    "repaired": true,
+                }),
+            );
+            tracing::warn!(run = %name, rank, step, "keyframe found the mirror diverged from the client's copy; repaired");
+        }
+        run.update_rank(rank, |s| {
+            s.wire.note(
+                wire_len,
+                outcome.logical_bytes,
+                wire.encode_seconds,
+                wire.decode_seconds,
+            );
+            s.wire.last_kind = Some(wire.kind.to_string());
+            s.wire.last_encoding = Some(wire.encoding.name().to_string());
+            s.wire.last_quant = wire.quant.clone();
+            if outcome.mirror_mismatch.is_some() {
+                s.wire.mirror_mismatches += 1;
+            }
+        });
     }
 
     /// The bookkeeping of a refused push (not of a busy answer: the client
@@ -582,6 +814,34 @@ fn body_fault(e: BodyFault) -> ServiceError {
             ServiceError::bad_request("body_read_failed", format!("reading the body failed: {m}"))
         }
     }
+}
+
+/// The validation pass, on a blocking thread: an encoded body is decoded
+/// first (written once, into a pooled buffer) and validated from there.
+/// Returns the push, the decoding seconds and the budget, which now covers
+/// the decoded body.
+fn decode_and_validate(
+    raw: Bytes,
+    encoding: Encoding,
+    limit: u64,
+    limits: WireLimits,
+    policy: NonfinitePolicy,
+    pool: &Arc<BodyPool>,
+    mut budget: Budget,
+) -> Result<(ParsedPush, f64, Budget), ServiceError> {
+    let decoding = Instant::now();
+    let bytes = match encoding {
+        Encoding::Identity => raw,
+        Encoding::Zstd => decompress(&raw, limit)?,
+        Encoding::ByteGroup => codec::decode(&raw, limit, pool)?,
+    };
+    let decode_seconds = match encoding {
+        Encoding::Identity => 0.0,
+        _ => decoding.elapsed().as_secs_f64(),
+    };
+    budget.reserve(bytes.len() as u64)?;
+    let parsed = parse_push(bytes, limits, policy)?;
+    Ok((parsed, decode_seconds, budget))
 }
 
 /// zstd, refusing output past `limit`.

@@ -6,6 +6,8 @@
 //!
 //! - [`ingest`]: a push from its body to the applied update and its
 //!   bookkeeping (metrics, rank summary, catalog, drift, events).
+//! - [`pipeline`]: pipelined pushes of a rank (`Polyak-Prev-Step`), held
+//!   until their predecessor is answered so they apply in step order.
 //! - [`monitor`]: the series the server records itself (drift, ingest
 //!   rate) and their retention.
 //! - [`alerts`]: per-run alert rules evaluated from events and a tick;
@@ -18,6 +20,7 @@ pub mod alerts;
 pub mod error;
 pub mod ingest;
 pub mod monitor;
+pub mod pipeline;
 pub mod snapshots;
 
 use std::sync::Arc;

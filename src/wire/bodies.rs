@@ -141,6 +141,21 @@ impl PooledBuf {
         self.buf.extend_from_slice(data);
     }
 
+    /// Sets the length to `len` (new bytes are zero), allocating exactly
+    /// once: the decoder knows the decoded size before it writes.
+    pub fn resize(&mut self, len: usize) {
+        if len > self.buf.capacity() {
+            self.buf.reserve_exact(len - self.buf.len());
+            crate::hugepages::advise(self.buf.as_ptr(), self.buf.capacity());
+        }
+        self.buf.resize(len, 0);
+    }
+
+    /// The bytes written so far, to fill in place.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+
     /// The body as `Bytes`; the buffer goes back to the pool when the last
     /// clone is dropped.
     pub fn freeze(self) -> Bytes {

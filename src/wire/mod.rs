@@ -3,14 +3,20 @@
 //! - [`push`]: parse and validate a push body in place.
 //! - [`nonfinite`]: NaN/Inf scans on raw bytes.
 //! - [`check`]: a body's digest and NaN/Inf scan in one pass.
+//! - [`codec`]: the byte-grouped zstd codec (`Content-Encoding: polyak-bgz`).
+//! - [`quant`]: quantised delta payloads (bf16, fp8 e4m3, int8 with block scales).
+//! - [`stats`]: per-rank wire bytes, logical bytes and codec time.
 //! - [`writer`]: safetensors headers for streamed responses.
 //! - [`dtype`]: the dtypes polyak keeps.
 
 pub mod bodies;
 pub mod check;
+pub mod codec;
 pub mod dtype;
 pub mod nonfinite;
 pub mod push;
+pub mod quant;
+pub mod stats;
 pub mod writer;
 
 pub use dtype::DType;

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::check::{scan_and_digest, Span};
+use super::quant::{fp8_is_nan, scale_at, Quant, QuantFormat, QUANT_KEY, SCALE_SUFFIX};
 use super::DType;
 use crate::run::NonfinitePolicy;
 
@@ -25,6 +26,9 @@ pub const KIND_KEY: &str = "polyak.kind";
 /// `__metadata__` key: JSON `{alias: name}` for names that share one
 /// tensor's storage (tied weights), pushed once under `name`.
 pub const ALIASES_KEY: &str = "polyak.aliases";
+/// `__metadata__` key of a keyframe (full push): CRC-32 (hex) of what the
+/// client holds as the server's mirror right before this push.
+pub const MIRROR_CRC_KEY: &str = "polyak.mirror_crc32";
 
 /// Where a tensor chunk sits in its whole (unsharded) tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,12 +39,31 @@ pub struct Chunk {
 
 /// `full`: the tensors are the weights. `delta`: floating point tensors are
 /// added to the server's mirror first (integer and bool tensors still carry
-/// their values).
+/// their values). `xor`: floating point tensors are the bits of the weights
+/// XOR the bits of the server's mirror (lossless, and mostly zero bytes for
+/// the codec).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PushKind {
     Full,
     Delta,
+    Xor,
+}
+
+impl PushKind {
+    /// Whether the push needs a mirror and a keyframe to apply to.
+    pub fn is_relative(self) -> bool {
+        !matches!(self, PushKind::Full)
+    }
+}
+
+/// A quantised delta tensor: its format and where its scales are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorQuant {
+    pub format: QuantFormat,
+    pub block: usize,
+    /// Byte range of its float32 scales in the body (empty for bf16).
+    pub scales: Range<usize>,
 }
 
 /// One tensor of a push: where its bytes are in the body.
@@ -54,6 +77,9 @@ pub struct WireTensor {
     pub chunk: Option<Chunk>,
     /// Holds NaN or Inf (only scanned when the policy is not `allow`).
     pub nonfinite: bool,
+    /// Set on the tensors of a quantised delta (`dtype` is then the
+    /// storage: `U8` for fp8 e4m3, `I8`, `BF16`).
+    pub quant: Option<TensorQuant>,
 }
 
 impl WireTensor {
@@ -74,6 +100,8 @@ pub struct ParsedPush {
     pub digest: u128,
     /// Tied names: alias -> the pushed name whose tensor it shares.
     pub aliases: BTreeMap<String, String>,
+    /// A keyframe's claim of the mirror's CRC-32 before it.
+    pub mirror_crc32: Option<u32>,
 }
 
 impl ParsedPush {
@@ -145,11 +173,29 @@ pub fn parse_push(
     let kind = match extra.get(KIND_KEY).map(String::as_str) {
         None | Some("full") => PushKind::Full,
         Some("delta") => PushKind::Delta,
+        Some("xor") => PushKind::Xor,
         Some(other) => {
             return Err(WireError::InvalidMetadata(format!(
-                "{KIND_KEY} must be `full` or `delta`, got `{other}`"
+                "{KIND_KEY} must be `full`, `delta` or `xor`, got `{other}`"
             )))
         }
+    };
+    let quant = match extra.get(QUANT_KEY) {
+        None => None,
+        Some(_) if kind != PushKind::Delta => {
+            return Err(WireError::InvalidMetadata(format!(
+                "{QUANT_KEY} needs {KIND_KEY} `delta`"
+            )))
+        }
+        Some(json) => Some(Quant::parse(json).map_err(WireError::InvalidMetadata)?),
+    };
+    let mirror_crc32 = match extra.get(MIRROR_CRC_KEY) {
+        None => None,
+        Some(hex) => Some(u32::from_str_radix(hex, 16).map_err(|_| {
+            WireError::InvalidMetadata(format!(
+                "{MIRROR_CRC_KEY} must be a CRC-32 in hex, got `{hex}`"
+            ))
+        })?),
     };
     let mut chunks: HashMap<String, Chunk> = match extra.get(SHARDS_KEY) {
         None => HashMap::new(),
@@ -181,22 +227,51 @@ pub fn parse_push(
         }
     }
     let mut tensors = Vec::with_capacity(names.len());
+    let mut scales: HashMap<String, Range<usize>> = HashMap::new();
     for name in names {
         let info = metadata.info(&name).ok_or_else(|| {
             WireError::Invalid(format!("tensor `{name}` vanished from the header"))
         })?;
-        let dtype =
+        let (start, end) = info.data_offsets;
+        let range = data_start + start..data_start + end;
+        if let (Some(q), Some(of)) = (quant, name.strip_suffix(SCALE_SUFFIX)) {
+            if q.format.scaled() {
+                if info.dtype != safetensors::Dtype::F32 || info.shape.len() != 1 {
+                    return Err(WireError::InvalidMetadata(format!(
+                        "scales `{name}` must be a 1-d F32 tensor"
+                    )));
+                }
+                scales.insert(of.to_string(), range);
+                continue;
+            }
+        }
+        let fp8 = info.dtype == safetensors::Dtype::F8_E4M3
+            && quant.is_some_and(|q| q.format == QuantFormat::Fp8E4m3);
+        let dtype = if fp8 {
+            DType::U8
+        } else {
             DType::from_safetensors(info.dtype).ok_or_else(|| WireError::UnsupportedDtype {
                 tensor: name.clone(),
                 dtype: format!("{:?}", info.dtype),
-            })?;
+            })?
+        };
         let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
-        let (start, end) = info.data_offsets;
-        let range = data_start + start..data_start + end;
         let chunk = chunks.remove(&name);
         if let Some(chunk) = &chunk {
             check_chunk(&name, &shape, chunk)?;
         }
+        let quant = quant.and_then(|q| {
+            let quantised = match q.format {
+                QuantFormat::Bf16 => dtype == DType::BF16,
+                QuantFormat::Fp8E4m3 => fp8,
+                QuantFormat::Int8 => dtype == DType::I8,
+            };
+            quantised.then_some(TensorQuant {
+                format: q.format,
+                block: q.block,
+                scales: 0..0,
+            })
+        });
         tensors.push(WireTensor {
             name,
             dtype,
@@ -204,26 +279,34 @@ pub fn parse_push(
             range,
             chunk,
             nonfinite: false,
+            quant,
         });
     }
+    attach_scales(&mut tensors, scales)?;
     if let Some(name) = chunks.keys().next() {
         return Err(WireError::InvalidShards(format!(
             "chunk metadata for `{name}`, which is not in the push"
         )));
     }
-    // The digest and the NaN/Inf scan, in one pass over the body.
+    // The digest and the NaN/Inf scan, in one pass over the body. The
+    // floats of an XOR push are bit patterns, not values: the engine scans
+    // them once they are undone against the mirror.
     let scan = policy != NonfinitePolicy::Allow;
     let spans: Vec<Span> = tensors
         .iter()
         .map(|t| Span {
-            dtype: t.dtype,
+            dtype: if kind == PushKind::Xor {
+                DType::U8
+            } else {
+                t.dtype
+            },
             range: t.range.clone(),
         })
         .collect();
     let (digest, flags) = scan_and_digest(&body, &spans, scan);
     for (t, nonfinite) in tensors.iter_mut().zip(flags) {
-        t.nonfinite = nonfinite;
-        if nonfinite && policy == NonfinitePolicy::Reject {
+        t.nonfinite = nonfinite || (scan && quant_nonfinite(&body, t));
+        if t.nonfinite && policy == NonfinitePolicy::Reject {
             return Err(WireError::Nonfinite {
                 tensor: t.name.clone(),
             });
@@ -235,7 +318,56 @@ pub fn parse_push(
         kind,
         digest,
         aliases,
+        mirror_crc32,
     })
+}
+
+/// Gives each fp8/int8 tensor its scales; every scales tensor must belong
+/// to one and hold one value per block.
+fn attach_scales(
+    tensors: &mut [WireTensor],
+    mut scales: HashMap<String, Range<usize>>,
+) -> Result<(), WireError> {
+    for t in tensors.iter_mut() {
+        let numel = t.numel();
+        let Some(q) = &mut t.quant else { continue };
+        if !q.format.scaled() {
+            continue;
+        }
+        let range = scales.remove(&t.name).ok_or_else(|| {
+            WireError::InvalidMetadata(format!(
+                "quantised `{}` has no `{}{SCALE_SUFFIX}` tensor",
+                t.name, t.name
+            ))
+        })?;
+        let want = (numel as usize).div_ceil(q.block);
+        if range.len() != 4 * want {
+            return Err(WireError::InvalidMetadata(format!(
+                "`{}{SCALE_SUFFIX}` holds {} scales; {numel} values in blocks of {} need {want}",
+                t.name,
+                range.len() / 4,
+                q.block
+            )));
+        }
+        q.scales = range;
+    }
+    if let Some(name) = scales.keys().next() {
+        return Err(WireError::InvalidMetadata(format!(
+            "`{name}{SCALE_SUFFIX}` scales a tensor that is not quantised in the push"
+        )));
+    }
+    Ok(())
+}
+
+/// A quantised tensor holds NaN/Inf when one of its scales does, or (fp8)
+/// one of its values is NaN.
+fn quant_nonfinite(body: &[u8], t: &WireTensor) -> bool {
+    let Some(q) = &t.quant else { return false };
+    let scales = &body[q.scales.clone()];
+    if (0..scales.len() / 4).any(|i| !scale_at(scales, i).is_finite()) {
+        return true;
+    }
+    q.format == QuantFormat::Fp8E4m3 && body[t.range.clone()].iter().any(|&b| fp8_is_nan(b))
 }
 
 /// A chunk must have one offset per dimension and lie inside its global
@@ -491,6 +623,13 @@ mod tests {
                 .kind,
             PushKind::Delta
         );
+        let xor = body(&entries, &[(KIND_KEY, "xor")]);
+        assert_eq!(
+            parse_push(xor, LIMITS, NonfinitePolicy::Reject)
+                .unwrap()
+                .kind,
+            PushKind::Xor
+        );
         let bad = body(&entries, &[(KIND_KEY, "sparse")]);
         assert!(matches!(
             parse_push(bad, LIMITS, NonfinitePolicy::Reject),
@@ -520,6 +659,145 @@ mod tests {
         assert!(flags.contains(&("bad", true)) && flags.contains(&("good", false)));
         let allow = parse_push(b, LIMITS, NonfinitePolicy::Allow).unwrap();
         assert!(allow.tensors.iter().all(|t| !t.nonfinite));
+    }
+
+    /// A body whose header is written by hand (dtypes polyak's writer
+    /// does not produce, such as F8_E4M3).
+    fn raw_body(entries: &[(&str, &str, Vec<usize>, Vec<u8>)], meta: &[(&str, &str)]) -> Bytes {
+        let mut header = serde_json::Map::new();
+        if !meta.is_empty() {
+            let m: serde_json::Map<String, serde_json::Value> = meta
+                .iter()
+                .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+                .collect();
+            header.insert("__metadata__".into(), m.into());
+        }
+        let mut offset = 0;
+        for (name, dtype, shape, bytes) in entries {
+            header.insert(
+                name.to_string(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes.len()]}),
+            );
+            offset += bytes.len();
+        }
+        let text = serde_json::to_vec(&header).unwrap();
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&text);
+        for (_, _, _, b) in entries {
+            out.extend_from_slice(b);
+        }
+        Bytes::from(out)
+    }
+
+    #[test]
+    fn quantised_deltas_carry_their_scales() {
+        let fp8 = r#"{"format":"fp8_e4m3","block":128}"#;
+        let meta = [(KIND_KEY, "delta"), (QUANT_KEY, fp8)];
+        let q = vec![0x38u8; 300]; // 1.0 in e4m3
+        let scales = f32s(&[0.5, 0.25, 2.0]);
+        let ok = raw_body(
+            &[
+                ("w", "F8_E4M3", vec![300], q.clone()),
+                ("w:scale", "F32", vec![3], scales.clone()),
+                ("n", "I64", vec![], 7i64.to_le_bytes().to_vec()),
+            ],
+            &meta,
+        );
+        let push = parse_push(ok, LIMITS, NonfinitePolicy::Reject).unwrap();
+        assert_eq!(
+            push.tensors.len(),
+            2,
+            "the scales are not a tensor of the layout"
+        );
+        let w = push.tensors.iter().find(|t| t.name == "w").unwrap();
+        let tq = w.quant.as_ref().unwrap();
+        assert_eq!(
+            (w.dtype, tq.format, tq.block),
+            (DType::U8, QuantFormat::Fp8E4m3, 128)
+        );
+        assert_eq!(&push.body[tq.scales.clone()], &scales[..]);
+        assert!(push
+            .tensors
+            .iter()
+            .find(|t| t.name == "n")
+            .unwrap()
+            .quant
+            .is_none());
+        // fp8 without a quant declaration is a dtype polyak does not keep.
+        let bare = raw_body(
+            &[("w", "F8_E4M3", vec![300], q.clone())],
+            &[(KIND_KEY, "delta")],
+        );
+        assert!(matches!(
+            parse_push(bare, LIMITS, NonfinitePolicy::Reject),
+            Err(WireError::UnsupportedDtype { .. })
+        ));
+        // Too few scales, none, or scales of nothing.
+        for entries in [
+            vec![
+                ("w", "F8_E4M3", vec![300], q.clone()),
+                ("w:scale", "F32", vec![2], f32s(&[1.0, 1.0])),
+            ],
+            vec![("w", "F8_E4M3", vec![300], q.clone())],
+            vec![
+                ("w", "F8_E4M3", vec![300], q.clone()),
+                ("w:scale", "F32", vec![3], scales.clone()),
+                ("v:scale", "F32", vec![1], f32s(&[1.0])),
+            ],
+        ] {
+            assert!(matches!(
+                parse_push(raw_body(&entries, &meta), LIMITS, NonfinitePolicy::Reject),
+                Err(WireError::InvalidMetadata(_))
+            ));
+        }
+        // An Inf scale or an fp8 NaN: the tensor holds NaN/Inf.
+        for (values, s) in [
+            (q.clone(), f32s(&[0.5, f32::INFINITY, 2.0])),
+            (
+                {
+                    let mut v = q.clone();
+                    v[299] = 0x7f;
+                    v
+                },
+                scales.clone(),
+            ),
+        ] {
+            let b = raw_body(
+                &[
+                    ("w", "F8_E4M3", vec![300], values),
+                    ("w:scale", "F32", vec![3], s),
+                ],
+                &meta,
+            );
+            assert!(matches!(
+                parse_push(b.clone(), LIMITS, NonfinitePolicy::Reject),
+                Err(WireError::Nonfinite { tensor }) if tensor == "w"
+            ));
+            let skip = parse_push(b, LIMITS, NonfinitePolicy::SkipTensor).unwrap();
+            assert!(skip.tensors[0].nonfinite);
+        }
+        // An XOR push is not scanned as floats (its NaN bits are not NaN).
+        let xor = body(
+            &[("w", DType::F32, vec![1], f32s(&[f32::NAN]))],
+            &[(KIND_KEY, "xor")],
+        );
+        assert!(
+            !parse_push(xor, LIMITS, NonfinitePolicy::Reject)
+                .unwrap()
+                .tensors[0]
+                .nonfinite
+        );
+        // A keyframe's mirror checksum.
+        let kf = body(
+            &[("w", DType::F32, vec![1], f32s(&[1.0]))],
+            &[(MIRROR_CRC_KEY, "00c0ffee")],
+        );
+        assert_eq!(
+            parse_push(kf, LIMITS, NonfinitePolicy::Reject)
+                .unwrap()
+                .mirror_crc32,
+            Some(0xc0ffee)
+        );
     }
 
     /// Large bodies are split between two threads: the same digest, flags

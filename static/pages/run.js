@@ -143,6 +143,8 @@ function ranksPanel(worldSize) {
         field('push', 'push latency'),
         field('pushes', 'pushes'),
         field('rejections', 'rejections'),
+        field('wire', 'wire ratio'),
+        field('codec', 'encode / decode'),
       ),
     );
     return { node, fields };
@@ -182,6 +184,17 @@ function ranksPanel(worldSize) {
         f.pushes.textContent = fmtInt(r.pushes);
         f.rejections.textContent = fmtInt(r.rejections);
         f.rejections.classList.toggle('bad-text', r.rejections > 0);
+        const w = r.wire || {};
+        const form = [w.last_kind, w.last_quant, w.last_encoding === 'identity' ? null : w.last_encoding]
+          .filter(Boolean)
+          .join(' · ');
+        f.wire.textContent = w.ratio ? `${w.ratio.toFixed(2)}×${form ? ` (${form})` : ''}` : '—';
+        f.wire.title = w.wire_bytes ? `${fmtInt(w.wire_bytes)} wire bytes for ${fmtInt(w.logical_bytes)} logical bytes` : '';
+        const pushes = Math.max(1, r.pushes || 0);
+        f.codec.textContent = w.wire_bytes
+          ? `${fmtSeconds((w.encode_seconds || 0) / pushes)} / ${fmtSeconds((w.decode_seconds || 0) / pushes)}`
+          : '—';
+        f.codec.classList.toggle('bad-text', (w.mirror_mismatches || 0) > 0);
       });
       summary.textContent = [
         counts.finished ? `${counts.finished} finished` : `${counts.live} live`,

@@ -239,6 +239,11 @@ class Run:
         return [str(p["name"]) for p in self.config.get("profiles", [])]
 
     @property
+    def keyframe_every(self) -> int:
+        """Delta pushers send a full push every this many pushes."""
+        return int(self.config.get("keyframe_every", 100))
+
+    @property
     def copy_patterns(self) -> list[str]:
         return [str(p) for p in self.config.get("copy_patterns", [])]
 

@@ -8,15 +8,19 @@ The rest happens in the parts of :mod:`polyak._push`, which this class
 wires together:
 
 - the bounded queue of bodies and their pool (:class:`~polyak._push.queue.PushQueue`:
-  ``max_queue`` bodies may wait while one is in flight; when it is full,
+  ``max_queue`` bodies may wait while ``pipeline`` are in flight; when it is full,
   policy ``block`` waits for room and ``drop_oldest`` takes the buffer of
   the oldest waiting push and counts it in :attr:`PushStats.dropped`);
 - the copy thread (:class:`~polyak._push.copier.CopyThread`) for deferred
   parameter copies;
 - the sender (:class:`~polyak._push.sender.Sender`), which encodes each
-  body and PUTs it over a keep-alive connection of the client's transport
-  (:mod:`polyak._transport`), retrying connection errors, timeouts, 429 and
-  5xx with exponential backoff and jitter, at least as long as
+  body (:mod:`polyak._push.encoding`: as is, zstd, or the ``polyak-bgz``
+  codec and deltas against the server's mirror) in step order and PUTs it
+  over one of ``pipeline`` keep-alive connections of the client's transport
+  (:mod:`polyak._transport`), each push naming the step sent before it
+  (``Polyak-Prev-Step``), so the server receives the next body while it
+  applies the previous one; connection errors, timeouts, 429 and 5xx are
+  retried with exponential backoff and jitter, at least as long as
   ``Retry-After`` says.
 
 Deferred copies: parameters change only in ``optimizer.step()`` (forward
@@ -53,8 +57,9 @@ import torch
 from torch import nn
 
 from ._push.copier import CopyThread
-from ._push.encoding import encoding_for
+from ._push.encoding import Mirrored, encoding_for
 from ._push.layout import LayoutKeeper
+from ._push.mirror import MirrorEncoder
 from ._push.queue import Job, PushQueue
 from ._push.sender import Sender
 from ._push.stats import Counters, PushStats
@@ -89,6 +94,8 @@ class PushTarget(Protocol):
     @property
     def copy_patterns(self) -> list[str]: ...
     @property
+    def keyframe_every(self) -> int: ...
+    @property
     def write_token(self) -> str | None: ...
     @property
     def transport(self) -> Transport: ...
@@ -100,8 +107,12 @@ class Pusher:
 
     Options:
 
-    - ``max_queue``: pushes that may wait while one is in flight (host
-      memory: ``max_queue + 1`` copies of this rank's shard).
+    - ``max_queue``: pushes that may wait while others are in flight (host
+      memory: ``max_queue + pipeline`` copies of this rank's shard).
+    - ``pipeline``: pushes in flight at once, each on its own connection
+      (default 1: one at a time; 2 keeps the wire busy while the server
+      applies). The server applies them in step
+      order and answers each after its own apply.
     - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
       dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
       push is dropped and counted).
@@ -113,6 +124,15 @@ class Pusher:
       averaged. The server decides that from the run's ``copy_patterns``;
       the pusher checks at its first push that they cover these names.
     - ``compress``: a zstd level (needs ``zstandard``), for slow links.
+    - ``codec="bgz"``: the lossless byte-grouped zstd codec (needs
+      ``zstandard``; compresses float weights better than plain zstd), at
+      zstd level ``codec_level``.
+    - ``delta``: send deltas against the server's mirror (the run needs
+      ``mirror: true``): ``"xor"`` (lossless) or quantised ``"bf16"``,
+      ``"fp8_e4m3"``, ``"int8"`` (``block`` values per scale, 128 or 256),
+      with error feedback; a keyframe (full push) every ``keyframe_every``
+      pushes (default: the run's ``keyframe_every``). Encoding runs on the
+      sender thread.
     - ``retry``: a :class:`RetryPolicy`.
     - ``split_replicated``: plain (non-DTensor, non-ShardedTensor) tensors
       are taken to be the same on every rank (DDP replicas, FSDP buffers)
@@ -137,8 +157,25 @@ class Pusher:
         compress: int | None = None,
         retry: RetryPolicy | None = None,
         split_replicated: bool = True,
+        pipeline: int = 1,
+        codec: str | None = None,
+        codec_level: int = 3,
+        delta: str | None = None,
+        block: int = 128,
+        keyframe_every: int | None = None,
     ) -> None:
         _check_options(run, rank, max_queue, policy, dtype)
+        if pipeline < 1:
+            raise ValueError("pipeline must be >= 1")
+        encoding = encoding_for(
+            compress,
+            codec=codec,
+            delta=delta,
+            codec_level=codec_level,
+            block=block,
+            keyframe_every=int(keyframe_every or run.keyframe_every),
+        )
+        self.pipeline = int(pipeline)
         self.run = run
         self.rank = int(rank)
         self.world_size = run.world_size
@@ -156,7 +193,7 @@ class Pusher:
         self._queue = PushQueue(
             max_queue=self.max_queue,
             policy=policy,
-            in_flight=self._sender_class.slots,
+            in_flight=self.pipeline,
             counters=self._counters,
             who=f"run {run.name} rank {self.rank}",
         )
@@ -168,10 +205,11 @@ class Pusher:
             transport,
             path=f"/v1/runs/{quote(run.name, safe='')}/ranks/{self.rank}/steps/",
             token=run.write_token or transport.token,
-            encoding=encoding_for(compress),
+            encoding=encoding,
             retry=self.retry,
             rank=self.rank,
             name=f"polyak-push-{run.name}-{self.rank}",
+            slots=self.pipeline,
         )
         self._layouts = LayoutKeeper(
             dtype=dtype,
@@ -188,6 +226,13 @@ class Pusher:
 
     def __repr__(self) -> str:
         return f"Pusher(run={self.run.name!r}, rank={self.rank}, policy={self.policy!r}, max_queue={self.max_queue})"
+
+    @property
+    def _encoder(self) -> MirrorEncoder | None:
+        """The copy of the server's mirror and the delta encoder (``codec``
+        or ``delta`` set), which the sender thread owns."""
+        encoding = self._sender.encoding
+        return encoding.encoder if isinstance(encoding, Mirrored) else None
 
     @property
     def _layout(self) -> WireLayout | None:

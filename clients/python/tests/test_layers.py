@@ -20,13 +20,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "polyak"
 #: Lowest first. A module imports only from the layers above it in this list.
 LAYERS: list[tuple[str, set[str]]] = [
     # Leaves: import nothing of polyak.
-    ("leaves", {"_version", "errors", "sysmetrics", "testing", "_push.stats", "_push.encoding"}),
+    ("leaves", {"_version", "errors", "sysmetrics", "testing", "_push.stats"}),
     # The contract's values and the safetensors format.
     ("formats", {"contract", "wire"}),
     # What a rank holds (torch); the way to the server (HTTP).
     ("torch and HTTP", {"shards", "_transport"}),
-    # Downloads; a pusher's queue and its layout.
-    ("downloads and push state", {"downloads", "_push", "_push.queue", "_push.layout"}),
+    # Downloads; a pusher's queue, its layout, its copy of the server's
+    # mirror (deltas, the codec).
+    (
+        "downloads and push state",
+        {"downloads", "_push", "_push.queue", "_push.layout", "_push.mirror"},
+    ),
+    # What a body becomes on the wire (over the mirror copy).
+    ("push encodings", {"_push.encoding"}),
     # A pusher's threads.
     ("push threads", {"_push.copier", "_push.sender"}),
     ("pusher", {"pusher"}),

@@ -11,10 +11,15 @@
   bodies and their pool, with the one lock every part waits on, and the
   failure kept for the training thread.
 - :mod:`.copier`: :class:`CopyThread`, the deferred parameter copies.
-- :mod:`.encoding`: what a body becomes on the wire (as is, or zstd);
-  runs on the sender's thread, never the training thread's.
+- :mod:`.mirror`: the ``polyak-bgz`` codec and the client's copy of the
+  server's mirror, for keyframes and XOR or quantised deltas with error
+  feedback.
+- :mod:`.encoding`: what a body becomes on the wire (as is, zstd, or the
+  codec and deltas of :mod:`.mirror`); runs on the sender's thread, never
+  the training thread's.
 - :mod:`.sender`: :class:`Sender`, which takes bodies in step order,
-  encodes them and PUTs them on its connection slots with retries.
+  encodes them and PUTs them on its connection slots (``Polyak-Prev-Step``
+  for pipelining) with retries.
 - :mod:`.stats`: the counters and :class:`PushStats`.
 
 None of them imports :mod:`polyak.pusher`; the pusher wires them together.

@@ -2,11 +2,13 @@
 them and PUTs them to the server, retrying what can be retried.
 
 Each connection slot is a thread with a keep-alive
-:class:`~polyak._transport.Connection` of its own. v1 answers a push after
-applying it and a rank's pushes must arrive in step order, so there is one
-slot; the queue already counts bodies per slot (``max_queue + slots``) and
-tracks every job in flight, so more slots need only a server that keeps
-several pushes of a rank in flight.
+:class:`~polyak._transport.Connection` of its own (``slots`` of them; the
+queue counts bodies per slot, ``max_queue + slots``). Taking a job and
+encoding it happen in dispatch order, one slot at a time; sending happens
+side by side. Each push names the step dispatched before it
+(``Polyak-Prev-Step``), so the server receives the next body while it
+applies the previous one and still applies them in step order, answering
+each after its own apply.
 
 A PUT is idempotent: if a first attempt was applied and only its answer
 was lost, the retry carries the same bytes and the server answers
@@ -26,7 +28,7 @@ from typing import Any
 from .._transport import Connection, FailedAttempt, RetryPolicy, Transport, send_with_retries
 from .._version import USER_AGENT
 from ..errors import PolyakError
-from .encoding import Encoding
+from .encoding import Encoding, Wire
 from .queue import Job, PushQueue
 
 __all__ = ["Sender"]
@@ -36,9 +38,6 @@ log = logging.getLogger("polyak")
 
 class Sender:
     """Delivers a rank's queued pushes over ``slots`` connections."""
-
-    #: Connection slots: pushes of this rank in flight at once.
-    slots = 1
 
     def __init__(
         self,
@@ -51,7 +50,12 @@ class Sender:
         retry: RetryPolicy,
         rank: int,
         name: str,
+        slots: int = 1,
     ) -> None:
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
+        #: Connection slots: pushes of this rank in flight at once.
+        self.slots = int(slots)
         self.queue = queue
         self.transport = transport
         #: ``/v1/runs/{run}/ranks/{rank}/steps/`` (the step is appended).
@@ -66,6 +70,10 @@ class Sender:
         #: The newest failed attempt's problem ("" once one is delivered).
         self.last_transient = ""
         self._threads: list[threading.Thread] = []
+        # Held while a slot takes its job and encodes it: dispatch order is
+        # step order, and a stateful encoding sees every push in it.
+        self._dispatch = threading.Lock()
+        self._last_dispatched: int | None = None
 
     def start(self) -> None:
         if not self._threads:
@@ -85,13 +93,17 @@ class Sender:
     def _loop(self) -> None:
         conn = self.transport.connection(self.retry.request_timeout)
         try:
-            while (job := self.queue.take(self.abort)) is not None:
+            while (taken := self._next()) is not None:
+                job, prev, wire = taken
                 answer: dict[str, Any] | None = None
                 failure: PolyakError | None = None
                 try:
                     if job.copy_error is not None:
                         raise job.copy_error
-                    answer = self.deliver(conn, job)
+                    if isinstance(wire, Exception):
+                        raise wire
+                    assert wire is not None
+                    answer = self.deliver(conn, job, prev, wire)
                 except PolyakError as e:
                     failure = e.at(step=job.step, rank=self.rank)
                 except Exception as e:  # a bug here must not kill the thread silently
@@ -104,6 +116,34 @@ class Sender:
                 self._record(job, answer, failure)
         finally:
             conn.close()
+
+    def _next(self) -> tuple[Job, int | None, Wire | Exception | None] | None:
+        """The next job in dispatch order, the step dispatched before it,
+        and its encoded body (or why encoding failed; ``None`` when the
+        copy failed); ``None`` when there is nothing left to send."""
+        with self._dispatch:
+            job = self.queue.take(self.abort)
+            if job is None:
+                return None
+            # A job that is not sent (its copy or its encoding failed) is
+            # nobody's predecessor: the next push names the one before it.
+            prev = self._last_dispatched
+            if job.copy_error is not None:
+                return job, prev, None
+            try:
+                job.body.wait_ready()
+                wire = self.encoding.encode(job.body)
+            except Exception as e:  # reported as this push's failure
+                return job, prev, e
+            self._last_dispatched = job.step
+            if self.encoding.stateful:
+                with self.queue.cond:
+                    counters = self.queue.counters
+                    counters.encode_seconds += wire.seconds
+                    counters.encoded += 1
+                    counters.logical_bytes += job.body.layout.nbytes
+                    counters.keyframes += wire.kind == "full"
+            return job, prev, wire
 
     def _record(self, job: Job, answer: dict[str, Any] | None, failure: PolyakError | None) -> None:
         # One critical section: whoever sees the outcome sees the job done.
@@ -122,22 +162,31 @@ class Sender:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def deliver(self, conn: Connection, job: Job) -> dict[str, Any]:
-        """PUTs ``job``'s body until the server answers 200; its answer."""
-        job.body.wait_ready()
-        payload, extra = self.encoding.encode(job.body.memory)
-        headers = {**self.headers(), **extra, "Content-Length": str(len(payload))}
+    def deliver(self, conn: Connection, job: Job, prev: int | None, wire: Wire) -> dict[str, Any]:
+        """PUTs ``job``'s encoded body (``wire``) until the server answers
+        200; its answer. ``prev``: the step dispatched before it."""
+        payload = wire.payload
+        headers = {**self.headers(), **wire.headers, "Content-Length": str(len(payload))}
+        if prev is not None:
+            headers["Polyak-Prev-Step"] = str(prev)
         path = f"{self.path}{job.step}"
 
         def retrying(failed: FailedAttempt) -> None:
             self._retrying(job, failed)
 
-        data = send_with_retries(
-            lambda: conn.put(path, payload, headers),
-            policy=self.retry,
-            abort=self.abort,
-            on_retry=retrying,
-        )
+        try:
+            data = send_with_retries(
+                lambda: conn.put(path, payload, headers),
+                policy=self.retry,
+                abort=self.abort,
+                on_retry=retrying,
+            )
+        except PolyakError as e:
+            if e.status is not None:
+                # Refused: the server's mirror is not what the encoding
+                # assumed next, so the next push is a keyframe.
+                self.encoding.refused()
+            raise
         with self.queue.cond:
             self.queue.counters.bytes_sent += len(payload)
             self.last_transient = ""

@@ -49,6 +49,14 @@ class PushStats:
     deferred: int = 0
     #: Time the copy thread spent on deferred copies (not the training thread's).
     deferred_copy_seconds: float = 0.0
+    #: CPU time the sender thread spent encoding bodies (codec, deltas).
+    encode_seconds: float = 0.0
+    #: Pushes encoded (``codec`` or ``delta`` set).
+    encoded: int = 0
+    #: Bytes of the bodies before encoding (with ``bytes_sent``: the ratio).
+    logical_bytes: int = 0
+    #: Keyframes (full pushes) among the encoded pushes.
+    keyframes: int = 0
 
     @property
     def training_thread_seconds(self) -> float:
@@ -78,6 +86,10 @@ class Counters:
     waits: int = 0
     deferred: int = 0
     deferred_copy_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    encoded: int = 0
+    logical_bytes: int = 0
+    keyframes: int = 0
     #: Newest step the server acknowledged.
     last_acked: int | None = None
     #: The server's answer to that push.
@@ -89,8 +101,10 @@ class Counters:
             self.applied += 1
         if answer.get("duplicate"):
             self.duplicates += 1
-        self.last_acked = step
-        self.last_response = answer
+        # Pipelined pushes may be answered out of step order.
+        if self.last_acked is None or step > self.last_acked:
+            self.last_acked = step
+            self.last_response = answer
 
     def snapshot(self, pending: int, in_flight_step: int | None) -> PushStats:
         return PushStats(
@@ -113,4 +127,8 @@ class Counters:
             waits=self.waits,
             deferred=self.deferred,
             deferred_copy_seconds=self.deferred_copy_seconds,
+            encode_seconds=self.encode_seconds,
+            encoded=self.encoded,
+            logical_bytes=self.logical_bytes,
+            keyframes=self.keyframes,
         )

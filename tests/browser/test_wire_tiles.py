@@ -1,0 +1,38 @@
+"""The run page's rank tiles show what the wire carried: the ratio of
+logical to wire bytes, the push kind, quantisation and encoding, and the
+encode / decode time per push."""
+
+from __future__ import annotations
+
+import re
+
+import polyak
+import pytest
+import torch
+from playwright.sync_api import Page, expect
+
+pytest.importorskip("zstandard")
+
+RUN = "wire-run"
+
+
+def test_rank_tile_shows_wire_ratio_and_codec(page: Page, dash_server):
+    with polyak.Client(dash_server.url) as client:
+        run = client.create_run(RUN, mirror=True, keyframe_every=50, exist_ok=True)
+        torch.manual_seed(61)
+        model = torch.nn.Linear(256, 64)
+        with run.pusher(rank=0, codec="bgz", delta="fp8_e4m3") as p:
+            for step in range(4):
+                with torch.no_grad():
+                    model.weight.add_(torch.randn_like(model.weight) * 1e-3)
+                p.push(model, step)
+        wire = run.rank(0)["wire"]
+    assert wire["last_kind"] == "delta" and wire["last_quant"] == "fp8_e4m3/128"
+    page.goto(f"{dash_server.url}/#/runs/{RUN}")
+    tile = page.locator('.rank-tile[data-rank="0"]')
+    ratio = tile.locator('[data-field="wire"]')
+    expect(ratio).to_have_text(f"{wire['ratio']:.2f}× (delta · fp8_e4m3/128 · polyak-bgz)")
+    expect(ratio).to_have_attribute(
+        "title", re.compile(r"^[\d,]+ wire bytes for [\d,]+ logical bytes$")
+    )
+    expect(tile.locator('[data-field="codec"]')).to_have_text(re.compile(r"^\S.* / \S.*$"))
