@@ -9,5 +9,7 @@ pub mod dtype;
 pub mod nonfinite;
 #[path = "../../../src/wire/push.rs"]
 pub mod push;
+#[path = "../../../src/wire/quant.rs"]
+pub mod quant;
 
 pub use dtype::DType;
