@@ -118,8 +118,7 @@ pub(super) fn write_rank(
     capture: RankCapture,
 ) -> Result<Vec<FileRow>, SnapshotError> {
     let dir = files::snapshot_rel_dir(&capture.run, &capture.snapshot);
-    let meta_json =
-        serde_json::to_string(&capture.meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
+    let meta_json = meta::encode_rank_meta(&capture.meta);
     let base_meta = |part: &str| {
         format::part_metadata(
             &capture.run,

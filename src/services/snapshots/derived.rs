@@ -22,7 +22,6 @@ use utoipa::ToSchema;
 
 use super::{disk, record_failure, remove_files, Snaps, SnapshotError, MANUAL, PERIODIC};
 use crate::clock::now_ms;
-use crate::engine::capture::RankMeta;
 use crate::engine::snapshot_id;
 use crate::registry::RunHandle;
 use crate::run::{ProfileSpec, RunConfig};
@@ -30,6 +29,7 @@ use crate::sigma_rel::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
 use crate::snapshot::combine::{self, OutputSpec};
 use crate::snapshot::files;
 use crate::snapshot::format::{self, MIRROR_PART};
+use crate::snapshot::meta;
 use crate::snapshot::posthoc::{self, PosthocError, Source};
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -773,9 +773,7 @@ fn write_outputs(
             .iter()
             .find(|f| f.rank == rank)
             .expect("ranks come from the base");
-        let mut meta: RankMeta = serde_json::from_str(&base_file.state)
-            .map_err(|e| SnapshotError::Internal(format!("stored rank metadata: {e}")))?;
-        meta.layout.rebuild_index();
+        let meta = meta::decode_rank_meta(&base_file.state)?;
         let specs = job
             .outputs
             .iter()
@@ -803,10 +801,10 @@ fn write_outputs(
         )
         .map_err(|e| match e {
             combine::CombineError::Io(e) => SnapshotError::Io(e),
+            combine::CombineError::Format(format::FormatError::Meta(m)) => SnapshotError::Meta(m),
             other => SnapshotError::Internal(other.to_string()),
         })?;
-        let state_json =
-            serde_json::to_string(&meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
+        let state_json = meta::encode_rank_meta(&meta);
         for ((o, w), rows) in job.outputs.iter().zip(written).zip(out.iter_mut()) {
             rows.push(FileRow {
                 rank,
