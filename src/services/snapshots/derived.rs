@@ -600,12 +600,9 @@ async fn start(
     for row in &rows {
         state.store.insert_snapshot(row).await?;
     }
-    {
-        let mut progress = state.pending.progress.lock().expect("progress lock");
-        for o in &outputs {
-            progress.insert(o.id.clone(), Progress { done: 0, total });
-        }
-    }
+    state
+        .pending
+        .progress_start(outputs.iter().map(|o| o.id.as_str()), total);
     for row in &rows {
         state.events.emit(
             &run.config.name,
@@ -662,12 +659,7 @@ fn spawn_job(state: Snaps, job: Job) {
             Ok(Err(e)) => Err(e.to_string()),
             Err(e) => Err(format!("the job panicked: {e}")),
         };
-        {
-            let mut progress = state.pending.progress.lock().expect("progress lock");
-            for id in &ids {
-                progress.remove(id);
-            }
-        }
+        state.pending.progress_end(ids.iter().map(String::as_str));
         match result {
             Ok(bytes) => {
                 tracing::info!(run = %run, kind = %kind, snapshots = ?ids, secs = started.elapsed().as_secs_f64(), "derived snapshots written");
@@ -702,14 +694,9 @@ fn spawn_job(state: Snaps, job: Job) {
 
 /// Records progress (at most a few times a second) and tells SSE readers.
 fn report(state: &Snaps, job: &Job, done: u64) {
-    {
-        let mut progress = state.pending.progress.lock().expect("progress lock");
-        for o in &job.outputs {
-            if let Some(p) = progress.get_mut(&o.id) {
-                p.done = done;
-            }
-        }
-    }
+    state
+        .pending
+        .progress_set(job.outputs.iter().map(|o| o.id.as_str()), done);
     state.events.emit_transient(
         &job.run,
         "snapshot",
@@ -829,13 +816,7 @@ fn write_outputs(
 
 /// The progress of a derived snapshot still being written.
 pub fn progress_of(state: &Snaps, id: &str) -> Option<Progress> {
-    state
-        .pending
-        .progress
-        .lock()
-        .expect("progress lock")
-        .get(id)
-        .copied()
+    state.pending.progress_of(id)
 }
 
 #[cfg(test)]
