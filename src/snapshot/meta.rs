@@ -773,7 +773,8 @@ mod tests {
         let (_, _, _, state) = v0_rows().remove(0);
         let meta = decode_rank_meta(&state).unwrap();
         let good: Value = serde_json::from_str(&encode_rank_meta(&meta)).unwrap();
-        let cases: [(&str, fn(&mut Value)); 6] = [
+        type Break = fn(&mut Value);
+        let cases: [(&str, Break); 6] = [
             ("offset past the buffer", |v| {
                 v["layout"]["tensors"][1]["place"]["offset"] = 100.into()
             }),
