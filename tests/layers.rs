@@ -14,6 +14,7 @@ const LAYERS: &[(&str, u32)] = &[
     // Leaves: know nothing of the rest of the crate.
     ("clock", 0),
     ("config", 0),
+    ("contract", 0),
     ("hugepages", 0),
     ("sigma_rel", 0),
     // The run configuration (with its alert rules) and the wire format.
@@ -40,6 +41,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("services::pipeline", 7),
     ("services::snapshots", 8),
     ("services::ingest", 9),
+    ("services::runs", 9),
     // Handles to the services, then the HTTP edge, then the wiring.
     ("state", 10),
     ("http", 11),

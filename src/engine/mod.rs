@@ -27,6 +27,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::contract::SnapshotKind;
 use crate::run::{EmaDtype, NonfinitePolicy, RunConfig};
 use crate::wire::ParsedPush;
 use capture::{capture_rank, Backlog, CaptureEvent, PendingCut, RankCapture, RestoredRank};
@@ -434,7 +435,7 @@ impl Engine {
                 .sum();
             match Backlog::take(&entry.periodic_backlog, bytes, limit) {
                 Ok(backlog) => {
-                    let snapshot = snapshot_id("periodic", step);
+                    let snapshot = snapshot_id(SnapshotKind::Periodic, step);
                     let profiles: Vec<usize> = (0..config.profiles.len()).collect();
                     let _ = captures.send(CaptureEvent::PeriodicOpened {
                         snapshot: snapshot.clone(),
@@ -772,7 +773,7 @@ fn resume_hint(run: &str, last: u64) -> String {
 /// made in the same millisecond by this process increase by one, so they
 /// stay ordered too. (Catalogs written before keep their
 /// `<kind>-<step>-<4 hex>` ids: ids are opaque everywhere else.)
-pub fn snapshot_id(_kind: &str, _step: u64) -> String {
+pub fn snapshot_id(_kind: SnapshotKind, _step: u64) -> String {
     static GENERATOR: std::sync::Mutex<ulid::Generator> =
         std::sync::Mutex::new(ulid::Generator::new());
     let mut generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
@@ -819,7 +820,7 @@ pub fn host_bytes(tensor: Tensor) -> bytes::Bytes {
 
 #[cfg(test)]
 mod snapshot_id_tests {
-    use super::snapshot_id;
+    use super::{snapshot_id, SnapshotKind};
 
     /// 100,000 ids made by four threads (as runs on different engines and
     /// tasks would): all distinct, and every thread's ids increase, so
@@ -834,7 +835,12 @@ mod snapshot_id_tests {
             .map(|t| {
                 std::thread::spawn(move || {
                     (0..25_000)
-                        .map(|i| snapshot_id(["manual", "state"][(i + t) % 2], i as u64))
+                        .map(|i| {
+                            snapshot_id(
+                                [SnapshotKind::Manual, SnapshotKind::State][(i + t) % 2],
+                                i as u64,
+                            )
+                        })
                         .collect::<Vec<_>>()
                 })
             })
@@ -857,7 +863,7 @@ mod snapshot_id_tests {
         let last = ulid::Ulid::from_string(&per_thread[0][24_999].to_ascii_uppercase()).unwrap();
         assert!(first.timestamp_ms() >= before && last.timestamp_ms() >= first.timestamp_ms());
         // One id made after all the others sorts after every one of them.
-        let later = snapshot_id("manual", 0);
+        let later = snapshot_id(SnapshotKind::Manual, 0);
         assert!(all.iter().all(|id| *id < later));
     }
 }

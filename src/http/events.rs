@@ -61,7 +61,11 @@ pub async fn events(
         .as_ref()
         .map(|k| k.split(',').map(|s| s.trim().to_string()).collect());
     let filter = kinds.clone();
-    let wanted = move |e: &StoredEvent| filter.as_ref().is_none_or(|k| k.contains(&e.kind));
+    let wanted = move |e: &StoredEvent| {
+        filter
+            .as_ref()
+            .is_none_or(|k| k.iter().any(|k| k == e.kind.as_str()))
+    };
     let json = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
@@ -134,6 +138,6 @@ pub async fn events(
 fn sse_event(e: &StoredEvent) -> Event {
     Event::default()
         .id(e.id.to_string())
-        .event(e.kind.clone())
+        .event(e.kind.as_str())
         .data(serde_json::to_string(e).unwrap_or_default())
 }

@@ -16,63 +16,14 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
-use crate::engine::host_bytes;
-use crate::engine::rank::{RankLayout, Slot};
-use crate::services::snapshots::{self as snap, SnapshotError};
+use crate::engine::rank::RankLayout;
+use crate::services::snapshots::{self as snap, SnapshotStatus};
 use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::compare::{self, CompareResult, RankTensors};
 use crate::snapshot::format::MIRROR_PART;
 use crate::state::AppState;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
-
-impl From<SnapshotError> for ApiError {
-    fn from(e: SnapshotError) -> Self {
-        match e {
-            SnapshotError::Conflict(m) => ApiError::conflict("snapshot_conflict", m),
-            SnapshotError::NotFound(m) => ApiError::not_found("snapshot_not_found", m),
-            SnapshotError::Invalid(m) => ApiError::unprocessable("invalid_request", m),
-            SnapshotError::Older(m) => ApiError::conflict("snapshot_older", m),
-            SnapshotError::Internal(m) => ApiError::internal(m),
-            SnapshotError::Corrupt(m) => ApiError::fault(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_corrupt",
-                "a stored snapshot part cannot be read back",
-                m,
-            ),
-            SnapshotError::WriteFailed(m) => ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_write_failed",
-                m,
-            ),
-            SnapshotError::Worker(m) => ApiError::worker_failed(m),
-            SnapshotError::Engine(e) => e.into(),
-            SnapshotError::Store(e) => e.into(),
-            SnapshotError::Io(e) => ApiError::snapshot_io(e),
-            SnapshotError::NoSpace(e) => ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                "insufficient_storage",
-                e.to_string(),
-            ),
-        }
-    }
-}
-
-impl From<assemble::AssembleError> for ApiError {
-    fn from(e: assemble::AssembleError) -> Self {
-        match e {
-            assemble::AssembleError::DoesNotTile(m) => ApiError::unprocessable("does_not_tile", m),
-            assemble::AssembleError::Missing(m) => ApiError::not_found("not_in_snapshot", m),
-            assemble::AssembleError::Io(e) => ApiError::snapshot_io(e),
-            assemble::AssembleError::Malformed(m) => ApiError::fault(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_corrupt",
-                "a stored snapshot part cannot be read back",
-                m,
-            ),
-        }
-    }
-}
 
 /// The body of `POST /v1/runs/{run}/snapshots`.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -146,8 +97,8 @@ pub async fn list(
         .snapshots(&name)
         .await?
         .into_iter()
-        .filter(|s| q.kind.as_ref().is_none_or(|k| &s.kind == k))
-        .filter(|s| q.status.as_ref().is_none_or(|k| &s.status == k))
+        .filter(|s| q.kind.as_ref().is_none_or(|k| s.kind.as_str() == k))
+        .filter(|s| q.status.as_ref().is_none_or(|k| s.status.as_str() == k))
         .collect();
     Ok(Json(SnapshotList { snapshots }))
 }
@@ -194,14 +145,7 @@ pub async fn delete(
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     row_of(&state, &name, &id).await?;
-    snap::delete(state.snapshots(), &name, &id).await?;
-    state.events().emit(
-        &name,
-        "snapshot",
-        None,
-        None,
-        serde_json::json!({"id": id, "status": "deleted"}),
-    );
+    snap::delete(state.snapshots(), &name, &id, None).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -265,7 +209,7 @@ pub async fn download(
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
     let row = row_of(&state, &name, &id).await?;
-    if row.status != "complete" {
+    if row.status != SnapshotStatus::Complete {
         return Err(ApiError::conflict(
             "snapshot_not_complete",
             format!(
@@ -522,30 +466,11 @@ impl Side {
 async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result<Side, ApiError> {
     if which == "live" {
         let handle = run_named(state, run)?;
-        let (r, p) = (run.to_string(), profile.to_string());
-        let exports = handle
-            .engine
-            .try_call(move |e| e.export_all(&r, &p))
-            .await??;
-        let live = tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
-            let mut out = HashMap::new();
-            for (rank, export) in exports {
-                let host = export.to_host(None)?;
-                out.insert(
-                    rank,
-                    (
-                        host.layout.clone(),
-                        live_tensors(host.layout.as_ref(), host.ema, host.copied),
-                    ),
-                );
-            }
-            Ok(out)
-        })
-        .await??;
+        let live = crate::services::runs::live_tensors(&handle, profile).await?;
         return Ok(Side::Live(live));
     }
     let row = row_of(state, run, which).await?;
-    if row.status != "complete" {
+    if row.status != SnapshotStatus::Complete {
         return Err(ApiError::conflict(
             "snapshot_not_complete",
             format!("snapshot `{which}` is {}", row.status),
@@ -555,26 +480,6 @@ async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result
     Ok(Side::Stored(
         snap::parts_of(state.snapshots(), &row, &part).await?,
     ))
-}
-
-/// Names -> bytes of a live export (slices of the flat buffers).
-fn live_tensors(layout: &RankLayout, ema: tch::Tensor, copied: Vec<tch::Tensor>) -> RankTensors {
-    let ema_dtype = DType::from_kind(ema.kind()).unwrap_or(DType::F32);
-    let ema = host_bytes(ema);
-    let copied: Vec<bytes::Bytes> = copied.into_iter().map(host_bytes).collect();
-    layout
-        .tensors
-        .iter()
-        .map(|t| {
-            let (dtype, buf, offset) = match t.slot {
-                Slot::Averaged { offset } => (ema_dtype, &ema, offset),
-                Slot::Copied { group, offset } => (t.dtype, &copied[group], offset),
-            };
-            let start = offset as usize * dtype.size();
-            let end = start + t.numel as usize * dtype.size();
-            (t.name.clone(), (dtype, buf.slice(start..end)))
-        })
-        .collect()
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

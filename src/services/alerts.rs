@@ -20,6 +20,8 @@ use utoipa::ToSchema;
 
 use super::{Context, Shared};
 use crate::clock::now_ms;
+use crate::contract::{EventKind, SnapshotEventStatus};
+use crate::events::Event;
 use crate::registry::RunHandle;
 use crate::run::alerts::{AlertRules, Goal};
 use crate::store::StoredEvent;
@@ -385,8 +387,13 @@ fn rules_of(run: &RunHandle) -> AlertRules {
     run.meta.lock().expect("meta lock").alerts.clone()
 }
 
+/// The `status` of a `snapshot` event.
+fn snapshot_status(event: &StoredEvent) -> Option<SnapshotEventStatus> {
+    event.detail["status"].as_str()?.parse().ok()
+}
+
 fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
-    if event.kind == "alert" {
+    if event.kind == EventKind::Alert {
         return;
     }
     let Some(run) = state.run(&event.run) else {
@@ -395,8 +402,8 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
     let rules = rules_of(&run);
     let alerts = &state.alerts;
     let name = event.run.as_str();
-    match event.kind.as_str() {
-        "rejection" if event.detail["code"] == "nonfinite" && rules.nonfinite => {
+    match event.kind {
+        EventKind::Rejection if event.detail["code"] == "nonfinite" && rules.nonfinite => {
             let rank = event.rank.unwrap_or(0);
             alerts.fire(
                 out,
@@ -413,14 +420,14 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 ),
             );
         }
-        "push" if event.detail["applied"] == true => {
+        EventKind::Push if event.detail["applied"] == true => {
             if let Some(rank) = event.rank {
                 alerts.resolve(out, name, &format!("nonfinite:{rank}"), event.step);
                 alerts.resolve(out, name, &format!("stale_rank:{rank}"), event.step);
             }
         }
-        "snapshot" => match event.detail["status"].as_str() {
-            Some("failed") if rules.snapshot_failed => alerts.fire(
+        EventKind::Snapshot => match snapshot_status(event) {
+            Some(SnapshotEventStatus::Failed) if rules.snapshot_failed => alerts.fire(
                 out,
                 name,
                 "snapshot_failed".into(),
@@ -434,10 +441,12 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                     event.detail["reason"].as_str().unwrap_or("")
                 ),
             ),
-            Some("complete") => alerts.resolve(out, name, "snapshot_failed", event.step),
+            Some(SnapshotEventStatus::Complete) => {
+                alerts.resolve(out, name, "snapshot_failed", event.step)
+            }
             _ => {}
         },
-        "metrics" => {
+        EventKind::Metrics => {
             if let (Some(step), Some(values)) = (event.step, event.detail["values"].as_object()) {
                 alerts.on_metric(out, name, &rules, event.rank, step, values);
             }
@@ -532,10 +541,9 @@ fn announce(state: &AlertsSvc, out: Vec<Transition>) {
         let detail = serde_json::to_value(alert).unwrap_or_default();
         state.events.emit(
             &t.run,
-            "alert",
             alert.rank,
             alert.resolved_step.or(alert.fired_step),
-            detail.clone(),
+            Event::Alert(detail.clone()),
         );
         let by_kind = state.alerts.firing_by_kind(&t.run);
         state

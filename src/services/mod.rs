@@ -12,6 +12,7 @@
 //!   rate) and their retention.
 //! - [`alerts`]: per-run alert rules evaluated from events and a tick;
 //!   webhooks.
+//! - [`runs`]: deleting a run, exporting its live EMA, engine liveness.
 //! - [`snapshots`]: the snapshot lifecycle (cuts, capture writes,
 //!   retention, state persistence, restore and recovery) and derived
 //!   snapshots (post-hoc, merge).
@@ -21,6 +22,7 @@ pub mod error;
 pub mod ingest;
 pub mod monitor;
 pub mod pipeline;
+pub mod runs;
 pub mod snapshots;
 
 use std::sync::Arc;

@@ -31,9 +31,7 @@ mod retention;
 
 use capture::*;
 pub use capture::{fail, record_failure};
-pub use cuts::{
-    create, cut_now, finish, next_step, CUT_CURRENT, CUT_FINAL, CUT_NEXT_UPDATE, CUT_REQUESTED,
-};
+pub use cuts::{create, cut_now, finish, next_step};
 pub use pending::Snapshots;
 use pending::*;
 use persist::*;
@@ -50,60 +48,22 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
+pub use crate::contract::{CutKind, SnapshotKind, SnapshotStatus};
 use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RankMeta, RestoredRank};
-use crate::engine::{snapshot_id, EngineError};
+use crate::engine::snapshot_id;
+use crate::events::{self, Event, Restored, SnapshotEvent};
 use crate::registry::RunHandle;
 use crate::run::RunConfig;
+pub use crate::services::error::SnapshotError;
 use crate::services::{Context, Shared};
 use crate::snapshot::{assemble, compare, files, format};
 use crate::store::snapshots::{FileRow, SnapshotRow};
-use crate::store::{RunFinish, StoreError};
+use crate::store::RunFinish;
 use compare::CompareResult;
 use format::MIRROR_PART;
 
-/// Snapshot kinds.
-pub const MANUAL: &str = "manual";
-pub const PERIODIC: &str = "periodic";
-pub const STATE: &str = "state";
-
 /// State snapshots kept per run (older ones are deleted).
 const STATE_KEEP: usize = 2;
-
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotError {
-    #[error("{0}")]
-    Conflict(String),
-    #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    Invalid(String),
-    /// `resume` found only a snapshot older than the step asked for.
-    #[error("{0}")]
-    Older(String),
-    /// The server's fault (a worker that panicked, catalog data that does
-    /// not hold together): answered 500, never blamed on the request.
-    #[error("{0}")]
-    Internal(String),
-    /// A stored part could not be read back (truncated, bytes that do not
-    /// parse, a part missing for a profile): 500 `snapshot_corrupt`.
-    #[error("{0}")]
-    Corrupt(String),
-    /// Writing a snapshot's parts or committing it failed (the reason is
-    /// the snapshot's): 500 `snapshot_write_failed`.
-    #[error("{0}")]
-    WriteFailed(String),
-    /// A blocking worker panicked or was cancelled: 500 `worker_failed`.
-    #[error("a worker failed: {0}")]
-    Worker(String),
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("snapshot files: {0}")]
-    Io(#[from] std::io::Error),
-    #[error(transparent)]
-    NoSpace(#[from] disk::NoSpace),
-}
 
 /// How a snapshot ended, for those waiting on it.
 #[derive(Debug, Clone)]
