@@ -229,7 +229,10 @@ fn the_table_puts_every_module_somewhere_and_keeps_its_order() {
         per_layer.entry(*layer).or_default().push(name);
     }
     // Leaves exist and the wiring is on top.
-    assert_eq!(per_layer[&0], ["clock", "config", "hugepages", "sigma_rel"]);
+    assert_eq!(
+        per_layer[&0],
+        ["clock", "config", "contract", "hugepages", "sigma_rel"]
+    );
     assert_eq!(
         unit_of("server").map(|u| u.1),
         per_layer.keys().last().copied()
