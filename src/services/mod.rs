@@ -47,8 +47,8 @@ pub struct Shared {
     pub store: Store,
     /// Batched catalog writes off the request path.
     pub catalog: CatalogWriter,
-    pub registry: Registry,
-    pub events: EventBus,
+    pub registry: Arc<Registry>,
+    pub events: Arc<EventBus>,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
 }
@@ -71,11 +71,22 @@ impl Shared {
         summary: &RankSummary,
         layout: Option<&RankLayout>,
     ) {
-        let layout_json = layout.and_then(|l| serde_json::to_string(l).ok());
-        self.catalog.send(CatalogUpdate::Rank {
-            run: run.config.name.clone(),
-            row: summary.to_row(rank),
-            layout_json,
-        });
+        record_rank(&self.catalog, run, rank, summary, layout);
     }
+}
+
+/// Records a registered layout and the new counters of a rank.
+pub fn record_rank(
+    catalog: &CatalogWriter,
+    run: &RunHandle,
+    rank: u32,
+    summary: &RankSummary,
+    layout: Option<&RankLayout>,
+) {
+    let layout_json = layout.and_then(|l| serde_json::to_string(l).ok());
+    catalog.send(CatalogUpdate::Rank {
+        run: run.config.name.clone(),
+        row: summary.to_row(rank),
+        layout_json,
+    });
 }

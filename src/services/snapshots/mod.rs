@@ -48,17 +48,23 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
+use crate::config::ServeArgs;
 pub use crate::contract::{CutKind, SnapshotKind, SnapshotStatus};
 use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RankMeta, RestoredRank};
 use crate::engine::snapshot_id;
+use crate::events::EventBus;
 use crate::events::{self, Event, Restored, SnapshotEvent};
+use crate::registry::Registry;
 use crate::registry::RunHandle;
 use crate::run::RunConfig;
 pub use crate::services::error::SnapshotError;
-use crate::services::{Context, Shared};
+use crate::services::Context;
 use crate::snapshot::{assemble, compare, files, format};
 use crate::store::snapshots::{FileRow, SnapshotRow};
+use crate::store::writer::CatalogWriter;
 use crate::store::RunFinish;
+use crate::store::Store;
+use crate::telemetry::Metrics;
 use compare::CompareResult;
 use format::MIRROR_PART;
 
@@ -72,9 +78,16 @@ pub enum Finished {
     Failed(String),
 }
 
-/// The snapshot service: the shared context and the snapshot registry.
+/// The snapshot service: what it reaches of the layers below (the catalog,
+/// the runs, the event bus, the metrics, the settings it reads), and the
+/// snapshot registry.
 pub struct SnapshotService {
-    ctx: Context,
+    pub(crate) args: ServeArgs,
+    pub(crate) store: Store,
+    catalog: CatalogWriter,
+    registry: Arc<Registry>,
+    pub(crate) events: Arc<EventBus>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Snapshots being written, compare results, progress of derived jobs.
     pub pending: Snapshots,
 }
@@ -83,19 +96,35 @@ pub struct SnapshotService {
 pub type Snaps = Arc<SnapshotService>;
 
 impl SnapshotService {
-    pub fn new(ctx: Context) -> Snaps {
+    pub fn new(ctx: &Context) -> Snaps {
         Arc::new(SnapshotService {
             pending: Snapshots::new(ctx.args.data_dir.clone()),
-            ctx,
+            args: ctx.args.clone(),
+            store: ctx.store.clone(),
+            catalog: ctx.catalog.clone(),
+            registry: ctx.registry.clone(),
+            events: ctx.events.clone(),
+            metrics: ctx.metrics.clone(),
         })
     }
-}
 
-impl std::ops::Deref for SnapshotService {
-    type Target = Shared;
+    pub fn run(&self, name: &str) -> Option<Arc<RunHandle>> {
+        self.registry.run(name)
+    }
 
-    fn deref(&self) -> &Shared {
-        &self.ctx
+    pub fn all_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.registry.all_runs()
+    }
+
+    /// Records the new counters of a rank (after a restore).
+    pub(crate) fn record_rank(
+        &self,
+        run: &RunHandle,
+        rank: u32,
+        summary: &crate::registry::RankSummary,
+        layout: Option<&crate::engine::rank::RankLayout>,
+    ) {
+        crate::services::record_rank(&self.catalog, run, rank, summary, layout);
     }
 }
 
