@@ -71,18 +71,16 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    for engine in state.registry().engines() {
-        if engine.call(|_| ()).await.is_err() {
-            return (
-                StatusCode::SERVICE_UNAVAILABLE,
-                Json(health(
-                    &state,
-                    "unavailable",
-                    Some("an engine thread stopped".into()),
-                )),
-            )
-                .into_response();
-        }
+    if !crate::services::runs::engines_answer(state.shared()).await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(health(
+                &state,
+                "unavailable",
+                Some("an engine thread stopped".into()),
+            )),
+        )
+            .into_response();
     }
     Json(health(&state, "ok", None)).into_response()
 }

@@ -73,8 +73,8 @@ pub(super) fn load_restorable(
 /// Whether a complete snapshot can restore the run: every profile present.
 pub(super) fn restorable(config: &RunConfig, row: &SnapshotRow) -> bool {
     // Derived snapshots (post-hoc, merged) hold weights no run ever had.
-    row.status == "complete"
-        && matches!(row.kind.as_str(), MANUAL | PERIODIC | STATE)
+    row.status == SnapshotStatus::Complete
+        && !row.kind.is_derived()
         && config
             .profiles
             .iter()
@@ -191,10 +191,14 @@ pub async fn resume(
     }
     state.events.emit(
         &run.config.name,
-        "resumed",
         None,
         Some(row.step),
-        serde_json::json!({"snapshot": row.id, "rank_steps": steps, "requested_step": step, "older": older}),
+        Event::Resumed(events::Resumed {
+            snapshot: row.id.clone(),
+            rank_steps: steps.clone(),
+            requested_step: step,
+            older,
+        }),
     );
     Ok(Resumed {
         row,
@@ -234,10 +238,12 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
                 }
                 state.events.emit(
                     &run.config.name,
-                    "restored",
                     None,
                     Some(row.step),
-                    serde_json::json!({"snapshot": row.id, "rank_steps": steps}),
+                    Event::Restored(Restored {
+                        snapshot: row.id.clone(),
+                        rank_steps: steps,
+                    }),
                 );
             }
             Err(e) => {
