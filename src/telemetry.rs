@@ -28,8 +28,11 @@ pub struct Metrics {
     pub pushes: IntCounterVec,
     /// Body bytes received by run.
     pub push_bytes: IntCounterVec,
+    /// Body bytes of the applied pushes (not duplicates), by run: the
+    /// run's `wire.wire_bytes`.
+    pub push_wire_bytes: IntCounterVec,
     /// Bytes the applied pushes stand for, uncompressed and unquantised,
-    /// by run (with `push_bytes`: the wire ratio).
+    /// by run (with `push_wire_bytes`: the wire ratio).
     pub push_logical_bytes: IntCounterVec,
     /// Codec seconds by run and stage (`encode`: reported by the client,
     /// `decode`: the server's).
@@ -76,6 +79,14 @@ impl Metrics {
         .expect("metric");
         let push_bytes = IntCounterVec::new(
             Opts::new("polyak_push_bytes_total", "Push body bytes received"),
+            &["run"],
+        )
+        .expect("metric");
+        let push_wire_bytes = IntCounterVec::new(
+            Opts::new(
+                "polyak_push_wire_bytes_total",
+                "Body bytes of the applied pushes, as they came over the wire",
+            ),
             &["run"],
         )
         .expect("metric");
@@ -198,6 +209,7 @@ impl Metrics {
             Box::new(disk_reserve_bytes.clone()),
             Box::new(unrecorded_failures.clone()),
             Box::new(push_bytes.clone()),
+            Box::new(push_wire_bytes.clone()),
             Box::new(push_logical_bytes.clone()),
             Box::new(codec_seconds.clone()),
             Box::new(mirror_mismatches.clone()),
@@ -217,6 +229,7 @@ impl Metrics {
             registry,
             pushes,
             push_bytes,
+            push_wire_bytes,
             push_logical_bytes,
             codec_seconds,
             mirror_mismatches,
@@ -243,6 +256,7 @@ impl Metrics {
             let _ = self.pushes.remove_label_values(&[run, outcome]);
         }
         let _ = self.push_bytes.remove_label_values(&[run]);
+        let _ = self.push_wire_bytes.remove_label_values(&[run]);
         let _ = self.push_logical_bytes.remove_label_values(&[run]);
         let _ = self.mirror_mismatches.remove_label_values(&[run]);
         for stage in ["encode", "decode"] {

@@ -53,6 +53,9 @@ pub struct RunView {
     pub note: String,
     /// Alerts firing now.
     pub alerts_firing: usize,
+    /// The ranks' wire figures summed: wire and logical bytes, their
+    /// ratio, encode and decode seconds, mirror mismatches.
+    pub wire: crate::wire::stats::WireTotals,
 }
 
 /// The answer to run creation; tokens only when auth is on.
@@ -120,6 +123,7 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         tags,
         note,
         alerts_firing: run.alerts_firing.load(std::sync::atomic::Ordering::Relaxed),
+        wire: crate::wire::stats::WireTotals::of(summaries.iter().map(|s| &s.wire)),
     }
 }
 
@@ -355,6 +359,7 @@ pub async fn delete_run(
     let _ = run.engine.call(move |e| e.drop_run(&name)).await;
     state.metrics().forget_run(&run.config.name);
     state.alerts().alerts.forget(&run.config.name);
+    state.ingest().forget_run(&run.config.name);
     // The catalog no longer lists them: without this they stayed on disk
     // until the next start.
     if let Err(e) =
