@@ -298,6 +298,28 @@ impl Engine {
         // Step rules (DESIGN "Step semantics").
         if let Some(state) = slot.as_ref() {
             if let Some(last) = state.last_step {
+                // A pipelined push applied, its answer lost, retried after
+                // its successor was applied: the same bytes are a duplicate.
+                let seen_before = step < last
+                    && state
+                        .recent
+                        .iter()
+                        .any(|&(s, d)| s == step && d.matches(push.digest, &push.body));
+                if seen_before {
+                    return Ok(PushOutcome {
+                        applied: false,
+                        duplicate: true,
+                        step,
+                        last_step: Some(last),
+                        skipped: Vec::new(),
+                        registered: None,
+                        resident_bytes: state.resident_bytes(&config),
+                        apply_seconds: 0.0,
+                        drift: None,
+                        logical_bytes: 0,
+                        mirror_mismatch: None,
+                    });
+                }
                 if step < last {
                     return Err(EngineError::StepConflict(format!(
                         "step {step} is older than rank {rank}'s last applied step {last}; {}",
