@@ -117,7 +117,9 @@ def raw_tcp_rate(payload: bytes, count: int) -> float:
     q = mp.get_context("spawn").Queue()
     p = mp.get_context("spawn").Process(target=_sink, args=(q, len(payload) * count))
     p.start()
-    port = q.get(timeout=30)
+    # The spawned sink imports the calling script first (torch with it):
+    # on a loaded machine that takes a while.
+    port = q.get(timeout=300)
     s = socket.create_connection(("127.0.0.1", port))
     t0 = time.perf_counter()
     for _ in range(count):

@@ -1,6 +1,9 @@
-"""Writes the fuzz target's seed corpus (fuzz/corpus/push): real pushes as
-trainers send them, full and delta, whole and sharded, every dtype the
-server keeps, and a few near misses. Run it again if the wire format grows.
+"""Writes the fuzz targets' seed corpora: for the push parser
+(fuzz/corpus/push), real pushes as trainers send them, full and delta,
+whole and sharded, every dtype the server keeps, and a few near misses; for
+the codec (fuzz/corpus/codec), those pushes encoded with ``polyak-bgz``
+(mode byte 0: decode), a tensor spec with data (mode 1: round trip) and
+fp8 bytes (mode 2). Run it again if the wire format grows.
 
     python fuzz/seeds.py
 """
@@ -14,6 +17,7 @@ import safetensors.torch
 import torch
 
 OUT = Path(__file__).parent / "corpus" / "push"
+CODEC = Path(__file__).parent / "corpus" / "codec"
 
 
 def save(
@@ -55,6 +59,21 @@ def main() -> None:
         {"polyak.shards": json.dumps(bad_shards)},
     )
     save("unknown-kind", {"w": torch.ones(2)}, {"polyak.kind": "sideways"})
+    codec_seeds()
+
+
+def codec_seeds() -> None:
+    from polyak._push.mirror import encode_bgz
+
+    CODEC.mkdir(parents=True, exist_ok=True)
+    for body in sorted(OUT.iterdir()):
+        if body.name not in ("shards-out-of-range", "unknown-kind"):
+            (CODEC / f"decode-{body.name}").write_bytes(b"\0" + encode_bgz(body.read_bytes()))
+    g = torch.Generator().manual_seed(19)
+    data = torch.randn(64, generator=g).bfloat16().view(torch.uint8).numpy().tobytes()
+    # Mode 1: three tensors (F32 x 37, BF16 x 0, I8 x 74), then their data.
+    (CODEC / "round-trip").write_bytes(b"\1\3" + bytes([0, 1, 1, 0, 6, 2]) + data)
+    (CODEC / "fp8").write_bytes(b"\2" + bytes(range(256)))
 
 
 if __name__ == "__main__":

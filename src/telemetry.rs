@@ -28,8 +28,11 @@ pub struct Metrics {
     pub pushes: IntCounterVec,
     /// Body bytes received by run.
     pub push_bytes: IntCounterVec,
+    /// Body bytes of the applied pushes (not duplicates), by run: the
+    /// run's `wire.wire_bytes`.
+    pub push_wire_bytes: IntCounterVec,
     /// Bytes the applied pushes stand for, uncompressed and unquantised,
-    /// by run (with `push_bytes`: the wire ratio).
+    /// by run (with `push_wire_bytes`: the wire ratio).
     pub push_logical_bytes: IntCounterVec,
     /// Codec seconds by run and stage (`encode`: reported by the client,
     /// `decode`: the server's).
@@ -80,6 +83,12 @@ impl Metrics {
                 &r,
                 "polyak_push_bytes_total",
                 "Push body bytes received",
+                &["run"],
+            ),
+            push_wire_bytes: int_counters(
+                &r,
+                "polyak_push_wire_bytes_total",
+                "Body bytes of the applied pushes, as they came over the wire",
                 &["run"],
             ),
             push_logical_bytes: int_counters(
@@ -190,6 +199,7 @@ impl Metrics {
             let _ = self.pushes.remove_label_values(&[run, outcome]);
         }
         let _ = self.push_bytes.remove_label_values(&[run]);
+        let _ = self.push_wire_bytes.remove_label_values(&[run]);
         let _ = self.push_logical_bytes.remove_label_values(&[run]);
         let _ = self.mirror_mismatches.remove_label_values(&[run]);
         for stage in ["encode", "decode"] {

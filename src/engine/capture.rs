@@ -207,6 +207,7 @@ impl RestoredRank {
                 .last_digest
                 .as_deref()
                 .and_then(BodyDigest::from_stored),
+            recent: Default::default(),
             has_keyframe: self.meta.has_keyframe,
             applied: 0,
         })

@@ -761,6 +761,16 @@ fn step_rules(
     let Some(last) = state.last_step else {
         return Ok(None);
     };
+    // A pipelined push applied, its answer lost, retried after its
+    // successor was applied: the same bytes are a duplicate.
+    let seen_before = step < last
+        && state
+            .recent
+            .iter()
+            .any(|&(s, d)| s == step && d.matches(push.digest, &push.body));
+    if seen_before {
+        return Ok(Some(duplicate(step, last, state, config)));
+    }
     if step < last {
         return Err(EngineError::StepConflict(format!(
             "step {step} is older than rank {rank}'s last applied step {last}; {}",
@@ -774,24 +784,29 @@ fn step_rules(
         .last_digest
         .is_some_and(|d| d.matches(push.digest, &push.body))
     {
-        return Ok(Some(PushOutcome {
-            applied: false,
-            duplicate: true,
-            step,
-            last_step: Some(last),
-            skipped: Vec::new(),
-            registered: None,
-            resident_bytes: state.resident_bytes(config),
-            apply_seconds: 0.0,
-            drift: None,
-            logical_bytes: 0,
-            mirror_mismatch: None,
-        }));
+        return Ok(Some(duplicate(step, last, state, config)));
     }
     Err(EngineError::StepConflict(format!(
         "step {step} was already applied for rank {rank} with other bytes; {}",
         resume_hint(run, last)
     )))
+}
+
+/// The answer to a push whose bytes were already applied at `step`.
+fn duplicate(step: u64, last: u64, state: &RankState, config: &RunConfig) -> PushOutcome {
+    PushOutcome {
+        applied: false,
+        duplicate: true,
+        step,
+        last_step: Some(last),
+        skipped: Vec::new(),
+        registered: None,
+        resident_bytes: state.resident_bytes(config),
+        apply_seconds: 0.0,
+        drift: None,
+        logical_bytes: 0,
+        mirror_mismatch: None,
+    }
 }
 
 /// A delta or XOR push needs a mirror and a keyframe to apply to.

@@ -235,6 +235,10 @@ impl RankLayout {
     }
 }
 
+/// Applied steps a rank remembers the digests of besides the last one:
+/// more than a pipelining client keeps in flight (`--pipeline-depth`).
+pub const RECENT_DIGESTS: usize = 16;
+
 /// A rank's tensors and step bookkeeping, owned by the engine thread.
 pub struct RankState {
     pub layout: Arc<RankLayout>,
@@ -249,6 +253,11 @@ pub struct RankState {
     /// The last applied step and the digest of its body.
     pub last_step: Option<u64>,
     pub last_digest: Option<BodyDigest>,
+    /// The steps applied before the last one, with their digests (at most
+    /// [`RECENT_DIGESTS`], newest last; not persisted): a pipelined push
+    /// whose answer was lost is retried after its successor was applied,
+    /// and is answered a duplicate by these.
+    pub recent: std::collections::VecDeque<(u64, BodyDigest)>,
     /// A full push was applied, so deltas have a base.
     pub has_keyframe: bool,
     /// Applied pushes since this state was created (drift sampling).
@@ -592,6 +601,7 @@ impl RankState {
             swa_n: vec![0; config.profiles.len()],
             last_step: None,
             last_digest: None,
+            recent: Default::default(),
             has_keyframe: false,
             applied: 0,
         })
@@ -649,6 +659,12 @@ impl RankState {
         }
         if push.kind == PushKind::Full {
             self.has_keyframe = true;
+        }
+        if let (Some(last), Some(digest)) = (self.last_step, self.last_digest) {
+            if self.recent.len() == RECENT_DIGESTS {
+                self.recent.pop_front();
+            }
+            self.recent.push_back((last, digest));
         }
         self.last_step = Some(step);
         self.last_digest = Some(BodyDigest::Blocks(push.digest));

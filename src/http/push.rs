@@ -31,12 +31,12 @@ use crate::state::AppState;
     responses((status = 200, body = PushResponse),
               (status = 400, body = ErrorBody, description = "malformed safetensors"),
               (status = 404, body = ErrorBody, description = "no such run or rank"),
-              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe, predecessor_timeout"),
+              (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe, predecessor_timeout, pipeline_reset (the run was deleted or resumed while the push waited for its predecessor)"),
               (status = 408, body = ErrorBody, description = "body_timeout: the body arrived too slowly"),
               (status = 413, body = ErrorBody, description = "body or header over the limit"),
               (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd or polyak-bgz"),
               (status = 422, body = ErrorBody, description = "nonfinite, unsupported_dtype, invalid_shards"),
-              (status = 429, body = ErrorBody, description = "busy; see Retry-After")))]
+              (status = 429, body = ErrorBody, description = "busy, or predecessor_retry (the predecessor step was answered with a retry; send this one again after it); see Retry-After")))]
 pub async fn push(
     State(state): State<AppState>,
     caller: Caller,

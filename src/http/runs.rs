@@ -55,6 +55,9 @@ pub struct RunView {
     pub note: String,
     /// Alerts firing now.
     pub alerts_firing: usize,
+    /// The ranks' wire figures summed: wire and logical bytes, their
+    /// ratio, encode and decode seconds, mirror mismatches.
+    pub wire: crate::wire::stats::WireTotals,
 }
 
 /// The answer to run creation; tokens only when auth is on.
@@ -122,6 +125,7 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         tags,
         note,
         alerts_firing: run.alerts_firing.load(std::sync::atomic::Ordering::Relaxed),
+        wire: crate::wire::stats::WireTotals::of(summaries.iter().map(|s| &s.wire)),
     }
 }
 
@@ -355,6 +359,7 @@ pub async fn delete_run(
     let run = run_named(&state, &name)?;
     caller.require_admin()?;
     runs::delete(state.shared(), state.snapshots(), state.alerts(), &run).await?;
+    state.ingest().forget_run(&run.config.name);
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -524,6 +524,8 @@ pub async fn resume(
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     let resumed = snap::resume(state.snapshots(), &run, req.step, req.allow_older).await?;
+    // The ranks' steps went back: pipelined pushes start a new order.
+    state.ingest().forget_run(&name);
     let row = resumed.row;
     tracing::info!(run = %name, snapshot = %row.id, step = row.step, "resumed");
     Ok(Json(ResumeResponse {

@@ -285,13 +285,18 @@ impl Ingest {
         let result = self.receive_and_apply(req).await;
         // Answered for good, applied or refused: pipelined successors may go
         // on. An answer the client retries (busy, too slow, a server fault) is
-        // not: the successor keeps waiting for the retry.
+        // not: the successors waiting for it are refused at once (429) rather
+        // than left holding their bodies, and with them the in-flight budget
+        // the retry needs; the client sends them again after the retry.
         let final_answer = match &result {
             Ok(_) => true,
             Err(e) => !(e.status == 429 || e.status == 408 || e.status >= 500),
         };
+        let id = (run.config.name.as_str(), run.created_at_ms);
         if final_answer {
-            self.pipeline.answered(&run.config.name, rank, step);
+            self.pipeline.answered(id, rank, step);
+        } else {
+            self.pipeline.retry_later(id, rank, step);
         }
         if let Err(e) = &result {
             self.record_rejection(&run, rank, step, e);
@@ -350,6 +355,12 @@ impl Ingest {
         self.apply(validated).await
     }
 
+    /// Forgets the pipelining order of a run's ranks (the run was deleted
+    /// or resumed): pushes waiting for a predecessor are refused.
+    pub fn forget_run(&self, run: &str) {
+        self.pipeline.forget(run);
+    }
+
     /// A pipelined push waits here, validated, until its predecessor step
     /// was answered (or the rank applied a step at or past it).
     async fn wait_for_predecessor(
@@ -361,7 +372,7 @@ impl Ingest {
         let applied = || run.rank(rank).and_then(|s| s.last_step);
         self.pipeline
             .wait_for(
-                &run.config.name,
+                (run.config.name.as_str(), run.created_at_ms),
                 rank,
                 push.step,
                 prev,
@@ -617,6 +628,9 @@ impl Ingest {
     ) {
         let name = &run.config.name;
         let m = &self.ctx.metrics;
+        m.push_wire_bytes
+            .with_label_values(&[name])
+            .inc_by(wire_len);
         m.push_logical_bytes
             .with_label_values(&[name])
             .inc_by(outcome.logical_bytes);

@@ -73,8 +73,9 @@ fn element_size(dtype: &str) -> usize {
 }
 
 /// The frames of a body whose safetensors header is `header`, and the
-/// data section's length.
-pub fn frames_of(header: &[u8]) -> Result<(Vec<Frame>, usize), CodecError> {
+/// data section's length, which may not pass `limit` (checked before any
+/// frame is listed: a header of a few bytes may name exabytes).
+pub fn frames_of(header: &[u8], limit: u64) -> Result<(Vec<Frame>, usize), CodecError> {
     let value: serde_json::Value = serde_json::from_slice(header)
         .map_err(|e| CodecError::Corrupt(format!("header is not JSON: {e}")))?;
     let entries = value
@@ -100,16 +101,24 @@ pub fn frames_of(header: &[u8]) -> Result<(Vec<Frame>, usize), CodecError> {
         spans.push((offsets.0, offsets.1, element_size(dtype)));
     }
     spans.sort_unstable();
-    let mut frames: Vec<Frame> = Vec::new();
     let mut end = 0usize;
-    let mut run: Option<(usize, usize, usize)> = None;
-    for (start, stop, size) in spans {
+    for &(start, stop, _) in &spans {
         if start != end {
             return Err(CodecError::Corrupt(format!(
                 "tensor data leaves a gap or overlaps at byte {start}"
             )));
         }
         end = stop;
+    }
+    if end as u64 > limit {
+        return Err(CodecError::TooLarge {
+            len: end as u64,
+            limit,
+        });
+    }
+    let mut frames: Vec<Frame> = Vec::new();
+    let mut run: Option<(usize, usize, usize)> = None;
+    for (start, stop, size) in spans {
         if start == stop {
             continue;
         }
@@ -204,7 +213,7 @@ pub fn encode(body: &[u8], level: i32) -> Result<Vec<u8>, CodecError> {
     let header = body
         .get(8..8 + n)
         .ok_or_else(|| CodecError::Corrupt("header runs past the body".into()))?;
-    let (frames, data_len) = frames_of(header)?;
+    let (frames, data_len) = frames_of(header, body.len() as u64)?;
     let data = &body[8 + n..];
     if data.len() != data_len {
         return Err(CodecError::Corrupt("data does not match the header".into()));
@@ -261,7 +270,7 @@ pub fn decode(
     let header = raw
         .get(12..12 + n)
         .ok_or_else(|| corrupt("truncated inside the header"))?;
-    let (frames, data_len) = frames_of(header)?;
+    let (frames, data_len) = frames_of(header, limit)?;
     let total = 8 + n as u64 + data_len as u64;
     if total > limit {
         return Err(CodecError::TooLarge { len: total, limit });
@@ -524,6 +533,26 @@ mod tests {
         assert!(matches!(
             decode(&enc, 100, &pool),
             Err(CodecError::TooLarge { .. } | CodecError::Corrupt(_))
+        ));
+    }
+
+    #[test]
+    fn a_header_naming_exabytes_is_refused_before_any_frame_is_listed() {
+        // A body of a hundred bytes whose header claims 2^64 - 1 bytes of
+        // data: listing its frames first took memory until the process died.
+        let pool = BodyPool::new(2);
+        let header = br#"{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,18446744073709551615]}}"#;
+        let mut raw = MAGIC.to_vec();
+        raw.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        raw.extend_from_slice(header);
+        raw.extend_from_slice(&0u32.to_le_bytes());
+        assert!(matches!(
+            decode(&raw, 1 << 30, &pool),
+            Err(CodecError::TooLarge { limit, .. }) if limit == 1 << 30
+        ));
+        assert!(matches!(
+            frames_of(header, 1 << 30),
+            Err(CodecError::TooLarge { .. })
         ));
     }
 }

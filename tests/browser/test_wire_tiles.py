@@ -36,3 +36,38 @@ def test_rank_tile_shows_wire_ratio_and_codec(page: Page, dash_server):
         "title", re.compile(r"^[\d,]+ wire bytes for [\d,]+ logical bytes$")
     )
     expect(tile.locator('[data-field="codec"]')).to_have_text(re.compile(r"^\S.* / \S.*$"))
+
+
+def test_run_stats_show_the_ranks_wire_figures_summed(page: Page, dash_server):
+    name = "wire-sum-run"
+    with polyak.Client(dash_server.url) as client:
+        run = client.create_run(name, world_size=2, mirror=True, keyframe_every=50, exist_ok=True)
+        torch.manual_seed(62)
+        model = torch.nn.Linear(256, 64)
+        # Two ranks, two encodings: the run's figures are their sum.
+        with (
+            run.pusher(rank=0, codec="bgz", delta="int8") as p0,
+            run.pusher(rank=1, compress=3) as p1,
+        ):
+            for step in range(3):
+                with torch.no_grad():
+                    model.weight.add_(torch.randn_like(model.weight) * 1e-3)
+                p0.push(model, step)
+                p1.push(model, step)
+        view = run.refresh()
+        ranks = [run.rank(r)["wire"] for r in (0, 1)]
+    wire = view["wire"]
+    for key in ("wire_bytes", "logical_bytes", "mirror_mismatches"):
+        assert wire[key] == sum(r[key] for r in ranks), key
+    for key in ("encode_seconds", "decode_seconds"):
+        assert wire[key] == pytest.approx(sum(r[key] for r in ranks), rel=1e-9, abs=1e-12)
+    assert wire["ratio"] == pytest.approx(wire["logical_bytes"] / wire["wire_bytes"])
+    assert ranks[0]["wire_bytes"] > 0 and ranks[1]["wire_bytes"] > 0
+    page.goto(f"{dash_server.url}/#/runs/{name}")
+    cell = page.locator('[data-testid="wire"]')
+    expect(cell).to_have_text(f"{wire['ratio']:.2f}×")
+    expect(cell).to_have_attribute(
+        "title",
+        f"{wire['wire_bytes']:,} wire bytes for {wire['logical_bytes']:,} logical bytes",
+    )
+    expect(page.locator('[data-testid="codec"]')).to_have_text(re.compile(r"^\S.* / \S.*$"))

@@ -110,9 +110,10 @@ class Pusher:
     - ``max_queue``: pushes that may wait while others are in flight (host
       memory: ``max_queue + pipeline`` copies of this rank's shard).
     - ``pipeline``: pushes in flight at once, each on its own connection
-      (default 1: one at a time; 2 keeps the wire busy while the server
-      applies). The server applies them in step
-      order and answers each after its own apply.
+      (default 2: the server receives the next body while it applies the
+      previous one; 1 sends one at a time). The server applies them in step
+      order and answers each after its own apply; while a push waits for a
+      retry, later ones are held back and sent after it.
     - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
       dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
       push is dropped and counted).
@@ -157,7 +158,7 @@ class Pusher:
         compress: int | None = None,
         retry: RetryPolicy | None = None,
         split_replicated: bool = True,
-        pipeline: int = 1,
+        pipeline: int = 2,
         codec: str | None = None,
         codec_level: int = 3,
         delta: str | None = None,

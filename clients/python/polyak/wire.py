@@ -40,6 +40,7 @@ __all__ = [
     "expand_aliases",
     "parse_chunks",
     "read_safetensors",
+    "st_dtype",
     "wire_dtype",
 ]
 
@@ -66,6 +67,14 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 # Inside one element size, a fixed dtype order (floats first).
 _DTYPE_RANK = {dtype: i for i, dtype in enumerate(_DTYPE_NAMES)}
+# What a push body may carry besides: fp8 quantised deltas.
+_PAYLOAD_NAMES = {**_DTYPE_NAMES, torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a tensor in a push body (the kept
+    dtypes, and ``F8_E4M3`` for fp8 quantised deltas)."""
+    return _PAYLOAD_NAMES[dtype]
 
 
 def wire_dtype(dtype: torch.dtype, name: str = "") -> str:

@@ -142,6 +142,58 @@ def test_bgz_and_xor_pushes_give_the_exact_ema_of_plain_pushes(client, run_name)
     assert f'polyak_push_codec_seconds_total{{run="{coded.name}",stage="decode"}}' in metrics
 
 
+def _metric(text: str, name: str, run: str, extra: str = "") -> float:
+    """One sample of the Prometheus text, by name and labels."""
+    want = f'{name}{{run="{run}"{extra}}} '
+    for line in text.splitlines():
+        if line.startswith(want):
+            return float(line[len(want) :])
+    raise AssertionError(f"no {want!r} in /metrics")
+
+
+def test_the_run_view_sums_the_ranks_wire_figures(client, run_name):
+    run = client.create_run(run_name, world_size=3, mirror=True)
+    state = _state(4)
+    # Three ranks, three encodings (rank 2 never pushes).
+    with (
+        run.pusher(rank=0, codec="bgz", delta="fp8_e4m3") as a,
+        run.pusher(rank=1, compress=3) as b,
+    ):
+        for step in range(5):
+            _walk(state, step)
+            a.push(state, step)
+            b.push(state, step)
+    view = run.refresh()
+    ranks = [r["wire"] for r in view["ranks"]]
+    assert len(ranks) == 3 and ranks[2]["wire_bytes"] == 0
+    assert ranks[0]["wire_bytes"] > 0 and ranks[1]["wire_bytes"] > 0
+    wire = view["wire"]
+    for key in ("wire_bytes", "logical_bytes", "mirror_mismatches"):
+        assert wire[key] == sum(r[key] for r in ranks), key
+    for key in ("encode_seconds", "decode_seconds"):
+        assert wire[key] == pytest.approx(sum(r[key] for r in ranks), rel=1e-9, abs=1e-12)
+    assert wire["ratio"] == pytest.approx(wire["logical_bytes"] / wire["wire_bytes"])
+    assert wire["decode_seconds"] > 0 and wire["encode_seconds"] > 0
+    # The runs list carries the same object; a run with no push has ratio null.
+    listed = {r["name"]: r for r in client.runs()}
+    assert listed[run.name]["wire"] == wire
+    idle = client.create_run(run_name + "-idle")
+    assert idle.refresh()["wire"] == {
+        "wire_bytes": 0,
+        "logical_bytes": 0,
+        "ratio": None,
+        "encode_seconds": 0.0,
+        "decode_seconds": 0.0,
+        "mirror_mismatches": 0,
+    }
+    # Prometheus: the same sums by run.
+    text = httpx.get(f"{client.url}/metrics").text
+    assert _metric(text, "polyak_push_wire_bytes_total", run.name) == wire["wire_bytes"]
+    assert _metric(text, "polyak_push_logical_bytes_total", run.name) == wire["logical_bytes"]
+    decode = _metric(text, "polyak_push_codec_seconds_total", run.name, ',stage="decode"')
+    assert decode == pytest.approx(wire["decode_seconds"], rel=1e-9)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8", "bf16"])
 def test_quantised_deltas_keep_the_mirror_within_one_step_with_error_feedback(
     client, run_name, fmt

@@ -166,7 +166,7 @@ def test_server_down_nothing_dropped_and_delivered_after_restart(fresh_server, r
     pusher = run.pusher(max_queue=2, retry=retry)
     tr = Trainer(seed=4)
     avg = anchor(tr.model)
-    for step in range(3):  # one in flight, two queued
+    for step in range(4):  # two in flight (pipeline=2, the default), two queued
         tr.step()
         avg.update_parameters(tr.model)
         pusher.push(tr.model, step)
@@ -174,35 +174,35 @@ def test_server_down_nothing_dropped_and_delivered_after_restart(fresh_server, r
     with pytest.raises(polyak.PolyakError) as e:
         pusher.flush(timeout=0.2)
     assert e.value.code == "flush_timeout" and e.value.step == 0
-    assert "3 push(es) not acknowledged" in str(e.value)
+    assert "4 push(es) not acknowledged" in str(e.value)
     assert "Connection" in str(e.value) or "refused" in str(e.value)
 
     with pytest.raises(polyak.PolyakError) as e:
         pusher.flush(timeout=30)
     assert e.value.code == "unavailable" and e.value.step == 0 and e.value.status is None
-    assert "3 push(es) kept" in e.value.message and "0 dropped" in e.value.message
+    assert "4 push(es) kept" in e.value.message and "0 dropped" in e.value.message
 
     tr.step()
     avg.update_parameters(tr.model)
     t0 = time.perf_counter()
     with pytest.raises(polyak.PolyakError) as e:
-        pusher.push(tr.model, 3)  # the queue is full: block, then report
+        pusher.push(tr.model, 4)  # the queue is full: block, then report
     assert e.value.code == "unavailable"
     assert time.perf_counter() - t0 < 30
     stats = pusher.stats()
-    assert (stats.pushed, stats.dropped, stats.pending, stats.acknowledged) == (3, 0, 3, 0)
+    assert (stats.pushed, stats.dropped, stats.pending, stats.acknowledged) == (4, 0, 4, 0)
     assert stats.retries > 3 and stats.blocked_seconds > 0
 
     fresh_server.start(same_port=True)
     assert fresh_server.url == url
-    pusher.push(tr.model, 3)  # the trainer pushes step 3 again
-    for step in range(4, 7):
+    pusher.push(tr.model, 4)  # the trainer pushes step 4 again
+    for step in range(5, 8):
         tr.step()
         avg.update_parameters(tr.model)
         pusher.push(tr.model, step)
     pusher.flush(timeout=60)
     stats = pusher.stats()
-    assert (stats.acknowledged, stats.applied, stats.dropped, stats.rejected) == (7, 7, 0, 0)
+    assert (stats.acknowledged, stats.applied, stats.dropped, stats.rejected) == (8, 8, 0, 0)
     assert_state_close(run.fetch_ema("c"), averaged_state(avg), tr.state())
 
 
@@ -432,7 +432,9 @@ def test_lost_answer_is_retried_as_a_duplicate(server, client, run_name):
 def test_drop_oldest_drops_queued_pushes_and_counts_them(fresh_server, run_name):
     fresh_server.start()
     run = polyak.Client(fresh_server.url).create_run(run_name, profiles=constant())
-    pusher = run.pusher(max_queue=1, policy="drop_oldest")
+    # One push in flight (not the default two), so which steps are in
+    # flight and which are queued is known.
+    pusher = run.pusher(max_queue=1, policy="drop_oldest", pipeline=1)
     tr = Trainer(seed=7)
     states = []
     with _Paused(fresh_server):

@@ -1,8 +1,12 @@
-//! The server's `src/wire` parser files, by path (the byte-buffer pool and
-//! the header writer are left out: the parser does not use them).
+//! The server's `src/wire` parser and codec files, by path (the header
+//! writer is left out: neither uses it).
 
+#[path = "../../../src/wire/bodies.rs"]
+pub mod bodies;
 #[path = "../../../src/wire/check.rs"]
 pub mod check;
+#[path = "../../../src/wire/codec.rs"]
+pub mod codec;
 #[path = "../../../src/wire/dtype.rs"]
 pub mod dtype;
 #[path = "../../../src/wire/nonfinite.rs"]

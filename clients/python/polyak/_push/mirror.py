@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import PolyakError
-from ..wire import KIND_KEY, WireLayout
+from ..wire import KIND_KEY, WireLayout, st_dtype
 
 __all__ = [
     "CHUNK_BYTES",
@@ -207,21 +207,6 @@ def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(size, torch.uint8)
 
 
-_ST_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
-
-
 def build_body(entries: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
     """One safetensors body of ``entries`` (in order, the data aligned to 8
     bytes and grouped by decreasing element size, as the pusher lays out
@@ -234,7 +219,7 @@ def build_body(entries: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, 
         name, t = entries[i]
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         header[name] = {
-            "dtype": _ST_NAMES[t.dtype],
+            "dtype": st_dtype(t.dtype),
             "shape": list(t.shape),
             "data_offsets": [offset, offset + len(raw)],
         }
@@ -366,7 +351,11 @@ class MirrorEncoder:
         assert self._mirror is not None
         entries: list[tuple[str, torch.Tensor]] = []
         after: list[torch.Tensor] = []
-        meta = {KIND_KEY: "xor" if self.delta == "xor" else "delta"}
+        # The layout's own metadata (chunk placement of sharded tensors,
+        # tied names) goes with every push of it, deltas included.
+        (n,) = struct.unpack("<Q", layout.header[:8])
+        meta = dict(json.loads(layout.header[8 : 8 + n]).get("__metadata__") or {})
+        meta[KIND_KEY] = "xor" if self.delta == "xor" else "delta"
         if self.delta not in (None, "xor"):
             meta[QUANT_KEY] = json.dumps({"format": self.delta, "block": self.block})
         for spec, view, mirror in zip(layout.specs, views, self._mirror, strict=True):

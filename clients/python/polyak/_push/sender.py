@@ -10,6 +10,14 @@ side by side. Each push names the step dispatched before it
 applies the previous one and still applies them in step order, answering
 each after its own apply.
 
+A push the server answers with a retry (429, 408, 5xx) holds back the
+later ones: while step N waits for its retry, no slot sends a step after
+it, first attempt or retry, until N is delivered (or given up). The server
+refuses pushes waiting for a predecessor that was answered with a retry
+(``429 predecessor_retry``) so that they give back the in-flight budget the
+retry needs; the client then sends them again after the predecessor, in
+step order, instead of racing it.
+
 A PUT is idempotent: if a first attempt was applied and only its answer
 was lost, the retry carries the same bytes and the server answers
 ``duplicate: true``. A push the server refuses (4xx) is reported, and a
@@ -74,6 +82,9 @@ class Sender:
         # step order, and a stateful encoding sees every push in it.
         self._dispatch = threading.Lock()
         self._last_dispatched: int | None = None
+        #: Steps whose delivery failed and waits for a retry (under
+        #: ``queue.cond``): later steps are not sent meanwhile.
+        self._retrying: set[int] = set()
 
     def start(self) -> None:
         if not self._threads:
@@ -172,14 +183,15 @@ class Sender:
         path = f"{self.path}{job.step}"
 
         def retrying(failed: FailedAttempt) -> None:
-            self._retrying(job, failed)
+            self._failed_attempt(job, failed)
+
+        def attempt() -> tuple[int, bytes, str | None]:
+            self._wait_turn(job.step)
+            return conn.put(path, payload, headers)
 
         try:
             data = send_with_retries(
-                lambda: conn.put(path, payload, headers),
-                policy=self.retry,
-                abort=self.abort,
-                on_retry=retrying,
+                attempt, policy=self.retry, abort=self.abort, on_retry=retrying
             )
         except PolyakError as e:
             if e.status is not None:
@@ -187,17 +199,32 @@ class Sender:
                 # assumed next, so the next push is a keyframe.
                 self.encoding.refused()
             raise
+        finally:
+            with self.queue.cond:
+                if job.step in self._retrying:
+                    self._retrying.discard(job.step)
+                    self.queue.cond.notify_all()
         with self.queue.cond:
             self.queue.counters.bytes_sent += len(payload)
             self.last_transient = ""
         return dict(json.loads(data))
 
-    def _retrying(self, job: Job, failed: FailedAttempt) -> None:
-        """Counts a failed attempt; reports it when delivery has failed
-        for ``report_after`` seconds (the push is kept and retried)."""
+    def _wait_turn(self, step: int) -> None:
+        """Waits while an earlier step waits for its retry (or until
+        ``close`` abandons the pushes)."""
+        cond = self.queue.cond
+        with cond:
+            while not self.abort.is_set() and any(s < step for s in self._retrying):
+                cond.wait(0.5)
+
+    def _failed_attempt(self, job: Job, failed: FailedAttempt) -> None:
+        """Counts a failed attempt and holds later steps back until this
+        one is delivered; reports it when delivery has failed for
+        ``report_after`` seconds (the push is kept and retried)."""
         queue = self.queue
         with queue.cond:
             queue.counters.retries += 1
+            self._retrying.add(job.step)
             self.last_transient = failed.problem
             if failed.overdue:
                 pending = len(queue.jobs) + len(queue.in_flight)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["Counters", "PushStats"]
@@ -107,28 +107,12 @@ class Counters:
             self.last_response = answer
 
     def snapshot(self, pending: int, in_flight_step: int | None) -> PushStats:
+        """The public copy: every counter :class:`PushStats` has, by name."""
+        counted = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _PUBLIC}
         return PushStats(
-            pushed=self.pushed,
-            skipped=self.skipped,
-            acknowledged=self.acknowledged,
-            applied=self.applied,
-            duplicates=self.duplicates,
-            dropped=self.dropped,
-            rejected=self.rejected,
-            retries=self.retries,
-            pending=pending,
-            in_flight_step=in_flight_step,
-            last_step=self.last_acked,
-            bytes_sent=self.bytes_sent,
-            copy_seconds=self.copy_seconds,
-            blocked_seconds=self.blocked_seconds,
-            push_seconds=self.push_seconds,
-            wait_seconds=self.wait_seconds,
-            waits=self.waits,
-            deferred=self.deferred,
-            deferred_copy_seconds=self.deferred_copy_seconds,
-            encode_seconds=self.encode_seconds,
-            encoded=self.encoded,
-            logical_bytes=self.logical_bytes,
-            keyframes=self.keyframes,
+            **counted, pending=pending, in_flight_step=in_flight_step, last_step=self.last_acked
         )
+
+
+#: The counters :class:`PushStats` shows under their own names.
+_PUBLIC = frozenset(f.name for f in fields(PushStats)) - {"pending", "in_flight_step", "last_step"}
