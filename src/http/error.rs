@@ -112,6 +112,17 @@ impl ApiError {
 
     /// Reading or writing stored snapshot bytes failed.
     pub fn snapshot_io(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::NotConnected {
+            // The object store is down (see `snapshot::source`).
+            let mut err = Self::fault(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                "the object store cannot be reached",
+                e,
+            );
+            err.retry_after = Some(5);
+            return err;
+        }
         let code = if e.kind() == std::io::ErrorKind::NotFound {
             "snapshot_part_missing"
         } else {

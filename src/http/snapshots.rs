@@ -48,6 +48,7 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::Worker(m) => ApiError::worker_failed(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
+            SnapshotError::Objects(e) => crate::services::ServiceError::from(e).into(),
             SnapshotError::Io(e) => ApiError::snapshot_io(e),
             SnapshotError::NoSpace(e) => ApiError::new(
                 StatusCode::INSUFFICIENT_STORAGE,
@@ -508,7 +509,11 @@ impl Side {
                     .iter()
                     .find(|p| p.rank == rank)
                     .ok_or_else(|| format!("rank {rank} has no file"))?;
-                let bytes = std::fs::read(&*part.path).map_err(|e| e.to_string())?;
+                let bytes = part
+                    .path
+                    .open()
+                    .and_then(|mut r| r.read_all())
+                    .map_err(|e| e.to_string())?;
                 compare::read_rank_file(bytes::Bytes::from(bytes))
             }
             Side::Live(ranks) => ranks

@@ -174,6 +174,29 @@ impl From<StoreError> for ServiceError {
     }
 }
 
+impl From<crate::objstore::StoreError> for ServiceError {
+    fn from(e: crate::objstore::StoreError) -> Self {
+        match e {
+            crate::objstore::StoreError::NotFound(_) => Self::fault(
+                500,
+                "snapshot_part_missing",
+                "a stored snapshot part is missing from the object store",
+                e,
+            ),
+            other if other.is_unavailable() => ServiceError {
+                retry_after: Some(5),
+                ..Self::fault(
+                    503,
+                    "store_unavailable",
+                    "the object store cannot be reached",
+                    other,
+                )
+            },
+            other => Self::fault(500, "store_error", "an object store request failed", other),
+        }
+    }
+}
+
 impl From<tokio::task::JoinError> for ServiceError {
     fn from(e: tokio::task::JoinError) -> Self {
         Self::fault(500, "worker_failed", "a server worker failed", e)

@@ -6,6 +6,8 @@
 //!
 //! - [`format`]: the safetensors layout of one rank's part.
 //! - [`files`]: durable writes (tmp, fsync, rename, dir fsync) and clean-up.
+//! - [`source`]: where a part's bytes are read from (a file, or an object
+//!   of the store, by ranges).
 //! - [`vfile`]: downloads as recipes of pieces, streamed with `Range`.
 //! - [`assemble`]: `full`, `hf`, `sharded` and `rank` downloads.
 //! - [`compare`]: per-tensor statistics over whole tensors.
@@ -19,4 +21,5 @@ pub mod compare;
 pub mod files;
 pub mod format;
 pub mod posthoc;
+pub mod source;
 pub mod vfile;

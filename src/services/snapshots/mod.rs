@@ -99,6 +99,10 @@ pub enum SnapshotError {
     Engine(#[from] EngineError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The object store (an outage: 503 `store_unavailable`; a part
+    /// missing: 500 `snapshot_part_missing`).
+    #[error(transparent)]
+    Objects(#[from] crate::objstore::StoreError),
     #[error("snapshot files: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
