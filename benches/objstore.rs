@@ -113,9 +113,13 @@ fn main() {
             assert_eq!(got, 4 * part);
 
             let started = Instant::now();
-            let reads = keys.iter().map(|key| {
-                baseline.get_range(&Path::from(format!("bench/{key}")), 0..part as u64)
-            });
+            let paths: Vec<Path> = keys
+                .iter()
+                .map(|key| Path::from(format!("bench/{key}")))
+                .collect();
+            let reads = paths
+                .iter()
+                .map(|path| baseline.get_range(path, 0..part as u64));
             let got: usize = futures::future::try_join_all(reads)
                 .await
                 .expect("get_range")

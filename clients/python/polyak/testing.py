@@ -472,10 +472,26 @@ class S3Service:
             f"s3://{self.bucket}/p{os.getpid()}-{self._prefixes}-{int(time.time() * 1000) % 10**9}"
         )
 
-    def start(self, timeout: float = 60.0) -> S3Service:
+    def start(self, timeout: float = 120.0) -> S3Service:
+        """Starts the service (again, after :meth:`stop` with ``keep_data``).
+        A first start whose ports were taken meanwhile (they are chosen free,
+        then bound by weed) is tried again on new ones."""
         if self.external:
             self._ensure_bucket(timeout)
             return self
+        first = self.dir is None
+        for attempt in range(3 if first else 1):
+            try:
+                return self._launch(timeout)
+            except RuntimeError:
+                log = self.dir / "weed.log" if self.dir is not None else None
+                tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+                self.stop(keep_data=not first)
+                if attempt == 2 or not first:
+                    raise RuntimeError(f"SeaweedFS did not start; its log ends:\n{tail}") from None
+        raise AssertionError("unreachable")
+
+    def _launch(self, timeout: float) -> S3Service:
         weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
         if self.dir is None:
             self.dir = Path(tempfile.mkdtemp(prefix="polyak-s3-"))
