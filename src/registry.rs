@@ -13,6 +13,7 @@ use crate::engine::capture::CaptureEvent;
 use crate::engine::rank::RankLayout;
 use crate::engine::{device, EngineError, EngineHandle, FinishedAt};
 use crate::run::RunConfig;
+use crate::snapshot::meta;
 use crate::store::{RunFinish, Store, StoreError, StoredRank};
 
 /// sha256 hex of a token; only hashes are stored.
@@ -100,7 +101,16 @@ impl RankSummary {
 
 impl RankSummary {
     pub fn from_stored(row: StoredRank) -> Self {
-        let (tensors, numel) = row.layout.as_ref().map(layout_counts).unwrap_or_default();
+        // The catalog keeps the layout in the stored format; the summary
+        // holds the view the API shows (as a live push leaves it).
+        let layout = row.layout.and_then(|v| match meta::decode_layout(&v) {
+            Ok(layout) => serde_json::to_value(&layout).ok(),
+            Err(e) => {
+                tracing::warn!(rank = row.rank, error = %e, "a rank's stored layout is unreadable");
+                None
+            }
+        });
+        let (tensors, numel) = layout.as_ref().map(layout_counts).unwrap_or_default();
         RankSummary {
             last_step: row.last_step,
             pushes: row.pushes,
@@ -110,7 +120,7 @@ impl RankSummary {
             resident_bytes: 0,
             last_push_at_ms: row.last_push_at_ms,
             last_apply_seconds: None,
-            layout: row.layout.map(Arc::new),
+            layout: layout.map(Arc::new),
             tensors,
             numel,
             live: false,

@@ -184,8 +184,8 @@ impl RestoredRank {
         config: &RunConfig,
         device: tch::Device,
     ) -> Result<RankState, EngineError> {
-        let mut layout = self.meta.layout;
-        layout.rebuild_index();
+        // The stored format's reader built the index (snapshot::meta).
+        let layout = self.meta.layout;
         let to = |t: Tensor| t.f_to_device(device);
         let swa_n = config
             .profiles

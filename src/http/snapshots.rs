@@ -16,12 +16,12 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
-use crate::engine::host_bytes;
-use crate::engine::rank::{RankLayout, Slot};
+use crate::engine::rank::RankLayout;
 use crate::services::snapshots::{self as snap, SnapshotError};
 use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::compare::{self, CompareResult, RankTensors};
-use crate::snapshot::format::MIRROR_PART;
+use crate::snapshot::format::{self, MIRROR_PART};
+use crate::snapshot::meta::MetaError;
 use crate::state::AppState;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -45,6 +45,7 @@ impl From<SnapshotError> for ApiError {
                 "snapshot_write_failed",
                 m,
             ),
+            SnapshotError::Meta(e) => meta_error(e),
             SnapshotError::Worker(m) => ApiError::worker_failed(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
@@ -59,12 +60,37 @@ impl From<SnapshotError> for ApiError {
     }
 }
 
+/// Stored metadata this server cannot read: written by a newer version
+/// (the answer says which format), or a catalog row that does not parse.
+fn meta_error(e: MetaError) -> ApiError {
+    match e {
+        MetaError::Newer { .. } => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "snapshot_format_unsupported",
+            e.to_string(),
+        ),
+        MetaError::Malformed(_) => ApiError::fault(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "catalog_corrupt",
+            "the catalog holds a row the server cannot read",
+            e,
+        ),
+    }
+}
+
 impl From<assemble::AssembleError> for ApiError {
     fn from(e: assemble::AssembleError) -> Self {
         match e {
             assemble::AssembleError::DoesNotTile(m) => ApiError::unprocessable("does_not_tile", m),
             assemble::AssembleError::Missing(m) => ApiError::not_found("not_in_snapshot", m),
             assemble::AssembleError::Io(e) => ApiError::snapshot_io(e),
+            assemble::AssembleError::Format(e @ MetaError::Newer { .. }) => meta_error(e),
+            assemble::AssembleError::Format(e) => ApiError::fault(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "snapshot_corrupt",
+                "a stored snapshot part cannot be read back",
+                e,
+            ),
             assemble::AssembleError::Malformed(m) => ApiError::fault(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "snapshot_corrupt",
@@ -509,12 +535,7 @@ impl Side {
                     .iter()
                     .find(|p| p.rank == rank)
                     .ok_or_else(|| format!("rank {rank} has no file"))?;
-                let bytes = part
-                    .path
-                    .open()
-                    .and_then(|mut r| r.read_all())
-                    .map_err(|e| e.to_string())?;
-                compare::read_rank_file(bytes::Bytes::from(bytes))
+                compare::read_part(part)
             }
             Side::Live(ranks) => ranks
                 .get(&rank)
@@ -540,7 +561,7 @@ async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result
                     rank,
                     (
                         host.layout.clone(),
-                        live_tensors(host.layout.as_ref(), host.ema, host.copied),
+                        format::flat_tensors(host.layout.as_ref(), host.ema, host.copied),
                     ),
                 );
             }
@@ -560,26 +581,6 @@ async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result
     Ok(Side::Stored(
         snap::parts_of(state.snapshots(), &row, &part).await?,
     ))
-}
-
-/// Names -> bytes of a live export (slices of the flat buffers).
-fn live_tensors(layout: &RankLayout, ema: tch::Tensor, copied: Vec<tch::Tensor>) -> RankTensors {
-    let ema_dtype = DType::from_kind(ema.kind()).unwrap_or(DType::F32);
-    let ema = host_bytes(ema);
-    let copied: Vec<bytes::Bytes> = copied.into_iter().map(host_bytes).collect();
-    layout
-        .tensors
-        .iter()
-        .map(|t| {
-            let (dtype, buf, offset) = match t.slot {
-                Slot::Averaged { offset } => (ema_dtype, &ema, offset),
-                Slot::Copied { group, offset } => (t.dtype, &copied[group], offset),
-            };
-            let start = offset as usize * dtype.size();
-            let end = start + t.numel as usize * dtype.size();
-            (t.name.clone(), (dtype, buf.slice(start..end)))
-        })
-        .collect()
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

@@ -72,7 +72,7 @@ impl Shared {
         summary: &RankSummary,
         layout: Option<&RankLayout>,
     ) {
-        let layout_json = layout.and_then(|l| serde_json::to_string(l).ok());
+        let layout_json = layout.map(crate::snapshot::meta::encode_layout);
         self.catalog.send(CatalogUpdate::Rank {
             run: run.config.name.clone(),
             row: summary.to_row(rank),

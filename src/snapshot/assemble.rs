@@ -59,6 +59,9 @@ pub enum AssembleError {
     Io(#[from] std::io::Error),
     #[error("a snapshot file is malformed: {0}")]
     Malformed(String),
+    /// A part file of a newer format (or a format key that does not parse).
+    #[error(transparent)]
+    Format(#[from] super::meta::MetaError),
 }
 
 /// A tensor as stored in one rank file.
@@ -103,6 +106,7 @@ fn read_table(part: &StoredPart) -> Result<Vec<(String, StoredTensor)>, Assemble
     let object = value
         .as_object()
         .ok_or_else(|| AssembleError::Malformed("header is not an object".into()))?;
+    super::format::check_header_format(object)?;
     let chunks: HashMap<&str, &crate::wire::Chunk> = part
         .meta
         .layout

@@ -241,7 +241,19 @@ fn stats(name: String, shape: Vec<i64>, a: Acc) -> TensorStats {
 }
 
 /// Reads a stored rank file into name -> (dtype, bytes).
+/// Reads a stored part of one rank whole, for comparing.
+pub fn read_part(part: &super::assemble::StoredPart) -> Result<RankTensors, String> {
+    let bytes = part
+        .path
+        .open()
+        .and_then(|mut r| r.read_all())
+        .map_err(|e| e.to_string())?;
+    read_rank_file(Bytes::from(bytes))
+}
+
 pub fn read_rank_file(bytes: Bytes) -> Result<RankTensors, String> {
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| e.to_string())?;
+    super::meta::check_part_format(header.metadata().as_ref()).map_err(|e| e.to_string())?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
     let base = bytes.as_ptr() as usize;
     let mut out = HashMap::new();

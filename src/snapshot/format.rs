@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use tch::{Kind, Tensor};
 
+use super::meta::{check_part_format, MetaError, FORMAT_KEY, FORMAT_VERSION};
 use crate::engine::capture::{RankMeta, RestoredRank};
 use crate::engine::host_bytes;
 use crate::engine::rank::{RankLayout, Slot};
@@ -38,7 +39,8 @@ impl PartFile {
     }
 }
 
-/// The `__metadata__` every stored part carries.
+/// The `__metadata__` every stored part carries: the format number
+/// ([`FORMAT_KEY`]), then what the part is.
 pub fn part_metadata(
     run: &str,
     snapshot: &str,
@@ -47,6 +49,7 @@ pub fn part_metadata(
     part: &str,
 ) -> BTreeMap<String, String> {
     BTreeMap::from([
+        (FORMAT_KEY.to_string(), FORMAT_VERSION.to_string()),
         ("polyak.run".to_string(), run.to_string()),
         ("polyak.snapshot".to_string(), snapshot.to_string()),
         ("polyak.rank".to_string(), rank.to_string()),
@@ -179,6 +182,32 @@ pub fn mirror_part(
     PartFile { header, blocks }
 }
 
+/// Every tensor of a rank as its bytes, sliced out of the rank's flat host
+/// buffers: the averaged tensors from `ema` (in its dtype), the copied ones
+/// from their groups. What a live export is compared as.
+pub fn flat_tensors(
+    layout: &RankLayout,
+    ema: Tensor,
+    copied: Vec<Tensor>,
+) -> super::compare::RankTensors {
+    let ema_dtype = DType::from_kind(ema.kind()).unwrap_or(DType::F32);
+    let ema = host_bytes(ema);
+    let copied: Vec<Bytes> = copied.into_iter().map(host_bytes).collect();
+    layout
+        .tensors
+        .iter()
+        .map(|t| {
+            let (dtype, buf, offset) = match t.slot {
+                Slot::Averaged { offset } => (ema_dtype, &ema, offset),
+                Slot::Copied { group, offset } => (t.dtype, &copied[group], offset),
+            };
+            let start = offset as usize * dtype.size();
+            let end = start + t.numel as usize * dtype.size();
+            (t.name.clone(), (dtype, buf.slice(start..end)))
+        })
+        .collect()
+}
+
 /// Where one tensor's data lies in a stored file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredRange {
@@ -208,6 +237,7 @@ pub fn read_tensor_table(
     let object = value
         .as_object()
         .ok_or_else(|| FormatError::Parse("the header is not an object".into()))?;
+    check_header_format(object)?;
     let data_start = 8 + n;
     let mut out = std::collections::HashMap::with_capacity(object.len());
     for (name, info) in object {
@@ -246,10 +276,30 @@ pub fn read_tensor_table(
     Ok(out)
 }
 
+/// Checks the format number in a parsed safetensors header's
+/// `__metadata__` (see [`check_part_format`]).
+pub fn check_header_format(
+    header: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(), MetaError> {
+    let metadata: Option<std::collections::HashMap<String, String>> = header
+        .get("__metadata__")
+        .and_then(|m| m.as_object())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        });
+    check_part_format(metadata.as_ref())
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
     #[error("{0}")]
     Parse(String),
+    /// A part (or its catalog metadata) of a format this server does not
+    /// read, or metadata that does not hold together.
+    #[error(transparent)]
+    Meta(#[from] MetaError),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
     #[error("reading a stored part: {0}")]
@@ -311,6 +361,11 @@ pub fn restore_rank(
     mirror: Option<&[u8]>,
     ema_kind: Kind,
 ) -> Result<RestoredRank, FormatError> {
+    for file in profiles.iter().map(Vec::as_slice).chain(mirror) {
+        let (_, header) = safetensors::SafeTensors::read_metadata(file)
+            .map_err(|e| FormatError::Parse(e.to_string()))?;
+        check_part_format(header.metadata().as_ref())?;
+    }
     let layout = &meta.layout;
     let ema_dtype = DType::from_kind(ema_kind).unwrap_or(DType::F32);
     let averaged: Vec<&str> = averaged_members(layout)

@@ -5,6 +5,8 @@
 //! service in `services/snapshots`.
 //!
 //! - [`format`]: the safetensors layout of one rank's part.
+//! - [`meta`]: the versioned metadata stored with every part (the layout
+//!   and step bookkeeping a restore needs), and the compatibility rule.
 //! - [`files`]: durable writes (tmp, fsync, rename, dir fsync) and clean-up.
 //! - [`source`]: where a part's bytes are read from (a file, or an object
 //!   of the store, by ranges).
@@ -20,6 +22,7 @@ pub mod combine;
 pub mod compare;
 pub mod files;
 pub mod format;
+pub mod meta;
 pub mod posthoc;
 pub mod source;
 pub mod vfile;

@@ -12,20 +12,12 @@ from polyak.testing import Backends
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
-        pairs = (
-            Backends.PAIRS
-            if getattr(metafunc.module, "BACKEND_MATRIX", False)
-            else Backends.PAIRS[:1]
-        )
-        metafunc.parametrize("backend", pairs, indirect=True, scope="session")
+    Backends.parametrize(metafunc)
 
 
 @pytest.fixture(scope="session")
 def backends():
-    b = Backends()
-    yield b
-    b.close()
+    yield from Backends.session()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "Backends",
@@ -719,3 +721,28 @@ class Backends:
         if self._s3 is not None:
             self._s3.stop()
             self._s3 = None
+
+    @classmethod
+    def parametrize(cls, metafunc: Any) -> None:
+        """The body of a conftest's ``pytest_generate_tests``: a test that
+        asks for the ``backend`` fixture runs once per pair of :attr:`PAIRS`
+        when its module sets ``BACKEND_MATRIX = True``, else on the embedded
+        default only. The parameter is session-scoped and indirect (the
+        conftest's ``backend`` fixture returns ``request.param``), so the
+        servers of one pair are shared by the tests that run on it.
+        """
+        if "backend" in metafunc.fixturenames:
+            pairs = (
+                cls.PAIRS if getattr(metafunc.module, "BACKEND_MATRIX", False) else cls.PAIRS[:1]
+            )
+            metafunc.parametrize("backend", pairs, indirect=True, scope="session")
+
+    @classmethod
+    def session(cls) -> Iterator[Backends]:
+        """The body of a conftest's session-scoped ``backends`` fixture: one
+        set of backends for the session, closed at its end."""
+        b = cls()
+        try:
+            yield b
+        finally:
+            b.close()

@@ -18,20 +18,12 @@ from polyak.testing import Backends, find_binary
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Modules with BACKEND_MATRIX = True run on every catalog and store pair.
-    if "backend" in metafunc.fixturenames:
-        pairs = (
-            Backends.PAIRS
-            if getattr(metafunc.module, "BACKEND_MATRIX", False)
-            else Backends.PAIRS[:1]
-        )
-        metafunc.parametrize("backend", pairs, indirect=True, scope="session")
+    Backends.parametrize(metafunc)
 
 
 @pytest.fixture(scope="session")
 def backends():
-    b = Backends()
-    yield b
-    b.close()
+    yield from Backends.session()
 
 
 @pytest.fixture(scope="session")

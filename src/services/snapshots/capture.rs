@@ -77,14 +77,8 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
 pub(super) fn write_capture(state: Snaps, capture: RankCapture) {
     let id = capture.snapshot.clone();
     let rank = capture.rank;
-    {
-        let mut pending = state.pending.pending.lock().expect("pending lock");
-        match pending.get_mut(&id) {
-            Some(p) => {
-                p.writing.insert(rank);
-            }
-            None => return, // failed or deleted meanwhile
-        }
+    if !state.pending.start_writing(&id, rank) {
+        return; // failed or deleted meanwhile
     }
     tokio::spawn(async move {
         if let Err(e) = disk::check(&state, capture_bytes(&capture)) {
@@ -130,8 +124,7 @@ pub(super) async fn write_rank(
     capture: RankCapture,
 ) -> Result<Vec<FileRow>, SnapshotError> {
     let dir = files::snapshot_rel_dir(&capture.run, &capture.snapshot);
-    let meta_json =
-        serde_json::to_string(&capture.meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
+    let meta_json = meta::encode_rank_meta(&capture.meta);
     let base_meta = |part: &str| {
         format::part_metadata(
             &capture.run,
@@ -234,33 +227,11 @@ pub(super) async fn upload_part(
 }
 
 pub(super) async fn rank_written(state: &Snaps, id: &str, rank: u32, rows: Vec<FileRow>) {
-    enum Next {
-        Orphaned(Vec<FileRow>),
-        Wait,
-        Finalize(Pending),
-    }
-    let next = {
-        let mut pending = state.pending.pending.lock().expect("pending lock");
-        match pending.get_mut(id) {
-            // Failed, or its run deleted, while this rank was being
-            // written: nothing will list these files.
-            None => Next::Orphaned(rows),
-            Some(p) => {
-                p.writing.remove(&rank);
-                p.expected.remove(&rank);
-                p.written.extend(rows);
-                if p.expected.is_empty() && p.writing.is_empty() {
-                    Next::Finalize(pending.remove(id).expect("present"))
-                } else {
-                    Next::Wait
-                }
-            }
-        }
-    };
-    match next {
-        Next::Orphaned(rows) => discard_files(state, &rows).await,
-        Next::Wait => {}
-        Next::Finalize(p) => finalize(state, id, p).await,
+    match state.pending.rank_written(id, rank, rows) {
+        // Failed, or its run deleted, while this rank was being written.
+        RankWritten::Gone(rows) => discard_files(state, &rows).await,
+        RankWritten::More => {}
+        RankWritten::Last(p) => finalize(state, id, p).await,
     }
 }
 
@@ -309,13 +280,7 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
 /// The partial files go first: when the disk filled up they hold the space
 /// the catalog (on the same filesystem) needs to record the failure.
 pub async fn fail(state: &Snaps, id: &str, reason: &str) {
-    let Some(p) = state
-        .pending
-        .pending
-        .lock()
-        .expect("pending lock")
-        .remove(id)
-    else {
+    let Some(p) = state.pending.take(id) else {
         return;
     };
     tracing::warn!(run = %p.run, snapshot = %id, "snapshot failed: {reason}");
@@ -358,33 +323,18 @@ pub async fn record_failure(state: &Snaps, id: &str, reason: &str) {
             }
         }
     }
-    let mut unrecorded = state.pending.unrecorded.lock().expect("unrecorded lock");
-    unrecorded.insert(id.to_string(), reason.to_string());
-    state
-        .metrics
-        .unrecorded_failures
-        .set(unrecorded.len() as i64);
+    let kept = state.pending.keep_unrecorded(id, reason);
+    state.metrics.unrecorded_failures.set(kept as i64);
 }
 
 /// Retries the failures the catalog did not take.
 pub(super) async fn retry_unrecorded(state: &Snaps) {
-    let due: Vec<(String, String)> = state
-        .pending
-        .unrecorded
-        .lock()
-        .expect("unrecorded lock")
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let due = state.pending.unrecorded();
     for (id, reason) in due {
         match state.store.fail_snapshot(&id, &reason, now_ms()).await {
             Ok(_) => {
-                let mut unrecorded = state.pending.unrecorded.lock().expect("unrecorded lock");
-                unrecorded.remove(&id);
-                state
-                    .metrics
-                    .unrecorded_failures
-                    .set(unrecorded.len() as i64);
+                let left = state.pending.recorded(&id);
+                state.metrics.unrecorded_failures.set(left as i64);
                 tracing::info!(snapshot = %id, "snapshot failure recorded");
             }
             Err(e) => {
@@ -405,15 +355,7 @@ pub(super) async fn discard_files(state: &Snaps, rows: &[FileRow]) {
 
 pub(super) async fn fail_late(state: &Snaps) {
     let now = Instant::now();
-    let late: Vec<(String, Vec<u32>)> = state
-        .pending
-        .pending
-        .lock()
-        .expect("pending lock")
-        .iter()
-        .filter(|(_, p)| p.deadline.is_some_and(|d| d <= now) && p.writing.is_empty())
-        .map(|(id, p)| (id.clone(), p.expected.iter().copied().collect()))
-        .collect();
+    let late = state.pending.late(now);
     for (id, missing) in late {
         let reason =
             format!("timed out: rank(s) {missing:?} did not reach the snapshot step in time");

@@ -133,12 +133,7 @@ pub(super) async fn schedule_manual(
         .call(move |e| e.schedule_cut(&run_name, &sid, step, indices))
         .await?;
     if let Err(e) = scheduled {
-        state
-            .pending
-            .pending
-            .lock()
-            .expect("pending lock")
-            .remove(&id);
+        state.pending.take(&id);
         state.store.delete_snapshot(&id).await?;
         return Err(SnapshotError::Conflict(e.to_string()));
     }

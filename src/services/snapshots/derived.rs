@@ -23,7 +23,6 @@ use utoipa::ToSchema;
 use crate::snapshot::source::PartLoc;
 use super::{disk, record_failure, remove_files, Snaps, SnapshotError, MANUAL, PERIODIC};
 use crate::clock::now_ms;
-use crate::engine::capture::RankMeta;
 use crate::engine::snapshot_id;
 use crate::registry::RunHandle;
 use crate::run::{ProfileSpec, RunConfig};
@@ -31,6 +30,7 @@ use crate::sigma_rel::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
 use crate::snapshot::combine::{self, OutputSpec};
 use crate::snapshot::files;
 use crate::snapshot::format::{self, MIRROR_PART};
+use crate::snapshot::meta;
 use crate::snapshot::posthoc::{self, PosthocError, Source};
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -601,12 +601,9 @@ async fn start(
     for row in &rows {
         state.store.insert_snapshot(row).await?;
     }
-    {
-        let mut progress = state.pending.progress.lock().expect("progress lock");
-        for o in &outputs {
-            progress.insert(o.id.clone(), Progress { done: 0, total });
-        }
-    }
+    state
+        .pending
+        .progress_start(outputs.iter().map(|o| o.id.as_str()), total);
     for row in &rows {
         state.events.emit(
             &run.config.name,
@@ -669,12 +666,7 @@ fn spawn_job(state: Snaps, job: Job) {
             Ok(per_output) => complete(&state, &ids, step, per_output).await,
             Err(e) => Err(e),
         };
-        {
-            let mut progress = state.pending.progress.lock().expect("progress lock");
-            for id in &ids {
-                progress.remove(id);
-            }
-        }
+        state.pending.progress_end(ids.iter().map(String::as_str));
         match result {
             Ok(bytes) => {
                 tracing::info!(run = %run, kind = %kind, snapshots = ?ids, secs = started.elapsed().as_secs_f64(), "derived snapshots written");
@@ -709,14 +701,9 @@ fn spawn_job(state: Snaps, job: Job) {
 
 /// Records progress (at most a few times a second) and tells SSE readers.
 fn report(state: &Snaps, job: &Job, done: u64) {
-    {
-        let mut progress = state.pending.progress.lock().expect("progress lock");
-        for o in &job.outputs {
-            if let Some(p) = progress.get_mut(&o.id) {
-                p.done = done;
-            }
-        }
-    }
+    state
+        .pending
+        .progress_set(job.outputs.iter().map(|o| o.id.as_str()), done);
     state.events.emit_transient(
         &job.run,
         "snapshot",
@@ -827,9 +814,7 @@ fn write_outputs(
             .iter()
             .find(|f| f.rank == rank)
             .expect("ranks come from the base");
-        let mut meta: RankMeta = serde_json::from_str(&base_file.state)
-            .map_err(|e| SnapshotError::Internal(format!("stored rank metadata: {e}")))?;
-        meta.layout.rebuild_index();
+        let meta = meta::decode_rank_meta(&base_file.state)?;
         let specs = job
             .outputs
             .iter()
@@ -857,10 +842,10 @@ fn write_outputs(
         )
         .map_err(|e| match e {
             combine::CombineError::Io(e) => SnapshotError::Io(e),
+            combine::CombineError::Format(format::FormatError::Meta(m)) => SnapshotError::Meta(m),
             other => SnapshotError::Internal(other.to_string()),
         })?;
-        let state_json =
-            serde_json::to_string(&meta).map_err(|e| SnapshotError::Internal(e.to_string()))?;
+        let state_json = meta::encode_rank_meta(&meta);
         for ((o, w), rows) in job.outputs.iter().zip(written).zip(out.iter_mut()) {
             rows.push(FileRow {
                 rank,
@@ -885,13 +870,7 @@ fn write_outputs(
 
 /// The progress of a derived snapshot still being written.
 pub fn progress_of(state: &Snaps, id: &str) -> Option<Progress> {
-    state
-        .pending
-        .progress
-        .lock()
-        .expect("progress lock")
-        .get(id)
-        .copied()
+    state.pending.progress_of(id)
 }
 
 #[cfg(test)]

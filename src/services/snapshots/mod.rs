@@ -50,11 +50,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
-use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RankMeta, RestoredRank};
+use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RestoredRank};
 use crate::engine::{snapshot_id, EngineError};
 use crate::registry::RunHandle;
 use crate::run::RunConfig;
 use crate::services::{Context, Shared};
+use crate::snapshot::meta::{self, MetaError};
 use crate::snapshot::{assemble, compare, files, format};
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::store::{RunFinish, StoreError};
@@ -88,6 +89,11 @@ pub enum SnapshotError {
     /// parse, a part missing for a profile): 500 `snapshot_corrupt`.
     #[error("{0}")]
     Corrupt(String),
+    /// A part's metadata (in the catalog) or a part file that this server
+    /// cannot read: malformed (500 `catalog_corrupt`), or written in a
+    /// newer format (500 `snapshot_format_unsupported`).
+    #[error("{0}")]
+    Meta(#[from] MetaError),
     /// Writing a snapshot's parts or committing it failed (the reason is
     /// the snapshot's): 500 `snapshot_write_failed`.
     #[error("{0}")]

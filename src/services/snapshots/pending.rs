@@ -1,6 +1,8 @@
 //! The snapshot registry: snapshots being captured and written, who
 //! waits on them, compare results, derived-job progress, failures the
-//! catalog did not take yet. The one place its locks are taken.
+//! catalog did not take yet. Its maps are private: the methods here are the
+//! only code that takes their locks, each one complete operation under
+//! one lock, never held across an await.
 
 #[allow(unused_imports)]
 use super::*;
@@ -20,17 +22,29 @@ pub(super) struct Pending {
     pub(super) _backlog: Option<Backlog>,
 }
 
+/// What [`Snapshots::rank_written`] found.
+pub(super) enum RankWritten {
+    /// The snapshot failed or was deleted meanwhile: nothing will list
+    /// these files.
+    Gone(Vec<FileRow>),
+    /// Other ranks are still to come.
+    More,
+    /// That was the last rank: the snapshot, out of the registry.
+    Last(Pending),
+}
+
 /// The snapshot registry: what is being written and who waits on it.
 pub struct Snapshots {
     pub(super) data_dir: PathBuf,
-    pub(super) pending: Mutex<HashMap<String, Pending>>,
-    pub(super) compare_cache: Mutex<HashMap<String, Arc<CompareResult>>>,
-    pub(super) last_state: Mutex<HashMap<String, Instant>>,
+    pending: Mutex<HashMap<String, Pending>>,
+    compare_cache: Mutex<HashMap<String, Arc<CompareResult>>>,
+    /// When each run's last state snapshot was attempted.
+    last_state: Mutex<HashMap<String, Instant>>,
     /// Derived snapshots being written: how far along.
-    pub(super) progress: Mutex<HashMap<String, derived::Progress>>,
+    progress: Mutex<HashMap<String, derived::Progress>>,
     /// Failures the catalog did not take yet (`id -> reason`), retried by
     /// the ticker: a failed snapshot must never read `pending` forever.
-    pub(super) unrecorded: Mutex<HashMap<String, String>>,
+    unrecorded: Mutex<HashMap<String, String>>,
 }
 
 impl Snapshots {
@@ -75,14 +89,155 @@ impl Snapshots {
 
     /// Waits until a snapshot completes or fails (or `timeout`).
     pub async fn wait(&self, id: &str, timeout: Duration) -> Option<Finished> {
-        let rx = {
-            let mut pending = self.pending.lock().expect("pending lock");
-            let entry = pending.get_mut(id)?;
-            let (tx, rx) = oneshot::channel();
-            entry.waiters.push(tx);
-            rx
-        };
+        let rx = self.waiter(id)?;
         tokio::time::timeout(timeout, rx).await.ok()?.ok()
+    }
+
+    /// A receiver told how a pending snapshot ends; `None` when it is not
+    /// pending (any more).
+    pub(super) fn waiter(&self, id: &str) -> Option<oneshot::Receiver<Finished>> {
+        let mut pending = self.pending.lock().expect("pending lock");
+        let entry = pending.get_mut(id)?;
+        let (tx, rx) = oneshot::channel();
+        entry.waiters.push(tx);
+        Some(rx)
+    }
+
+    pub(super) fn is_pending(&self, id: &str) -> bool {
+        self.pending.lock().expect("pending lock").contains_key(id)
+    }
+
+    /// The pending snapshots of `run`.
+    pub(super) fn pending_of(&self, run: &str) -> Vec<String> {
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .iter()
+            .filter(|(_, p)| p.run == run)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Takes a snapshot out of the registry (it failed, or was never
+    /// scheduled): whoever gets it settles its waiters.
+    pub(super) fn take(&self, id: &str) -> Option<Pending> {
+        self.pending.lock().expect("pending lock").remove(id)
+    }
+
+    /// Marks `rank` of `id` as being written; `false` when the snapshot is
+    /// no longer pending (failed or deleted meanwhile).
+    pub(super) fn start_writing(&self, id: &str, rank: u32) -> bool {
+        match self.pending.lock().expect("pending lock").get_mut(id) {
+            Some(p) => {
+                p.writing.insert(rank);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Records `rank`'s written files; when it was the last rank, takes the
+    /// snapshot out of the registry to be completed.
+    pub(super) fn rank_written(&self, id: &str, rank: u32, rows: Vec<FileRow>) -> RankWritten {
+        let mut pending = self.pending.lock().expect("pending lock");
+        let Some(p) = pending.get_mut(id) else {
+            return RankWritten::Gone(rows);
+        };
+        p.writing.remove(&rank);
+        p.expected.remove(&rank);
+        p.written.extend(rows);
+        if p.expected.is_empty() && p.writing.is_empty() {
+            RankWritten::Last(pending.remove(id).expect("present"))
+        } else {
+            RankWritten::More
+        }
+    }
+
+    /// Snapshots past their deadline with no rank being written, and the
+    /// ranks they still miss.
+    pub(super) fn late(&self, now: Instant) -> Vec<(String, Vec<u32>)> {
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .iter()
+            .filter(|(_, p)| p.deadline.is_some_and(|d| d <= now) && p.writing.is_empty())
+            .map(|(id, p)| (id.clone(), p.expected.iter().copied().collect()))
+            .collect()
+    }
+
+    /// Sets when `run`'s last state snapshot was attempted.
+    pub(super) fn set_state_attempt(&self, run: &str, at: Instant) {
+        self.last_state
+            .lock()
+            .expect("state lock")
+            .insert(run.to_string(), at);
+    }
+
+    /// Whether `every` has passed since `run`'s last state attempt (the
+    /// first call for a run starts its clock).
+    pub(super) fn state_due(&self, run: &str, every: Duration) -> bool {
+        let mut last = self.last_state.lock().expect("state lock");
+        let at = *last.entry(run.to_string()).or_insert_with(Instant::now);
+        at.elapsed() >= every
+    }
+
+    /// Keeps a failure the catalog did not take; returns how many are kept.
+    pub(super) fn keep_unrecorded(&self, id: &str, reason: &str) -> usize {
+        let mut unrecorded = self.unrecorded.lock().expect("unrecorded lock");
+        unrecorded.insert(id.to_string(), reason.to_string());
+        unrecorded.len()
+    }
+
+    /// The failures the catalog did not take yet.
+    pub(super) fn unrecorded(&self) -> Vec<(String, String)> {
+        self.unrecorded
+            .lock()
+            .expect("unrecorded lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Forgets a failure the catalog took; returns how many are left.
+    pub(super) fn recorded(&self, id: &str) -> usize {
+        let mut unrecorded = self.unrecorded.lock().expect("unrecorded lock");
+        unrecorded.remove(id);
+        unrecorded.len()
+    }
+
+    /// Starts the progress of derived snapshots `ids`, `total` bytes each.
+    pub(super) fn progress_start<'a>(&self, ids: impl IntoIterator<Item = &'a str>, total: u64) {
+        let mut progress = self.progress.lock().expect("progress lock");
+        for id in ids {
+            progress.insert(id.to_string(), derived::Progress { done: 0, total });
+        }
+    }
+
+    /// Sets how far derived snapshots `ids` are.
+    pub(super) fn progress_set<'a>(&self, ids: impl IntoIterator<Item = &'a str>, done: u64) {
+        let mut progress = self.progress.lock().expect("progress lock");
+        for id in ids {
+            if let Some(p) = progress.get_mut(id) {
+                p.done = done;
+            }
+        }
+    }
+
+    /// Forgets the progress of derived snapshots `ids` (written or failed).
+    pub(super) fn progress_end<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let mut progress = self.progress.lock().expect("progress lock");
+        for id in ids {
+            progress.remove(id);
+        }
+    }
+
+    /// How far a derived snapshot being written is.
+    pub(super) fn progress_of(&self, id: &str) -> Option<derived::Progress> {
+        self.progress
+            .lock()
+            .expect("progress lock")
+            .get(id)
+            .copied()
     }
 
     pub fn cached_compare(&self, key: &str) -> Option<Arc<CompareResult>> {

@@ -15,10 +15,7 @@ pub async fn persist_state(
     // once per interval, not on every tick.
     state
         .pending
-        .last_state
-        .lock()
-        .expect("state lock")
-        .insert(run.config.name.clone(), Instant::now());
+        .set_state_attempt(&run.config.name, Instant::now());
     disk::check(state, run.resident_bytes())?;
     let id = snapshot_id(STATE, 0);
     let (run_name, sid) = (run.config.name.clone(), id.clone());
@@ -54,16 +51,12 @@ pub async fn persist_state(
         None,
         None,
     );
-    let (tx, rx) = oneshot::channel();
-    if let Some(p) = state
-        .pending
-        .pending
-        .lock()
-        .expect("pending lock")
-        .get_mut(&id)
-    {
-        p.waiters.push(tx);
-    }
+    let Some(rx) = state.pending.waiter(&id) else {
+        // Failed (its run deleted) the moment it was registered.
+        return Err(SnapshotError::WriteFailed(
+            "state snapshot abandoned".into(),
+        ));
+    };
     for c in captures {
         write_capture(state.clone(), c);
     }
@@ -96,13 +89,9 @@ pub(super) async fn persist_due(state: &Snaps) {
         if every == 0 {
             continue;
         }
-        let due = {
-            let mut last = state.pending.last_state.lock().expect("state lock");
-            let at = *last
-                .entry(run.config.name.clone())
-                .or_insert_with(Instant::now);
-            at.elapsed() >= Duration::from_secs(every)
-        };
+        let due = state
+            .pending
+            .state_due(&run.config.name, Duration::from_secs(every));
         if due {
             let state = state.clone();
             // Off the ticker, so a long write does not delay deadlines.
@@ -123,12 +112,7 @@ fn retry_state_soon(state: &Snaps, run: &str, every_secs: u64) {
     let at = Instant::now()
         .checked_sub(every - wait)
         .unwrap_or_else(Instant::now);
-    state
-        .pending
-        .last_state
-        .lock()
-        .expect("state lock")
-        .insert(run.to_string(), at);
+    state.pending.set_state_attempt(run, at);
 }
 
 /// Attempts at persisting a run's state on shutdown before giving up.

@@ -15,10 +15,7 @@ pub async fn parts_of(
     let files = state.store.snapshot_files(&row.id).await?;
     let mut out = Vec::new();
     for f in files.into_iter().filter(|f| f.part == part) {
-        let meta: RankMeta =
-            serde_json::from_str(&f.state).map_err(|e| SnapshotError::Store(e.into()))?;
-        let mut meta = meta;
-        meta.layout.rebuild_index();
+        let meta = meta::decode_rank_meta(&f.state)?;
         out.push(assemble::StoredPart {
             rank: f.rank,
             path: PartLoc::new(&state.objects, &f.path),
@@ -41,8 +38,7 @@ pub(super) fn load_restorable(
     }
     let mut out = Vec::new();
     for (rank, files) in by_rank {
-        let meta: RankMeta =
-            serde_json::from_str(&files[0].state).map_err(|e| SnapshotError::Store(e.into()))?;
+        let meta = meta::decode_rank_meta(&files[0].state)?;
         let read = |part: &str| -> Result<Option<Vec<u8>>, SnapshotError> {
             match files.iter().find(|f| f.part == part) {
                 Some(f) => Ok(Some(PartLoc::new(objects, &f.path).open()?.read_all()?)),
@@ -65,7 +61,12 @@ pub(super) fn load_restorable(
         };
         let restored =
             format::restore_rank(meta, &profiles, mirror.as_deref(), config.ema_dtype.kind())
-                .map_err(|e| SnapshotError::Corrupt(format!("rank {rank}: {e}")))?;
+                .map_err(|e| match e {
+                    format::FormatError::Meta(m @ MetaError::Newer { .. }) => {
+                        SnapshotError::Meta(m)
+                    }
+                    e => SnapshotError::Corrupt(format!("rank {rank}: {e}")),
+                })?;
         out.push((rank, restored));
     }
     Ok(out)

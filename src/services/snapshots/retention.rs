@@ -7,15 +7,7 @@ use super::*;
 /// file it had (`runs/<run>/`), so a deleted run's disk space comes back at
 /// once, not at the next start.
 pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotError> {
-    let pending: Vec<String> = state
-        .pending
-        .pending
-        .lock()
-        .expect("pending lock")
-        .iter()
-        .filter(|(_, p)| p.run == run)
-        .map(|(id, _)| id.clone())
-        .collect();
+    let pending = state.pending.pending_of(run);
     for id in pending {
         fail(state, &id, "the run was deleted").await;
     }
@@ -46,13 +38,7 @@ pub(super) async fn remove_files(state: &Snaps, run: &str, id: &str) {
 /// Deletes a snapshot: the catalog row first (so a crash never leaves a
 /// complete snapshot without files), then the files.
 pub async fn delete(state: &Snaps, run: &str, id: &str) -> Result<bool, SnapshotError> {
-    if state
-        .pending
-        .pending
-        .lock()
-        .expect("pending lock")
-        .contains_key(id)
-    {
+    if state.pending.is_pending(id) {
         fail(state, id, "deleted while pending").await;
     }
     let existed = state.store.delete_snapshot(id).await?;
