@@ -11,10 +11,10 @@ mod s3;
 
 use std::time::Instant;
 
+use futures::StreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path;
 use object_store::{ObjectStore as _, WriteMultipart};
-use futures::StreamExt;
 use polyak::objstore::{ObjectStore, PARTS_IN_FLIGHT, PART_BYTES};
 use polyak::snapshot::source::PartLoc;
 use polyak::snapshot::vfile::{Piece, VirtualFile};
@@ -89,7 +89,9 @@ fn main() {
         let keys: Vec<String> = (0..4).map(|r| format!("parts/rank-{r:05}")).collect();
         for (r, key) in keys.iter().enumerate() {
             let mut up = store.begin_upload(key).await.expect("begin");
-            up.write(&data[r * part..(r + 1) * part]).await.expect("write");
+            up.write(&data[r * part..(r + 1) * part])
+                .await
+                .expect("write");
             up.finish().await.expect("finish");
         }
         let (mut served, mut direct) = (f64::INFINITY, f64::INFINITY);

@@ -1,13 +1,18 @@
 //! The event bus: numbered events, broadcast to live subscribers (SSE),
 //! kept in a recent-events ring for replay, and stored through the catalog
-//! writer.
+//! writer. What may be emitted is [`Event`]: one variant per event kind,
+//! each with its payload, serialised to the event's `detail`.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;
 
+use serde::Serialize;
+
 use crate::clock::now_ms;
+use crate::contract::{CutKind, EventKind, SnapshotEventStatus, SnapshotKind};
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
 use crate::store::StoredEvent;
 
@@ -34,14 +39,18 @@ impl EventBus {
         }
     }
 
+    /// Numbers `event`, publishes it to live subscribers and, unless it is
+    /// transient (see [`Event::is_stored`]), keeps it for replay and stores
+    /// it. The one way an event enters the bus.
     pub fn emit(
         &self,
         run: &str,
-        kind: &str,
         rank: Option<u32>,
         step: Option<u64>,
-        detail: serde_json::Value,
+        event: Event,
     ) -> Arc<StoredEvent> {
+        let stored = event.is_stored();
+        let (kind, detail) = event.into_parts();
         // Numbering and publishing under one lock keeps ids in order on
         // every subscriber.
         let mut recent = self.recent.lock().expect("events lock");
@@ -49,41 +58,20 @@ impl EventBus {
             id: self.next_id.fetch_add(1, Ordering::SeqCst),
             run: run.to_string(),
             at_ms: now_ms(),
-            kind: kind.to_string(),
+            kind,
             rank,
             step,
             detail,
         });
-        if recent.len() == RECENT_EVENTS {
-            recent.pop_front();
+        if stored {
+            if recent.len() == RECENT_EVENTS {
+                recent.pop_front();
+            }
+            recent.push_back(event.clone());
+            self.catalog.send(CatalogUpdate::Event((*event).clone()));
         }
-        recent.push_back(event.clone());
-        self.catalog.send(CatalogUpdate::Event((*event).clone()));
         let _ = self.tx.send(event.clone());
         event
-    }
-
-    /// An event for live subscribers only (not stored: high-rate, already
-    /// kept elsewhere, like metric posts).
-    pub fn emit_transient(
-        &self,
-        run: &str,
-        kind: &str,
-        rank: Option<u32>,
-        step: Option<u64>,
-        detail: serde_json::Value,
-    ) {
-        let _guard = self.recent.lock().expect("events lock");
-        let event = Arc::new(StoredEvent {
-            id: self.next_id.fetch_add(1, Ordering::SeqCst),
-            run: run.to_string(),
-            at_ms: now_ms(),
-            kind: kind.to_string(),
-            rank,
-            step,
-            detail,
-        });
-        let _ = self.tx.send(event);
     }
 
     /// Events of `run` with `id > after` still in memory, oldest first.
@@ -99,5 +87,276 @@ impl EventBus {
 
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<StoredEvent>> {
         self.tx.subscribe()
+    }
+}
+
+/// An event as emitted: its kind (the variant) and its `detail` (the
+/// payload, serialised as the event's JSON `detail`).
+#[derive(Debug, Clone)]
+pub enum Event {
+    RunCreated(RunCreated),
+    RankRegistered(RankRegistered),
+    Push(PushApplied),
+    Rejection(Rejection),
+    MirrorMismatch(MirrorMismatch),
+    Snapshot(SnapshotEvent),
+    Finished(Finished),
+    Resumed(Resumed),
+    Restored(Restored),
+    Annotated(Annotated),
+    /// The alert as the alerts service lists it.
+    Alert(serde_json::Value),
+    Metrics(Metrics),
+}
+
+impl Event {
+    pub fn kind(&self) -> EventKind {
+        match self {
+            Event::RunCreated(_) => EventKind::RunCreated,
+            Event::RankRegistered(_) => EventKind::RankRegistered,
+            Event::Push(_) => EventKind::Push,
+            Event::Rejection(_) => EventKind::Rejection,
+            Event::MirrorMismatch(_) => EventKind::MirrorMismatch,
+            Event::Snapshot(_) => EventKind::Snapshot,
+            Event::Finished(_) => EventKind::Finished,
+            Event::Resumed(_) => EventKind::Resumed,
+            Event::Restored(_) => EventKind::Restored,
+            Event::Annotated(_) => EventKind::Annotated,
+            Event::Alert(_) => EventKind::Alert,
+            Event::Metrics(_) => EventKind::Metrics,
+        }
+    }
+
+    /// False for events only live subscribers see: high-rate ones already
+    /// kept elsewhere (metric posts, a derived snapshot's progress).
+    pub fn is_stored(&self) -> bool {
+        !matches!(
+            self,
+            Event::Metrics(_) | Event::Snapshot(SnapshotEvent::Running { .. })
+        )
+    }
+
+    /// The kind and the JSON `detail`.
+    pub fn into_parts(self) -> (EventKind, serde_json::Value) {
+        fn json(payload: &impl Serialize) -> serde_json::Value {
+            serde_json::to_value(payload).unwrap_or_default()
+        }
+        let kind = self.kind();
+        let detail = match &self {
+            Event::RunCreated(p) => json(p),
+            Event::RankRegistered(p) => json(p),
+            Event::Push(p) => json(p),
+            Event::Rejection(p) => json(p),
+            Event::MirrorMismatch(p) => json(p),
+            Event::Snapshot(p) => json(p),
+            Event::Finished(p) => json(p),
+            Event::Resumed(p) => json(p),
+            Event::Restored(p) => json(p),
+            Event::Annotated(p) => json(p),
+            Event::Alert(v) => v.clone(),
+            Event::Metrics(p) => json(p),
+        };
+        (kind, detail)
+    }
+}
+
+/// `run_created`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunCreated {
+    pub world_size: u32,
+    /// How many EMA profiles.
+    pub profiles: usize,
+}
+
+/// `rank_registered`: a rank's first push registered its layout.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankRegistered {
+    pub tensors: usize,
+    pub numel: u64,
+    pub resident_bytes: u64,
+}
+
+/// `push`: an accepted push.
+#[derive(Debug, Clone, Serialize)]
+pub struct PushApplied {
+    pub applied: bool,
+    pub duplicate: bool,
+    /// Bytes on the wire.
+    pub bytes: u64,
+    pub apply_seconds: f64,
+    pub seconds: f64,
+    /// Tensors skipped for holding NaN/Inf.
+    pub skipped: Vec<String>,
+}
+
+/// `rejection`: a refused push, with the status and code it was answered.
+#[derive(Debug, Clone, Serialize)]
+pub struct Rejection {
+    pub status: u16,
+    pub code: &'static str,
+    pub message: String,
+}
+
+/// `mirror_mismatch`: a keyframe found the mirror diverged; it was repaired.
+#[derive(Debug, Clone, Serialize)]
+pub struct MirrorMismatch {
+    pub client_crc32: String,
+    pub server_crc32: String,
+    pub repaired: bool,
+}
+
+/// `snapshot`: a snapshot's life, by its `status`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum SnapshotEvent {
+    Pending {
+        id: String,
+        kind: SnapshotKind,
+        /// How a manual snapshot's step was chosen.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cut: Option<CutKind>,
+    },
+    /// A derived snapshot's progress: `done` of `total` source bytes.
+    Running {
+        ids: Vec<String>,
+        kind: SnapshotKind,
+        done: u64,
+        total: u64,
+    },
+    Complete {
+        id: String,
+        kind: SnapshotKind,
+        bytes: u64,
+    },
+    Failed {
+        id: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        kind: Option<SnapshotKind>,
+        reason: String,
+    },
+    /// A due periodic cut the write backlog had no room for.
+    Skipped { kind: SnapshotKind, reason: String },
+    Deleted {
+        id: String,
+        /// `retention` when retention deleted it.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<&'static str>,
+    },
+}
+
+impl SnapshotEvent {
+    pub fn status(&self) -> SnapshotEventStatus {
+        match self {
+            SnapshotEvent::Pending { .. } => SnapshotEventStatus::Pending,
+            SnapshotEvent::Running { .. } => SnapshotEventStatus::Running,
+            SnapshotEvent::Complete { .. } => SnapshotEventStatus::Complete,
+            SnapshotEvent::Failed { .. } => SnapshotEventStatus::Failed,
+            SnapshotEvent::Skipped { .. } => SnapshotEventStatus::Skipped,
+            SnapshotEvent::Deleted { .. } => SnapshotEventStatus::Deleted,
+        }
+    }
+}
+
+/// `finished`: the run was finished; its final snapshot, if anything was pushed.
+#[derive(Debug, Clone, Serialize)]
+pub struct Finished {
+    pub snapshot: Option<String>,
+}
+
+/// `resumed`: the run's EMA was restored from a snapshot on request.
+#[derive(Debug, Clone, Serialize)]
+pub struct Resumed {
+    pub snapshot: String,
+    pub rank_steps: BTreeMap<u32, u64>,
+    pub requested_step: u64,
+    pub older: bool,
+}
+
+/// `restored`: the run's EMA was restored at start.
+#[derive(Debug, Clone, Serialize)]
+pub struct Restored {
+    pub snapshot: String,
+    pub rank_steps: BTreeMap<u32, u64>,
+}
+
+/// `annotated`: the run's tags or note changed.
+#[derive(Debug, Clone, Serialize)]
+pub struct Annotated {
+    pub tags: Vec<String>,
+    pub note: String,
+}
+
+/// `metrics`: a metric post (live subscribers only).
+#[derive(Debug, Clone, Serialize)]
+pub struct Metrics {
+    pub values: BTreeMap<String, f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn payloads_serialise_to_the_documented_details() {
+        let pending = Event::Snapshot(SnapshotEvent::Pending {
+            id: "a".into(),
+            kind: SnapshotKind::Manual,
+            cut: Some(CutKind::NextUpdate),
+        });
+        assert!(pending.is_stored());
+        assert_eq!(
+            pending.into_parts(),
+            (
+                EventKind::Snapshot,
+                json!({"id": "a", "status": "pending", "kind": "manual", "cut": "next_update"})
+            )
+        );
+        let failed = Event::Snapshot(SnapshotEvent::Failed {
+            id: "b".into(),
+            kind: None,
+            reason: "disk".into(),
+        });
+        assert_eq!(
+            failed.into_parts().1,
+            json!({"id": "b", "status": "failed", "reason": "disk"})
+        );
+        let deleted = Event::Snapshot(SnapshotEvent::Deleted {
+            id: "c".into(),
+            reason: None,
+        });
+        assert_eq!(
+            deleted.into_parts().1,
+            json!({"id": "c", "status": "deleted"})
+        );
+        let running = Event::Snapshot(SnapshotEvent::Running {
+            ids: vec!["d".into()],
+            kind: SnapshotKind::Posthoc,
+            done: 3,
+            total: 9,
+        });
+        assert!(!running.is_stored());
+        assert_eq!(
+            running.into_parts().1,
+            json!({"ids": ["d"], "status": "running", "kind": "posthoc", "done": 3, "total": 9})
+        );
+        let resumed = Event::Resumed(Resumed {
+            snapshot: "e".into(),
+            rank_steps: BTreeMap::from([(0, 4), (1, 4)]),
+            requested_step: 5,
+            older: false,
+        });
+        assert_eq!(
+            resumed.into_parts(),
+            (
+                EventKind::Resumed,
+                json!({"snapshot": "e", "rank_steps": {"0": 4, "1": 4}, "requested_step": 5, "older": false})
+            )
+        );
+        let metrics = Event::Metrics(Metrics {
+            values: BTreeMap::from([("loss".to_string(), 0.5)]),
+        });
+        assert!(!metrics.is_stored());
+        assert_eq!(metrics.kind(), EventKind::Metrics);
     }
 }

@@ -14,7 +14,9 @@
 //! leaves.
 //!
 //! - Leaves: [`clock`] (wall-clock milliseconds), [`config`] (the
-//!   `polyak serve` flags, each also an environment variable), [`sigma_rel`]
+//!   `polyak serve` flags, each also an environment variable), [`contract`]
+//!   (the contract's closed sets: snapshot kinds and statuses, cut kinds,
+//!   event kinds, as serde enums), [`sigma_rel`]
 //!   (EDM2's `sigma_rel` <-> power exponent), [`hugepages`] (transparent huge
 //!   pages for the large host buffers).
 //! - [`run`]: a run's configuration (profiles, `update_every`, dtypes,
@@ -46,6 +48,7 @@
 
 pub mod clock;
 pub mod config;
+pub mod contract;
 pub mod engine;
 pub mod events;
 pub mod http;

@@ -34,20 +34,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let data_dir = args.data_dir.clone();
-    // An empty POLYAK_CATALOG (compose passes one through) means the default.
-    let catalog_url = args
-        .catalog
-        .clone()
-        .filter(|url| !url.is_empty())
-        .unwrap_or_else(|| Store::default_url(&data_dir));
-    std::fs::create_dir_all(&data_dir)
-        .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
-    let store = Store::connect(&catalog_url).await.with_context(|| {
-        format!(
-            "opening the catalog {}",
-            crate::store::redact_url(&catalog_url)
-        )
-    })?;
+    let store = open_catalog(&args).await?;
     let store_kind = store.kind().name();
     let objects = open_objects(&args)?;
     let objects_kind = objects.kind();
@@ -56,12 +43,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     crate::services::snapshots::recover(state.snapshots())
         .await
         .context("recovering from the last run's snapshots")?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let alert_task = crate::services::alerts::spawn(state.alerts().clone(), stop_rx.clone());
-    let monitor_task = crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone());
-    let trim_task = state.ingest().spawn_trim(stop_rx.clone());
-    let snapshot_tasks =
-        crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);
+    let tasks = Tasks::spawn(&state, captures);
     tracing::info!(
         %addr,
         device = %state.registry().default_device(),
@@ -73,44 +55,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     // Tests and scripts read this line to learn the port.
     println!("polyak listening on http://{addr}");
-    let (metrics_stop, metrics_task) = match metrics_listener {
-        Some(listener) => {
-            let maddr = listener.local_addr()?;
-            tracing::info!(addr = %maddr, "serving /metrics without a token");
-            println!("polyak metrics on http://{maddr}/metrics");
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            let app = crate::http::metrics_router(state.clone());
-            let limits = ConnLimits::from_args(state.args());
-            let open = state.metrics().connections.clone();
-            let task = tokio::spawn(crate::http::conn::serve(
-                listener,
-                app,
-                limits,
-                open,
-                async move {
-                    let _ = rx.await;
-                },
-                Duration::from_secs(1),
-            ));
-            (Some(tx), Some(task))
-        }
-        None => (None, None),
+    let metrics = match metrics_listener {
+        Some(listener) => Some(MetricsListener::start(listener, &state)?),
+        None => None,
     };
     run(listener, state.clone(), shutdown_signal()).await?;
-    if let Some(tx) = metrics_stop {
-        let _ = tx.send(());
-    }
-    if let Some(task) = metrics_task {
-        let _ = task.await;
+    if let Some(metrics) = metrics {
+        metrics.stop().await;
     }
     // Requests in flight are done: persist every run that changed, then stop
-    // the snapshot tasks.
+    // the services' tasks.
     crate::services::snapshots::persist_all(state.snapshots()).await;
-    let _ = stop_tx.send(true);
-    let _ = snapshot_tasks.await;
-    let _ = alert_task.await;
-    let _ = monitor_task.await;
-    let _ = trim_task.await;
+    tasks.stop().await;
     drop(state);
     // Every catalog sender is gone once the state is dropped; the writer
     // flushes what it holds and ends.
@@ -128,6 +84,97 @@ fn open_objects(args: &ServeArgs) -> anyhow::Result<ObjectStore> {
         .unwrap_or_else(|| ObjectStore::default_url(&args.data_dir));
     let endpoint = args.s3_endpoint.as_deref().filter(|e| !e.is_empty());
     ObjectStore::open(&url, endpoint).with_context(|| format!("opening the object store {url}"))
+}
+
+/// Opens the catalog `--catalog` names (default: SQLite in the data dir),
+/// creating the data dir first.
+async fn open_catalog(args: &ServeArgs) -> anyhow::Result<Store> {
+    let data_dir = &args.data_dir;
+    // An empty POLYAK_CATALOG (compose passes one through) means the default.
+    let catalog_url = args
+        .catalog
+        .clone()
+        .filter(|url| !url.is_empty())
+        .unwrap_or_else(|| Store::default_url(data_dir));
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
+    Store::connect(&catalog_url).await.with_context(|| {
+        format!(
+            "opening the catalog {}",
+            crate::store::redact_url(&catalog_url)
+        )
+    })
+}
+
+/// The services' periodic tasks, and how to stop them.
+struct Tasks {
+    stop: tokio::sync::watch::Sender<bool>,
+    snapshots: tokio::task::JoinHandle<()>,
+    others: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Tasks {
+    fn spawn(
+        state: &AppState,
+        captures: tokio::sync::mpsc::UnboundedReceiver<crate::engine::capture::CaptureEvent>,
+    ) -> Self {
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let others = vec![
+            crate::services::alerts::spawn(state.alerts().clone(), stop_rx.clone()),
+            crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone()),
+            state.ingest().spawn_trim(stop_rx.clone()),
+        ];
+        let snapshots =
+            crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);
+        Tasks {
+            stop,
+            snapshots,
+            others,
+        }
+    }
+
+    /// Signals every task and waits for it, the snapshot writer first.
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.snapshots.await;
+        for task in self.others {
+            let _ = task.await;
+        }
+    }
+}
+
+/// `/metrics` served on its own listener (`--metrics-bind`), without a token.
+struct MetricsListener {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MetricsListener {
+    fn start(listener: TcpListener, state: &AppState) -> anyhow::Result<Self> {
+        let maddr = listener.local_addr()?;
+        tracing::info!(addr = %maddr, "serving /metrics without a token");
+        println!("polyak metrics on http://{maddr}/metrics");
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let app = crate::http::metrics_router(state.clone());
+        let limits = ConnLimits::from_args(state.args());
+        let open = state.metrics().connections.clone();
+        let task = tokio::spawn(crate::http::conn::serve(
+            listener,
+            app,
+            limits,
+            open,
+            async move {
+                let _ = rx.await;
+            },
+            Duration::from_secs(1),
+        ));
+        Ok(MetricsListener { stop, task })
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
 }
 
 /// Serves `state` on `listener` until `shutdown` resolves, then waits (up

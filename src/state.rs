@@ -53,19 +53,19 @@ impl AppInner {
         );
         registry.load(&store).await?;
         let shared = Arc::new(Shared {
-            events: EventBus::new(last_event, catalog.clone()),
+            events: Arc::new(EventBus::new(last_event, catalog.clone())),
             catalog,
             store,
             objects,
-            registry,
+            registry: Arc::new(registry),
             metrics,
             started: Instant::now(),
             args,
         });
         let state = Arc::new(AppInner {
             ingest: Arc::new(Ingest::new(shared.clone())),
-            snapshots: SnapshotService::new(shared.clone()),
-            alerts: AlertService::new(shared.clone()),
+            snapshots: SnapshotService::new(&shared),
+            alerts: AlertService::new(&shared),
             shared,
         });
         Ok((state, captures_rx))

@@ -68,172 +68,119 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let registry = Registry::new();
-        let pushes = IntCounterVec::new(
-            Opts::new("polyak_pushes_total", "Pushes by run and outcome"),
-            &["run", "outcome"],
-        )
-        .expect("metric");
-        let push_bytes = IntCounterVec::new(
-            Opts::new("polyak_push_bytes_total", "Push body bytes received"),
-            &["run"],
-        )
-        .expect("metric");
-        let push_logical_bytes = IntCounterVec::new(
-            Opts::new(
+        let r = Registry::new();
+        Metrics {
+            pushes: int_counters(
+                &r,
+                "polyak_pushes_total",
+                "Pushes by run and outcome",
+                &["run", "outcome"],
+            ),
+            push_bytes: int_counters(
+                &r,
+                "polyak_push_bytes_total",
+                "Push body bytes received",
+                &["run"],
+            ),
+            push_logical_bytes: int_counters(
+                &r,
                 "polyak_push_logical_bytes_total",
                 "Bytes the applied pushes stand for, uncompressed and unquantised",
+                &["run"],
             ),
-            &["run"],
-        )
-        .expect("metric");
-        let codec_seconds = CounterVec::new(
-            Opts::new(
-                "polyak_push_codec_seconds_total",
-                "Seconds spent encoding (client-reported) and decoding push bodies",
+            codec_seconds: register(
+                &r,
+                CounterVec::new(
+                    Opts::new(
+                        "polyak_push_codec_seconds_total",
+                        "Seconds spent encoding (client-reported) and decoding push bodies",
+                    ),
+                    &["run", "stage"],
+                ),
             ),
-            &["run", "stage"],
-        )
-        .expect("metric");
-        let mirror_mismatches = IntCounterVec::new(
-            Opts::new(
+            mirror_mismatches: int_counters(
+                &r,
                 "polyak_mirror_mismatches_total",
                 "Keyframes whose mirror checksum did not match the server's mirror",
+                &["run"],
             ),
-            &["run"],
-        )
-        .expect("metric");
-        let push_seconds = HistogramVec::new(
-            HistogramOpts::new("polyak_push_seconds", "Seconds per push stage").buckets(vec![
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0,
-            ]),
-            &["stage"],
-        )
-        .expect("metric");
-        let rejections = IntCounterVec::new(
-            Opts::new(
+            push_seconds: register(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new("polyak_push_seconds", "Seconds per push stage")
+                        .buckets(PUSH_SECONDS_BUCKETS.to_vec()),
+                    &["stage"],
+                ),
+            ),
+            rejections: int_counters(
+                &r,
                 "polyak_rejections_total",
                 "Rejected requests by run and error code",
+                &["run", "code"],
             ),
-            &["run", "code"],
-        )
-        .expect("metric");
-        let resident_bytes = IntGaugeVec::new(
-            Opts::new(
+            resident_bytes: int_gauges(
+                &r,
                 "polyak_resident_bytes",
                 "EMA, copied and mirror bytes on the device",
+                &["run"],
             ),
-            &["run"],
-        )
-        .expect("metric");
-        let engine_queue = IntGaugeVec::new(
-            Opts::new(
+            engine_queue: int_gauges(
+                &r,
                 "polyak_engine_queue_depth",
                 "Jobs waiting in the engine queue",
+                &["device"],
             ),
-            &["device"],
-        )
-        .expect("metric");
-        let runs = IntGauge::new("polyak_runs", "Runs in the catalog").expect("metric");
-        let inflight_bytes = IntGauge::new(
-            "polyak_inflight_push_bytes",
-            "Push bytes received and not yet applied",
-        )
-        .expect("metric");
-        let drift = GaugeVec::new(
-            Opts::new(
-                "polyak_ema_drift",
-                "Relative distance of the EMA from the online weights",
+            runs: int_gauge(&r, "polyak_runs", "Runs in the catalog"),
+            inflight_bytes: int_gauge(
+                &r,
+                "polyak_inflight_push_bytes",
+                "Push bytes received and not yet applied",
             ),
-            &["run", "profile"],
-        )
-        .expect("metric");
-        let metric_points = IntCounterVec::new(
-            Opts::new(
+            drift: register(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "polyak_ema_drift",
+                        "Relative distance of the EMA from the online weights",
+                    ),
+                    &["run", "profile"],
+                ),
+            ),
+            metric_points: int_counters(
+                &r,
                 "polyak_metric_points_total",
                 "Trainer metric points received",
+                &["run"],
             ),
-            &["run"],
-        )
-        .expect("metric");
-        let snapshots_skipped = IntCounterVec::new(
-            Opts::new(
+            snapshots_skipped: int_counters(
+                &r,
                 "polyak_periodic_snapshots_skipped_total",
                 "Periodic snapshots skipped while earlier ones were still being written",
+                &["run"],
             ),
-            &["run"],
-        )
-        .expect("metric");
-        let alerts_firing = IntGaugeVec::new(
-            Opts::new(
+            alerts_firing: int_gauges(
+                &r,
                 "polyak_alerts_firing",
                 "Alerts firing now, per run and kind",
+                &["run", "kind"],
             ),
-            &["run", "kind"],
-        )
-        .expect("metric");
-        let connections =
-            IntGauge::new("polyak_connections", "Client connections being served").expect("metric");
-        let disk_free_bytes = IntGauge::new(
-            "polyak_disk_free_bytes",
-            "Free bytes on the data directory's filesystem",
-        )
-        .expect("metric");
-        let disk_reserve_bytes = IntGauge::new(
-            "polyak_disk_reserve_bytes",
-            "Free space kept on the data directory's filesystem (--disk-reserve)",
-        )
-        .expect("metric");
-        let unrecorded_failures = IntGauge::new(
-            "polyak_snapshot_failures_unrecorded",
-            "Failed snapshots whose failure the catalog has not yet taken (retried)",
-        )
-        .expect("metric");
-        for m in [
-            Box::new(alerts_firing.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(pushes.clone()),
-            Box::new(connections.clone()),
-            Box::new(disk_free_bytes.clone()),
-            Box::new(disk_reserve_bytes.clone()),
-            Box::new(unrecorded_failures.clone()),
-            Box::new(push_bytes.clone()),
-            Box::new(push_logical_bytes.clone()),
-            Box::new(codec_seconds.clone()),
-            Box::new(mirror_mismatches.clone()),
-            Box::new(push_seconds.clone()),
-            Box::new(rejections.clone()),
-            Box::new(resident_bytes.clone()),
-            Box::new(engine_queue.clone()),
-            Box::new(runs.clone()),
-            Box::new(inflight_bytes.clone()),
-            Box::new(drift.clone()),
-            Box::new(metric_points.clone()),
-            Box::new(snapshots_skipped.clone()),
-        ] {
-            registry.register(m).expect("unique metric");
-        }
-        Metrics {
-            registry,
-            pushes,
-            push_bytes,
-            push_logical_bytes,
-            codec_seconds,
-            mirror_mismatches,
-            push_seconds,
-            rejections,
-            resident_bytes,
-            engine_queue,
-            runs,
-            inflight_bytes,
-            drift,
-            metric_points,
-            snapshots_skipped,
-            alerts_firing,
-            connections,
-            disk_free_bytes,
-            disk_reserve_bytes,
-            unrecorded_failures,
+            connections: int_gauge(&r, "polyak_connections", "Client connections being served"),
+            disk_free_bytes: int_gauge(
+                &r,
+                "polyak_disk_free_bytes",
+                "Free bytes on the data directory's filesystem",
+            ),
+            disk_reserve_bytes: int_gauge(
+                &r,
+                "polyak_disk_reserve_bytes",
+                "Free space kept on the data directory's filesystem (--disk-reserve)",
+            ),
+            unrecorded_failures: int_gauge(
+                &r,
+                "polyak_snapshot_failures_unrecorded",
+                "Failed snapshots whose failure the catalog has not yet taken (retried)",
+            ),
+            registry: r,
         }
     }
 
@@ -267,6 +214,36 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()
     }
+}
+
+/// Upper bounds of `polyak_push_seconds`.
+const PUSH_SECONDS_BUCKETS: [f64; 15] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// A metric made from constant options (so it cannot fail), registered
+/// under its unique name.
+fn register<C>(registry: &Registry, made: prometheus::Result<C>) -> C
+where
+    C: prometheus::core::Collector + Clone + 'static,
+{
+    let metric = made.expect("metric");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
+}
+
+fn int_counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    register(registry, IntCounterVec::new(Opts::new(name, help), labels))
+}
+
+fn int_gauges(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    register(registry, IntGaugeVec::new(Opts::new(name, help), labels))
+}
+
+fn int_gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    register(registry, IntGauge::new(name, help))
 }
 
 impl Default for Metrics {

@@ -244,6 +244,91 @@ fn tokens_guard_runs() {
     );
 }
 
+/// The string enums of `clients/python/polyak/contract.py`: class name ->
+/// member values, in order (`class X(str, Enum):` then `NAME = "value"`).
+fn python_contract_enums() -> std::collections::BTreeMap<String, Vec<String>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/clients/python/polyak/contract.py"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("class ") {
+            current = rest
+                .strip_suffix("(str, Enum):")
+                .map(|name| name.to_string());
+            continue;
+        }
+        if !line.starts_with("    ") && !line.trim().is_empty() {
+            current = None;
+        }
+        let Some(class) = &current else { continue };
+        let Some((name, value)) = line.trim().split_once(" = ") else {
+            continue;
+        };
+        if name.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+            let value = value.trim_matches('"').to_string();
+            out.entry(class.clone())
+                .or_insert_with(Vec::new)
+                .push(value);
+        }
+    }
+    out
+}
+
+#[test]
+fn openapi_enums_are_the_python_clients_and_the_docs() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(dir.path(), &[]);
+    let spec: Value = server.get("/openapi.json").json().unwrap();
+    let schemas = &spec["components"]["schemas"];
+    let python = python_contract_enums();
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/contract.md")).unwrap();
+    let sets = [
+        "SnapshotKind",
+        "SnapshotStatus",
+        "SnapshotEventStatus",
+        "CutKind",
+        "EventKind",
+    ];
+    for set in sets {
+        let served: Vec<String> = schemas[set]["enum"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{set} is not a string enum in /openapi.json"))
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        assert!(!served.is_empty(), "{set}");
+        assert_eq!(
+            python.get(set),
+            Some(&served),
+            "polyak.contract.{set} differs from the server's"
+        );
+        for value in &served {
+            assert!(
+                docs.contains(&format!("`{value}`")),
+                "docs/contract.md does not name {set} `{value}`"
+            );
+        }
+    }
+    // Rows and events point at the enums.
+    assert_eq!(
+        schemas["SnapshotRow"]["properties"]["kind"]["$ref"],
+        "#/components/schemas/SnapshotKind"
+    );
+    assert_eq!(
+        schemas["SnapshotRow"]["properties"]["status"]["$ref"],
+        "#/components/schemas/SnapshotStatus"
+    );
+    assert_eq!(
+        schemas["StoredEvent"]["properties"]["kind"]["$ref"],
+        "#/components/schemas/EventKind"
+    );
+}
+
 #[test]
 fn openapi_document_says_what_the_server_does() {
     let dir = tempfile::tempdir().unwrap();

@@ -14,6 +14,7 @@ const LAYERS: &[(&str, u32)] = &[
     // Leaves: know nothing of the rest of the crate.
     ("clock", 0),
     ("config", 0),
+    ("contract", 0),
     ("hugepages", 0),
     ("sigma_rel", 0),
     // The run configuration (with its alert rules) and the wire format.
@@ -40,6 +41,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("services::pipeline", 7),
     ("services::snapshots", 8),
     ("services::ingest", 9),
+    ("services::runs", 9),
     // Handles to the services, then the HTTP edge, then the wiring.
     ("state", 10),
     ("http", 11),
@@ -227,7 +229,10 @@ fn the_table_puts_every_module_somewhere_and_keeps_its_order() {
         per_layer.entry(*layer).or_default().push(name);
     }
     // Leaves exist and the wiring is on top.
-    assert_eq!(per_layer[&0], ["clock", "config", "hugepages", "sigma_rel"]);
+    assert_eq!(
+        per_layer[&0],
+        ["clock", "config", "contract", "hugepages", "sigma_rel"]
+    );
     assert_eq!(
         unit_of("server").map(|u| u.1),
         per_layer.keys().last().copied()

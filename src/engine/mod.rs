@@ -27,6 +27,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::contract::SnapshotKind;
 use crate::run::{EmaDtype, NonfinitePolicy, RunConfig};
 use crate::wire::ParsedPush;
 use capture::{capture_rank, Backlog, CaptureEvent, PendingCut, RankCapture, RestoredRank};
@@ -282,52 +283,15 @@ impl Engine {
             .get_mut(run)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
         let config = entry.config.clone();
-        if let Some(FinishedAt(last)) = entry.finished {
-            if last.is_none_or(|last| step > last) {
-                let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
-                return Err(EngineError::RunFinished(format!(
-                    "run `{run}` was finished {at}; it takes no later pushes (create a new run to train on)"
-                )));
-            }
-        }
+        check_not_finished(run, entry.finished, step)?;
         let slot = entry
             .ranks
             .get_mut(rank as usize)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
 
-        // Step rules (DESIGN "Step semantics").
         if let Some(state) = slot.as_ref() {
-            if let Some(last) = state.last_step {
-                if step < last {
-                    return Err(EngineError::StepConflict(format!(
-                        "step {step} is older than rank {rank}'s last applied step {last}; {}",
-                        resume_hint(run, last)
-                    )));
-                }
-                if step == last {
-                    if state
-                        .last_digest
-                        .is_some_and(|d| d.matches(push.digest, &push.body))
-                    {
-                        return Ok(PushOutcome {
-                            applied: false,
-                            duplicate: true,
-                            step,
-                            last_step: Some(last),
-                            skipped: Vec::new(),
-                            registered: None,
-                            resident_bytes: state.resident_bytes(&config),
-                            apply_seconds: 0.0,
-                            drift: None,
-                            logical_bytes: 0,
-                            mirror_mismatch: None,
-                        });
-                    }
-                    return Err(EngineError::StepConflict(format!(
-                        "step {step} was already applied for rank {rank} with other bytes; {}",
-                        resume_hint(run, last)
-                    )));
-                }
+            if let Some(duplicate) = step_rules(run, rank, step, state, &push, &config)? {
+                return Ok(duplicate);
             }
         }
 
@@ -344,19 +308,7 @@ impl Engine {
                 (0..push.tensors.len()).collect()
             }
         };
-        if push.kind.is_relative() {
-            if !config.mirror {
-                return Err(EngineError::NeedsKeyframe(
-                    "needs keyframe: delta and xor pushes need a run created with `mirror: true`"
-                        .into(),
-                ));
-            }
-            if !slot.as_ref().is_some_and(|s| s.has_keyframe) {
-                return Err(EngineError::NeedsKeyframe(format!(
-                    "needs keyframe: rank {rank} has no full push to add a delta to"
-                )));
-            }
-        }
+        check_relative(&push, &config, rank, slot.as_ref())?;
         if let Some(layout) = &registered {
             *slot = Some(RankState::new(layout.clone(), &config, device)?);
         }
@@ -370,22 +322,7 @@ impl Engine {
                 t.nonfinite = bad;
             }
         }
-        // A keyframe checks the client's idea of the mirror against the
-        // mirror, before it overwrites (and so repairs) it.
-        let mirror_mismatch = match push.mirror_crc32 {
-            Some(claimed)
-                if push.kind == crate::wire::PushKind::Full
-                    && state.has_keyframe
-                    && state.mirror.is_some() =>
-            {
-                let found = state.mirror_crc32(&order)?;
-                (found != claimed).then_some(rank::MirrorMismatch {
-                    client_crc32: format!("{claimed:08x}"),
-                    server_crc32: format!("{found:08x}"),
-                })
-            }
-            _ => None,
-        };
+        let mirror_mismatch = mirror_mismatch(&push, state, &order)?;
         let logical_bytes = logical_bytes(&push, &state.layout, &order);
         let report = state.apply_push(&config, &push, &order, step, device)?;
         entry.dirty += 1;
@@ -416,93 +353,8 @@ impl Engine {
         let Some(entry) = self.runs.get_mut(run) else {
             return;
         };
-        let config = entry.config.clone();
-        if config.snapshot_every > 0
-            && step % config.snapshot_every == 0
-            && entry.last_periodic.is_none_or(|s| s < step)
-            && !entry.pending.iter().any(|c| c.step == step)
-        {
-            // Decided once per step, taken or skipped: a rank that applies
-            // the step later must not open a cut others are already past.
-            entry.last_periodic = Some(step);
-            // Every profile, copied tensor and mirror of every rank.
-            let bytes: u64 = entry
-                .ranks
-                .iter()
-                .flatten()
-                .map(|r| r.resident_bytes(&config))
-                .sum();
-            match Backlog::take(&entry.periodic_backlog, bytes, limit) {
-                Ok(backlog) => {
-                    let snapshot = snapshot_id("periodic", step);
-                    let profiles: Vec<usize> = (0..config.profiles.len()).collect();
-                    let _ = captures.send(CaptureEvent::PeriodicOpened {
-                        snapshot: snapshot.clone(),
-                        run: run.to_string(),
-                        step,
-                        profiles: config
-                            .profiles
-                            .iter()
-                            .map(|p| p.name().to_string())
-                            .collect(),
-                        backlog,
-                    });
-                    entry.pending.push(PendingCut {
-                        snapshot,
-                        step,
-                        profiles,
-                        remaining: (0..config.world_size).collect(),
-                    });
-                }
-                Err(held) => {
-                    let _ = captures.send(CaptureEvent::PeriodicSkipped {
-                        run: run.to_string(),
-                        step,
-                        held,
-                        bytes,
-                    });
-                }
-            }
-        }
-        let state = entry.ranks[rank as usize]
-            .as_ref()
-            .expect("rank state present");
-        let mut finished = Vec::new();
-        for (i, cut) in entry.pending.iter_mut().enumerate() {
-            if !cut.remaining.contains(&rank) {
-                continue;
-            }
-            if cut.step == step {
-                match capture_rank(&config, state, &cut.snapshot, rank, &cut.profiles) {
-                    Ok(c) => {
-                        let _ = captures.send(CaptureEvent::Captured(Box::new(c)));
-                        cut.remaining.remove(&rank);
-                        if cut.remaining.is_empty() {
-                            finished.push(i);
-                        }
-                    }
-                    Err(e) => {
-                        let _ = captures.send(CaptureEvent::Failed {
-                            snapshot: cut.snapshot.clone(),
-                            reason: format!("capturing rank {rank} failed: {e}"),
-                        });
-                        finished.push(i);
-                    }
-                }
-            } else if step > cut.step {
-                let _ = captures.send(CaptureEvent::Failed {
-                    snapshot: cut.snapshot.clone(),
-                    reason: format!(
-                        "rank {rank} went from before step {} to step {step} without applying it",
-                        cut.step
-                    ),
-                });
-                finished.push(i);
-            }
-        }
-        for i in finished.into_iter().rev() {
-            entry.pending.remove(i);
-        }
+        open_periodic(entry, run, step, &captures, limit);
+        capture_waiting(entry, rank, step, &captures);
     }
 
     /// Schedules a cut at `step`: ranks already there are captured now, a
@@ -766,13 +618,235 @@ fn resume_hint(run: &str, last: u64) -> String {
     )
 }
 
+/// Opens the periodic cut of `step` when it is one and none was decided
+/// for it yet, unless the run's write backlog has no room (then it is
+/// skipped, and said so).
+fn open_periodic(
+    entry: &mut EngineRun,
+    run: &str,
+    step: u64,
+    captures: &mpsc::UnboundedSender<CaptureEvent>,
+    limit: u64,
+) {
+    let config = entry.config.clone();
+    if config.snapshot_every == 0
+        || step % config.snapshot_every != 0
+        || entry.last_periodic.is_some_and(|s| s >= step)
+        || entry.pending.iter().any(|c| c.step == step)
+    {
+        return;
+    }
+    // Decided once per step, taken or skipped: a rank that applies
+    // the step later must not open a cut others are already past.
+    entry.last_periodic = Some(step);
+    // Every profile, copied tensor and mirror of every rank.
+    let bytes: u64 = entry
+        .ranks
+        .iter()
+        .flatten()
+        .map(|r| r.resident_bytes(&config))
+        .sum();
+    match Backlog::take(&entry.periodic_backlog, bytes, limit) {
+        Ok(backlog) => {
+            let snapshot = snapshot_id(SnapshotKind::Periodic, step);
+            let profiles: Vec<usize> = (0..config.profiles.len()).collect();
+            let _ = captures.send(CaptureEvent::PeriodicOpened {
+                snapshot: snapshot.clone(),
+                run: run.to_string(),
+                step,
+                profiles: config
+                    .profiles
+                    .iter()
+                    .map(|p| p.name().to_string())
+                    .collect(),
+                backlog,
+            });
+            entry.pending.push(PendingCut {
+                snapshot,
+                step,
+                profiles,
+                remaining: (0..config.world_size).collect(),
+            });
+        }
+        Err(held) => {
+            let _ = captures.send(CaptureEvent::PeriodicSkipped {
+                run: run.to_string(),
+                step,
+                held,
+                bytes,
+            });
+        }
+    }
+}
+
+/// Captures `rank` for the cuts waiting on `step` and fails the cuts it
+/// jumped over; drops the cuts that are done.
+fn capture_waiting(
+    entry: &mut EngineRun,
+    rank: u32,
+    step: u64,
+    captures: &mpsc::UnboundedSender<CaptureEvent>,
+) {
+    let config = entry.config.clone();
+    let state = entry.ranks[rank as usize]
+        .as_ref()
+        .expect("rank state present");
+    let mut finished = Vec::new();
+    for (i, cut) in entry.pending.iter_mut().enumerate() {
+        if !cut.remaining.contains(&rank) {
+            continue;
+        }
+        if cut.step == step {
+            match capture_rank(&config, state, &cut.snapshot, rank, &cut.profiles) {
+                Ok(c) => {
+                    let _ = captures.send(CaptureEvent::Captured(Box::new(c)));
+                    cut.remaining.remove(&rank);
+                    if cut.remaining.is_empty() {
+                        finished.push(i);
+                    }
+                }
+                Err(e) => {
+                    let _ = captures.send(CaptureEvent::Failed {
+                        snapshot: cut.snapshot.clone(),
+                        reason: format!("capturing rank {rank} failed: {e}"),
+                    });
+                    finished.push(i);
+                }
+            }
+        } else if step > cut.step {
+            let _ = captures.send(CaptureEvent::Failed {
+                snapshot: cut.snapshot.clone(),
+                reason: format!(
+                    "rank {rank} went from before step {} to step {step} without applying it",
+                    cut.step
+                ),
+            });
+            finished.push(i);
+        }
+    }
+    for i in finished.into_iter().rev() {
+        entry.pending.remove(i);
+    }
+}
+
+/// A finished run takes no push past the step it was finished at.
+fn check_not_finished(
+    run: &str,
+    finished: Option<FinishedAt>,
+    step: u64,
+) -> Result<(), EngineError> {
+    if let Some(FinishedAt(last)) = finished {
+        if last.is_none_or(|last| step > last) {
+            let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
+            return Err(EngineError::RunFinished(format!(
+                "run `{run}` was finished {at}; it takes no later pushes (create a new run to train on)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Step rules (`docs/contract.md`, step semantics) for a rank that pushed
+/// before: an older step is refused, the last step again is a duplicate
+/// (answered without applying) when its bytes are the same and refused
+/// otherwise. `None`: apply it.
+fn step_rules(
+    run: &str,
+    rank: u32,
+    step: u64,
+    state: &RankState,
+    push: &ParsedPush,
+    config: &RunConfig,
+) -> Result<Option<PushOutcome>, EngineError> {
+    let Some(last) = state.last_step else {
+        return Ok(None);
+    };
+    if step < last {
+        return Err(EngineError::StepConflict(format!(
+            "step {step} is older than rank {rank}'s last applied step {last}; {}",
+            resume_hint(run, last)
+        )));
+    }
+    if step > last {
+        return Ok(None);
+    }
+    if state
+        .last_digest
+        .is_some_and(|d| d.matches(push.digest, &push.body))
+    {
+        return Ok(Some(PushOutcome {
+            applied: false,
+            duplicate: true,
+            step,
+            last_step: Some(last),
+            skipped: Vec::new(),
+            registered: None,
+            resident_bytes: state.resident_bytes(config),
+            apply_seconds: 0.0,
+            drift: None,
+            logical_bytes: 0,
+            mirror_mismatch: None,
+        }));
+    }
+    Err(EngineError::StepConflict(format!(
+        "step {step} was already applied for rank {rank} with other bytes; {}",
+        resume_hint(run, last)
+    )))
+}
+
+/// A delta or XOR push needs a mirror and a keyframe to apply to.
+fn check_relative(
+    push: &ParsedPush,
+    config: &RunConfig,
+    rank: u32,
+    state: Option<&RankState>,
+) -> Result<(), EngineError> {
+    if !push.kind.is_relative() {
+        return Ok(());
+    }
+    if !config.mirror {
+        return Err(EngineError::NeedsKeyframe(
+            "needs keyframe: delta and xor pushes need a run created with `mirror: true`".into(),
+        ));
+    }
+    if !state.is_some_and(|s| s.has_keyframe) {
+        return Err(EngineError::NeedsKeyframe(format!(
+            "needs keyframe: rank {rank} has no full push to add a delta to"
+        )));
+    }
+    Ok(())
+}
+
+/// A keyframe checks the client's idea of the mirror against the mirror,
+/// before it overwrites (and so repairs) it.
+fn mirror_mismatch(
+    push: &ParsedPush,
+    state: &RankState,
+    order: &[usize],
+) -> Result<Option<rank::MirrorMismatch>, EngineError> {
+    match push.mirror_crc32 {
+        Some(claimed)
+            if push.kind == crate::wire::PushKind::Full
+                && state.has_keyframe
+                && state.mirror.is_some() =>
+        {
+            let found = state.mirror_crc32(order)?;
+            Ok((found != claimed).then_some(rank::MirrorMismatch {
+                client_crc32: format!("{claimed:08x}"),
+                server_crc32: format!("{found:08x}"),
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// A new snapshot id: a ULID in lower case (26 characters, 48 bits of
 /// milliseconds then 80 random bits), unique across runs and servers and
 /// ordered by creation time as a string; safe as a path component. Ids
 /// made in the same millisecond by this process increase by one, so they
 /// stay ordered too. (Catalogs written before keep their
 /// `<kind>-<step>-<4 hex>` ids: ids are opaque everywhere else.)
-pub fn snapshot_id(_kind: &str, _step: u64) -> String {
+pub fn snapshot_id(_kind: SnapshotKind, _step: u64) -> String {
     static GENERATOR: std::sync::Mutex<ulid::Generator> =
         std::sync::Mutex::new(ulid::Generator::new());
     let mut generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
@@ -819,7 +893,7 @@ pub fn host_bytes(tensor: Tensor) -> bytes::Bytes {
 
 #[cfg(test)]
 mod snapshot_id_tests {
-    use super::snapshot_id;
+    use super::{snapshot_id, SnapshotKind};
 
     /// 100,000 ids made by four threads (as runs on different engines and
     /// tasks would): all distinct, and every thread's ids increase, so
@@ -834,7 +908,12 @@ mod snapshot_id_tests {
             .map(|t| {
                 std::thread::spawn(move || {
                     (0..25_000)
-                        .map(|i| snapshot_id(["manual", "state"][(i + t) % 2], i as u64))
+                        .map(|i| {
+                            snapshot_id(
+                                [SnapshotKind::Manual, SnapshotKind::State][(i + t) % 2],
+                                i as u64,
+                            )
+                        })
                         .collect::<Vec<_>>()
                 })
             })
@@ -857,7 +936,7 @@ mod snapshot_id_tests {
         let last = ulid::Ulid::from_string(&per_thread[0][24_999].to_ascii_uppercase()).unwrap();
         assert!(first.timestamp_ms() >= before && last.timestamp_ms() >= first.timestamp_ms());
         // One id made after all the others sorts after every one of them.
-        let later = snapshot_id("manual", 0);
+        let later = snapshot_id(SnapshotKind::Manual, 0);
         assert!(all.iter().all(|id| *id < later));
     }
 }

@@ -1,6 +1,9 @@
 //! The one error type at the HTTP edge. Every failure becomes a status and
 //! `{"error": {"code", "message"[, "field"]}}`; 500s log their detail and
-//! answer a generic message.
+//! answer a generic message. Which status and code a failure gets is
+//! decided once, by `ServiceError` (`services/error.rs`); this type only
+//! renders it, plus the few refusals only the HTTP edge makes (bad
+//! paths, queries, tokens).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -9,7 +12,9 @@ use utoipa::ToSchema;
 
 use crate::engine::EngineError;
 use crate::run::FieldError;
+use crate::services::error::SnapshotError;
 use crate::services::ServiceError;
+use crate::snapshot::assemble::AssembleError;
 use crate::store::StoreError;
 use crate::wire::WireError;
 
@@ -74,66 +79,7 @@ impl ApiError {
 
     /// A 500 whose detail is logged, not sent.
     pub fn internal(detail: impl std::fmt::Display) -> Self {
-        tracing::error!(error = %detail, "internal error");
-        Self::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "internal error; the server log has the detail",
-        )
-    }
-}
-
-impl ApiError {
-    /// A server fault with a code of its own (the cause, for operators and
-    /// retries); the detail is logged, the answer says `what` failed.
-    pub fn fault(
-        status: StatusCode,
-        code: &'static str,
-        what: &str,
-        detail: impl std::fmt::Display,
-    ) -> Self {
-        tracing::error!(code, error = %detail, "{what}");
-        Self::new(
-            status,
-            code,
-            format!("{what}; the server log has the detail"),
-        )
-    }
-
-    /// A blocking worker that panicked or was cancelled.
-    pub fn worker_failed(detail: impl std::fmt::Display) -> Self {
-        Self::fault(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "worker_failed",
-            "a server worker failed",
-            detail,
-        )
-    }
-
-    /// Reading or writing stored snapshot bytes failed.
-    pub fn snapshot_io(e: std::io::Error) -> Self {
-        if e.kind() == std::io::ErrorKind::NotConnected {
-            // The object store is down (see `snapshot::source`).
-            let mut err = Self::fault(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store_unavailable",
-                "the object store cannot be reached",
-                e,
-            );
-            err.retry_after = Some(5);
-            return err;
-        }
-        let code = if e.kind() == std::io::ErrorKind::NotFound {
-            "snapshot_part_missing"
-        } else {
-            "snapshot_io"
-        };
-        Self::fault(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            code,
-            "stored snapshot data could not be read",
-            e,
-        )
+        ServiceError::internal(detail).into()
     }
 }
 
@@ -184,5 +130,7 @@ through_service_error!(
     WireError,
     EngineError,
     StoreError,
+    SnapshotError,
+    AssembleError,
     tokio::task::JoinError
 );

@@ -56,12 +56,11 @@ pub async fn events(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<i64>().ok());
     let since = q.since.or(last_event_id).unwrap_or(0);
-    let kinds: Option<Vec<String>> = q
-        .kinds
-        .as_ref()
-        .map(|k| k.split(',').map(|s| s.trim().to_string()).collect());
-    let filter = kinds.clone();
-    let wanted = move |e: &StoredEvent| filter.as_ref().is_none_or(|k| k.contains(&e.kind));
+    let filter = KindFilter(
+        q.kinds
+            .as_ref()
+            .map(|k| k.split(',').map(|s| s.trim().to_string()).collect()),
+    );
     let json = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
@@ -70,38 +69,9 @@ pub async fn events(
         Some(n) => (n.clamp(1, 100_000), true),
         None => (q.limit.unwrap_or(1000).clamp(1, 100_000), false),
     };
-
     // Subscribe before reading the history, so nothing falls in between.
     let live = state.events().subscribe();
-    let mut history: BTreeMap<i64, Arc<StoredEvent>> = BTreeMap::new();
-    for e in state
-        .store()
-        .events(&name, since, kinds.as_deref(), limit, newest)
-        .await?
-    {
-        history.insert(e.id, Arc::new(e));
-    }
-    for e in state.events().recent(&name, since) {
-        if wanted(&e) {
-            history.insert(e.id, e);
-        }
-    }
-    if newest {
-        // The newest `limit` of what the catalog and memory hold.
-        let keep = history.len().saturating_sub(limit as usize);
-        let cut: Vec<i64> = history.keys().take(keep).copied().collect();
-        for id in cut {
-            history.remove(&id);
-        }
-    }
-    // Retention applies to what is still in memory too.
-    let retained = state.args().events_retained as usize;
-    let skip = history.len().saturating_sub(retained);
-    let history: Vec<Arc<StoredEvent>> = history
-        .into_values()
-        .skip(skip)
-        .filter(|e| wanted(e))
-        .collect();
+    let history = history(&state, &name, since, &filter, limit, newest).await?;
     if json {
         let list: Vec<StoredEvent> = history
             .iter()
@@ -118,7 +88,7 @@ pub async fn events(
         .take_while(|item| futures::future::ready(item.is_ok()))
         .filter_map(move |item| {
             let keep = match item {
-                Ok(e) if e.run == run_name && e.id > replayed_to && wanted(&e) => Some(e),
+                Ok(e) if e.run == run_name && e.id > replayed_to && filter.wants(&e) => Some(e),
                 _ => None,
             };
             futures::future::ready(keep)
@@ -131,9 +101,62 @@ pub async fn events(
         .into_response())
 }
 
+/// `?kinds=`: the kinds asked for (all when `None`).
+struct KindFilter(Option<Vec<String>>);
+
+impl KindFilter {
+    fn wants(&self, e: &StoredEvent) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|k| k.iter().any(|k| k == e.kind.as_str()))
+    }
+}
+
+/// The run's events after `since` that the catalog and memory hold, oldest
+/// first: the first `limit` (or with `newest` the last `limit`), within
+/// the events retained.
+async fn history(
+    state: &AppState,
+    name: &str,
+    since: i64,
+    filter: &KindFilter,
+    limit: i64,
+    newest: bool,
+) -> Result<Vec<Arc<StoredEvent>>, ApiError> {
+    let mut history: BTreeMap<i64, Arc<StoredEvent>> = BTreeMap::new();
+    for e in state
+        .store()
+        .events(name, since, filter.0.as_deref(), limit, newest)
+        .await?
+    {
+        history.insert(e.id, Arc::new(e));
+    }
+    for e in state.events().recent(name, since) {
+        if filter.wants(&e) {
+            history.insert(e.id, e);
+        }
+    }
+    if newest {
+        // The newest `limit` of what the catalog and memory hold.
+        let keep = history.len().saturating_sub(limit as usize);
+        let cut: Vec<i64> = history.keys().take(keep).copied().collect();
+        for id in cut {
+            history.remove(&id);
+        }
+    }
+    // Retention applies to what is still in memory too.
+    let retained = state.args().events_retained as usize;
+    let skip = history.len().saturating_sub(retained);
+    Ok(history
+        .into_values()
+        .skip(skip)
+        .filter(|e| filter.wants(e))
+        .collect())
+}
+
 fn sse_event(e: &StoredEvent) -> Event {
     Event::default()
         .id(e.id.to_string())
-        .event(e.kind.clone())
+        .event(e.kind.as_str())
         .data(serde_json::to_string(e).unwrap_or_default())
 }

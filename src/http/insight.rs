@@ -14,6 +14,7 @@ use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
 use crate::clock::now_ms;
+use crate::events::{Annotated, Event};
 use crate::registry::RunHandle;
 use crate::run::alerts::AlertRules;
 use crate::run::{FieldError, RunSpec};
@@ -113,10 +114,12 @@ pub async fn patch_run(
     store_meta(&state, &run, meta.clone()).await?;
     state.events().emit(
         &name,
-        "annotated",
         None,
         None,
-        serde_json::json!({"tags": meta.tags, "note": meta.note}),
+        Event::Annotated(Annotated {
+            tags: meta.tags.clone(),
+            note: meta.note.clone(),
+        }),
     );
     Ok(Json(meta))
 }
@@ -167,10 +170,9 @@ pub async fn ack_alert(
         .ok_or_else(|| ApiError::not_found("alert_not_found", format!("no alert `{id}`")))?;
     state.events().emit(
         &name,
-        "alert",
         alert.rank,
         alert.fired_step,
-        serde_json::to_value(&alert).unwrap_or_default(),
+        Event::Alert(serde_json::to_value(&alert).unwrap_or_default()),
     );
     Ok(Json(alert))
 }

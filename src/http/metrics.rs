@@ -14,6 +14,7 @@ use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
 use crate::clock::now_ms;
+use crate::events::{self, Event};
 use crate::run::alerts::valid_metric_name;
 use crate::state::AppState;
 use crate::store::MetricPoint;
@@ -101,12 +102,13 @@ pub async fn post(
         .with_label_values(&[&name])
         .inc_by(points.len() as u64);
     for p in &posts {
-        state.events().emit_transient(
+        state.events().emit(
             &name,
-            "metrics",
             p.rank,
             Some(p.step),
-            serde_json::json!({"values": p.values}),
+            Event::Metrics(events::Metrics {
+                values: p.values.clone(),
+            }),
         );
     }
     Ok((

@@ -77,18 +77,16 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    for engine in state.registry().engines() {
-        if engine.call(|_| ()).await.is_err() {
-            return (
-                StatusCode::SERVICE_UNAVAILABLE,
-                Json(health(
-                    &state,
-                    "unavailable",
-                    Some("an engine thread stopped".into()),
-                )),
-            )
-                .into_response();
-        }
+    if !crate::services::runs::engines_answer(state.shared()).await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(health(
+                &state,
+                "unavailable",
+                Some("an engine thread stopped".into()),
+            )),
+        )
+            .into_response();
     }
     let objects = &state.shared().objects;
     let ping = tokio::time::timeout(std::time::Duration::from_secs(5), objects.ping()).await;

@@ -16,8 +16,10 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::clock::now_ms;
 use crate::engine::device;
+use crate::events::{Event, RunCreated};
 use crate::registry::{token_hash, RankSummary, RunHandle, RunTokens};
 use crate::run::{RunConfig, RunSpec};
+use crate::services::runs;
 use crate::snapshot::format::profile_part;
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
@@ -204,10 +206,12 @@ pub async fn create_run(
     super::insight::store_meta(&state, &handle, meta).await?;
     state.events().emit(
         &config.name,
-        "run_created",
         None,
         None,
-        serde_json::json!({"world_size": config.world_size, "profiles": config.profiles.len()}),
+        Event::RunCreated(RunCreated {
+            world_size: config.world_size,
+            profiles: config.profiles.len(),
+        }),
     );
     tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
     let (write_token, read_token) = tokens.unzip();
@@ -350,19 +354,7 @@ pub async fn delete_run(
 ) -> Result<StatusCode, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_admin()?;
-    state.registry().remove_run(&name);
-    state.store().delete_run(&name).await?;
-    let _ = run.engine.call(move |e| e.drop_run(&name)).await;
-    state.metrics().forget_run(&run.config.name);
-    state.alerts().alerts.forget(&run.config.name);
-    // The catalog no longer lists them: without this they stayed on disk
-    // until the next start.
-    if let Err(e) =
-        crate::services::snapshots::remove_run_files(state.snapshots(), &run.config.name).await
-    {
-        tracing::warn!(run = %run.config.name, error = %e, "removing a deleted run's files failed");
-    }
-    tracing::info!(run = %run.config.name, "run deleted");
+    runs::delete(state.shared(), state.snapshots(), state.alerts(), &run).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -442,12 +434,7 @@ pub async fn get_rank_ema(
             )
         })?),
     };
-    let (run_name, p) = (run.config.name.clone(), profile.clone());
-    let export = run
-        .engine
-        .try_call(move |e| e.export_ema(&run_name, rank, &p))
-        .await??;
-    let host = tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??;
+    let host = runs::rank_ema(&run, rank, &profile, cast).await?;
     let mut meta = BTreeMap::new();
     meta.insert("polyak.run".to_string(), run.config.name.clone());
     meta.insert("polyak.rank".to_string(), rank.to_string());

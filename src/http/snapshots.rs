@@ -17,89 +17,13 @@ use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::engine::rank::RankLayout;
-use crate::services::snapshots::{self as snap, SnapshotError};
+use crate::services::snapshots::{self as snap, SnapshotStatus};
 use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::compare::{self, CompareResult, RankTensors};
-use crate::snapshot::format::{self, MIRROR_PART};
-use crate::snapshot::meta::MetaError;
+use crate::snapshot::format::MIRROR_PART;
 use crate::state::AppState;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
-
-impl From<SnapshotError> for ApiError {
-    fn from(e: SnapshotError) -> Self {
-        match e {
-            SnapshotError::Conflict(m) => ApiError::conflict("snapshot_conflict", m),
-            SnapshotError::NotFound(m) => ApiError::not_found("snapshot_not_found", m),
-            SnapshotError::Invalid(m) => ApiError::unprocessable("invalid_request", m),
-            SnapshotError::Older(m) => ApiError::conflict("snapshot_older", m),
-            SnapshotError::Internal(m) => ApiError::internal(m),
-            SnapshotError::Corrupt(m) => ApiError::fault(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_corrupt",
-                "a stored snapshot part cannot be read back",
-                m,
-            ),
-            SnapshotError::WriteFailed(m) => ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_write_failed",
-                m,
-            ),
-            SnapshotError::Meta(e) => meta_error(e),
-            SnapshotError::Worker(m) => ApiError::worker_failed(m),
-            SnapshotError::Engine(e) => e.into(),
-            SnapshotError::Store(e) => e.into(),
-            SnapshotError::Objects(e) => crate::services::ServiceError::from(e).into(),
-            SnapshotError::Io(e) => ApiError::snapshot_io(e),
-            SnapshotError::NoSpace(e) => ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                "insufficient_storage",
-                e.to_string(),
-            ),
-        }
-    }
-}
-
-/// Stored metadata this server cannot read: written by a newer version
-/// (the answer says which format), or a catalog row that does not parse.
-fn meta_error(e: MetaError) -> ApiError {
-    match e {
-        MetaError::Newer { .. } => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "snapshot_format_unsupported",
-            e.to_string(),
-        ),
-        MetaError::Malformed(_) => ApiError::fault(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "catalog_corrupt",
-            "the catalog holds a row the server cannot read",
-            e,
-        ),
-    }
-}
-
-impl From<assemble::AssembleError> for ApiError {
-    fn from(e: assemble::AssembleError) -> Self {
-        match e {
-            assemble::AssembleError::DoesNotTile(m) => ApiError::unprocessable("does_not_tile", m),
-            assemble::AssembleError::Missing(m) => ApiError::not_found("not_in_snapshot", m),
-            assemble::AssembleError::Io(e) => ApiError::snapshot_io(e),
-            assemble::AssembleError::Format(e @ MetaError::Newer { .. }) => meta_error(e),
-            assemble::AssembleError::Format(e) => ApiError::fault(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_corrupt",
-                "a stored snapshot part cannot be read back",
-                e,
-            ),
-            assemble::AssembleError::Malformed(m) => ApiError::fault(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "snapshot_corrupt",
-                "a stored snapshot part cannot be read back",
-                m,
-            ),
-        }
-    }
-}
 
 /// The body of `POST /v1/runs/{run}/snapshots`.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -173,8 +97,8 @@ pub async fn list(
         .snapshots(&name)
         .await?
         .into_iter()
-        .filter(|s| q.kind.as_ref().is_none_or(|k| &s.kind == k))
-        .filter(|s| q.status.as_ref().is_none_or(|k| &s.status == k))
+        .filter(|s| q.kind.as_ref().is_none_or(|k| s.kind.as_str() == k))
+        .filter(|s| q.status.as_ref().is_none_or(|k| s.status.as_str() == k))
         .collect();
     Ok(Json(SnapshotList { snapshots }))
 }
@@ -221,14 +145,7 @@ pub async fn delete(
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     row_of(&state, &name, &id).await?;
-    snap::delete(state.snapshots(), &name, &id).await?;
-    state.events().emit(
-        &name,
-        "snapshot",
-        None,
-        None,
-        serde_json::json!({"id": id, "status": "deleted"}),
-    );
+    snap::delete(state.snapshots(), &name, &id, None).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -292,7 +209,7 @@ pub async fn download(
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
     let row = row_of(&state, &name, &id).await?;
-    if row.status != "complete" {
+    if row.status != SnapshotStatus::Complete {
         return Err(ApiError::conflict(
             "snapshot_not_complete",
             format!(
@@ -548,30 +465,11 @@ impl Side {
 async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result<Side, ApiError> {
     if which == "live" {
         let handle = run_named(state, run)?;
-        let (r, p) = (run.to_string(), profile.to_string());
-        let exports = handle
-            .engine
-            .try_call(move |e| e.export_all(&r, &p))
-            .await??;
-        let live = tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
-            let mut out = HashMap::new();
-            for (rank, export) in exports {
-                let host = export.to_host(None)?;
-                out.insert(
-                    rank,
-                    (
-                        host.layout.clone(),
-                        format::flat_tensors(host.layout.as_ref(), host.ema, host.copied),
-                    ),
-                );
-            }
-            Ok(out)
-        })
-        .await??;
+        let live = crate::services::runs::live_tensors(&handle, profile).await?;
         return Ok(Side::Live(live));
     }
     let row = row_of(state, run, which).await?;
-    if row.status != "complete" {
+    if row.status != SnapshotStatus::Complete {
         return Err(ApiError::conflict(
             "snapshot_not_complete",
             format!("snapshot `{which}` is {}", row.status),

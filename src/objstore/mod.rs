@@ -67,7 +67,10 @@ impl StoreError {
 }
 
 enum Backend {
-    File { root: PathBuf, fs: LocalFileSystem },
+    File {
+        root: PathBuf,
+        fs: LocalFileSystem,
+    },
     S3 {
         s3: Arc<AmazonS3>,
         prefix: String,
@@ -494,7 +497,9 @@ impl ObjectStore {
                 xml_text(&body, "NextKeyMarker"),
                 xml_text(&body, "NextUploadIdMarker"),
             ) {
-                (true, Some(key), Some(id)) if markers.as_ref() != Some(&(key.clone(), id.clone())) => {
+                (true, Some(key), Some(id))
+                    if markers.as_ref() != Some(&(key.clone(), id.clone())) =>
+                {
                     markers = Some((key, id))
                 }
                 _ => return Ok(found),

@@ -212,54 +212,10 @@ impl ProfileSpec {
                 power,
                 min_value,
                 ..
-            } => {
-                if !(beta.is_finite() && (0.0..=1.0).contains(beta)) {
-                    return Err(field_err(format!("{at}.beta"), "must be in [0, 1]"));
-                }
-                if !(inv_gamma.is_finite() && *inv_gamma > 0.0) {
-                    return Err(field_err(format!("{at}.inv_gamma"), "must be > 0"));
-                }
-                if !(power.is_finite() && *power > 0.0) {
-                    return Err(field_err(format!("{at}.power"), "must be > 0"));
-                }
-                if !(min_value.is_finite() && *min_value >= 0.0 && *min_value <= *beta) {
-                    return Err(field_err(format!("{at}.min_value"), "must be in [0, beta]"));
-                }
-            }
+            } => check_warmup(at, *beta, *inv_gamma, *power, *min_value)?,
             ProfileSpec::Power {
                 sigma_rel, gamma, ..
-            } => match (*sigma_rel, *gamma) {
-                (Some(_), Some(_)) => {
-                    return Err(field_err(
-                        format!("{at}.gamma"),
-                        "give sigma_rel or gamma, not both",
-                    ))
-                }
-                (None, None) => {
-                    return Err(field_err(
-                        format!("{at}.sigma_rel"),
-                        "a power profile needs sigma_rel or gamma",
-                    ))
-                }
-                (Some(s), None) => {
-                    let g = sigma_rel::sigma_rel_to_gamma(s).ok_or_else(|| {
-                        field_err(
-                            format!("{at}.sigma_rel"),
-                            format!(
-                                "must be in (0, {:.4}] (EDM2 power EMA)",
-                                sigma_rel::MAX_SIGMA_REL
-                            ),
-                        )
-                    })?;
-                    *gamma = Some(g);
-                }
-                (None, Some(g)) => {
-                    if !(g.is_finite() && g > -1.0) {
-                        return Err(field_err(format!("{at}.gamma"), "must be > -1"));
-                    }
-                    *sigma_rel = Some(sigma_rel::gamma_to_sigma_rel(g));
-                }
-            },
+            } => power_exponents(at, sigma_rel, gamma)?,
             ProfileSpec::HalfLife {
                 steps,
                 rampup_ratio,
@@ -391,32 +347,7 @@ impl RunSpec {
         if self.keyframe_every == 0 {
             return Err(field_err("keyframe_every", "must be >= 1"));
         }
-        let mut profiles = self.profiles.unwrap_or_else(|| {
-            vec![ProfileSpec::Constant {
-                name: "ema".into(),
-                beta: 0.999,
-            }]
-        });
-        if profiles.is_empty() {
-            return Err(field_err("profiles", "at least one profile is needed"));
-        }
-        if profiles.len() > MAX_PROFILES {
-            return Err(field_err(
-                "profiles",
-                format!("at most {MAX_PROFILES} profiles"),
-            ));
-        }
-        for (i, p) in profiles.iter_mut().enumerate() {
-            p.validate(&format!("profiles[{i}]"))?;
-        }
-        for (i, p) in profiles.iter().enumerate() {
-            if profiles[..i].iter().any(|q| q.name() == p.name()) {
-                return Err(field_err(
-                    format!("profiles[{i}].name"),
-                    format!("duplicate profile name `{}`", p.name()),
-                ));
-            }
-        }
+        let profiles = checked_profiles(self.profiles)?;
         let device = device_ok(self.device.as_deref().unwrap_or(default_device))
             .map_err(|m| field_err("device", m))?;
         for (i, pattern) in self.copy_patterns.iter().enumerate() {
@@ -441,6 +372,99 @@ impl RunSpec {
             keyframe_every: self.keyframe_every,
         })
     }
+}
+
+/// A warmup profile's values.
+fn check_warmup(
+    at: &str,
+    beta: f64,
+    inv_gamma: f64,
+    power: f64,
+    min_value: f64,
+) -> Result<(), FieldError> {
+    if !(beta.is_finite() && (0.0..=1.0).contains(&beta)) {
+        return Err(field_err(format!("{at}.beta"), "must be in [0, 1]"));
+    }
+    if !(inv_gamma.is_finite() && inv_gamma > 0.0) {
+        return Err(field_err(format!("{at}.inv_gamma"), "must be > 0"));
+    }
+    if !(power.is_finite() && power > 0.0) {
+        return Err(field_err(format!("{at}.power"), "must be > 0"));
+    }
+    if !(min_value.is_finite() && min_value >= 0.0 && min_value <= beta) {
+        return Err(field_err(format!("{at}.min_value"), "must be in [0, beta]"));
+    }
+    Ok(())
+}
+
+/// A power profile gives `sigma_rel` or `gamma`; the other is derived.
+fn power_exponents(
+    at: &str,
+    sigma_rel: &mut Option<f64>,
+    gamma: &mut Option<f64>,
+) -> Result<(), FieldError> {
+    match (*sigma_rel, *gamma) {
+        (Some(_), Some(_)) => Err(field_err(
+            format!("{at}.gamma"),
+            "give sigma_rel or gamma, not both",
+        )),
+        (None, None) => Err(field_err(
+            format!("{at}.sigma_rel"),
+            "a power profile needs sigma_rel or gamma",
+        )),
+        (Some(s), None) => {
+            let g = sigma_rel::sigma_rel_to_gamma(s).ok_or_else(|| {
+                field_err(
+                    format!("{at}.sigma_rel"),
+                    format!(
+                        "must be in (0, {:.4}] (EDM2 power EMA)",
+                        sigma_rel::MAX_SIGMA_REL
+                    ),
+                )
+            })?;
+            *gamma = Some(g);
+            Ok(())
+        }
+        (None, Some(g)) => {
+            if !(g.is_finite() && g > -1.0) {
+                return Err(field_err(format!("{at}.gamma"), "must be > -1"));
+            }
+            *sigma_rel = Some(sigma_rel::gamma_to_sigma_rel(g));
+            Ok(())
+        }
+    }
+}
+
+/// The run's profiles (default one `constant` profile `ema` with beta
+/// 0.999), each validated, their names unique.
+fn checked_profiles(profiles: Option<Vec<ProfileSpec>>) -> Result<Vec<ProfileSpec>, FieldError> {
+    let mut profiles = profiles.unwrap_or_else(|| {
+        vec![ProfileSpec::Constant {
+            name: "ema".into(),
+            beta: 0.999,
+        }]
+    });
+    if profiles.is_empty() {
+        return Err(field_err("profiles", "at least one profile is needed"));
+    }
+    if profiles.len() > MAX_PROFILES {
+        return Err(field_err(
+            "profiles",
+            format!("at most {MAX_PROFILES} profiles"),
+        ));
+    }
+    for (i, p) in profiles.iter_mut().enumerate() {
+        p.validate(&format!("profiles[{i}]"))?;
+    }
+    for (i, p) in profiles.iter().enumerate() {
+        if profiles[..i].iter().any(|q| q.name() == p.name()) {
+            return Err(field_err(
+                format!("profiles[{i}].name"),
+                format!("duplicate profile name `{}`", p.name()),
+            ));
+        }
+    }
+    Ok(profiles)
 }
 
 impl RunConfig {

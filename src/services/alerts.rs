@@ -9,20 +9,25 @@
 //! [`spawn`]) and the webhook sender behind a bounded queue.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 use utoipa::ToSchema;
 
-use super::{Context, Shared};
+use super::Context;
 use crate::clock::now_ms;
+use crate::contract::{EventKind, SnapshotEventStatus};
+use crate::events::Event;
+use crate::events::EventBus;
+use crate::registry::Registry;
 use crate::registry::RunHandle;
-use crate::run::alerts::{AlertRules, Goal};
+use crate::run::alerts::{AlertRules, Goal, MetricRule};
 use crate::store::StoredEvent;
+use crate::telemetry::Metrics;
 
 /// One alert: fired when its condition began, resolved when it cleared.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -236,78 +241,103 @@ impl Alerts {
             let Some(v) = values.get(&rule.metric).and_then(|v| v.as_f64()) else {
                 continue;
             };
-            let name = rule.metric.as_str();
-            for (kind, limit, crossed) in [
-                (
-                    "metric_above",
-                    rule.above,
-                    rule.above.is_some_and(|a| v > a),
-                ),
-                (
-                    "metric_below",
-                    rule.below,
-                    rule.below.is_some_and(|b| v < b),
-                ),
-            ] {
-                let Some(limit) = limit else { continue };
-                let key = format!("{kind}:{name}");
-                if crossed {
-                    let side = if kind == "metric_above" {
-                        "above"
-                    } else {
-                        "below"
-                    };
-                    self.fire(
-                        out,
-                        run,
-                        key,
-                        kind,
-                        rank,
-                        Some(name),
-                        Some(step),
-                        format!("{name} = {v} at step {step}, {side} {limit}"),
-                    );
-                } else {
-                    self.resolve(out, run, &key, Some(step));
-                }
-            }
+            self.check_bounds(out, run, rule, step, v);
             if let Some(patience) = rule.patience {
-                let improved = {
-                    let mut books = self.books.lock().expect("alerts lock");
-                    let book = books.entry(run.to_string()).or_default();
-                    let better = |b: &Best| match rule.mode {
-                        Goal::Min => v < b.value,
-                        Goal::Max => v > b.value,
-                    };
-                    match book.best.get(&i) {
-                        Some(b) if !better(b) => Err(*b),
-                        _ => {
-                            book.best.insert(i, Best { value: v, step });
-                            Ok(())
-                        }
-                    }
-                };
-                let key = format!("no_improvement:{name}");
-                match improved {
-                    Ok(()) => self.resolve(out, run, &key, Some(step)),
-                    Err(best) if step.saturating_sub(best.step) >= patience => self.fire(
-                        out,
-                        run,
-                        key,
-                        "no_improvement",
-                        rank,
-                        Some(name),
-                        Some(step),
-                        format!(
-                            "{name} has not improved on {} (step {}) for {} steps",
-                            best.value,
-                            best.step,
-                            step - best.step
-                        ),
-                    ),
-                    Err(_) => {}
+                self.check_patience(out, run, (i, rule), patience, step, v);
+            }
+        }
+    }
+
+    /// `metric_above` / `metric_below`: fired while `v` is past the
+    /// rule's bound, resolved once it is back.
+    fn check_bounds(
+        &self,
+        out: &mut Vec<Transition>,
+        run: &str,
+        rule: &MetricRule,
+        step: u64,
+        v: f64,
+    ) {
+        let name = rule.metric.as_str();
+        for (kind, side, limit, crossed) in [
+            (
+                "metric_above",
+                "above",
+                rule.above,
+                rule.above.is_some_and(|a| v > a),
+            ),
+            (
+                "metric_below",
+                "below",
+                rule.below,
+                rule.below.is_some_and(|b| v < b),
+            ),
+        ] {
+            let Some(limit) = limit else { continue };
+            let key = format!("{kind}:{name}");
+            if crossed {
+                self.fire(
+                    out,
+                    run,
+                    key,
+                    kind,
+                    rule.rank,
+                    Some(name),
+                    Some(step),
+                    format!("{name} = {v} at step {step}, {side} {limit}"),
+                );
+            } else {
+                self.resolve(out, run, &key, Some(step));
+            }
+        }
+    }
+
+    /// `no_improvement`: fired when the best value (the `i`th rule's) is
+    /// `patience` steps old, resolved by a better one.
+    fn check_patience(
+        &self,
+        out: &mut Vec<Transition>,
+        run: &str,
+        (i, rule): (usize, &MetricRule),
+        patience: u64,
+        step: u64,
+        v: f64,
+    ) {
+        let name = rule.metric.as_str();
+        let improved = {
+            let mut books = self.books.lock().expect("alerts lock");
+            let book = books.entry(run.to_string()).or_default();
+            let better = |b: &Best| match rule.mode {
+                Goal::Min => v < b.value,
+                Goal::Max => v > b.value,
+            };
+            match book.best.get(&i) {
+                Some(b) if !better(b) => Err(*b),
+                _ => {
+                    book.best.insert(i, Best { value: v, step });
+                    Ok(())
                 }
             }
+        };
+        let key = format!("no_improvement:{name}");
+        match improved {
+            Ok(()) => self.resolve(out, run, &key, Some(step)),
+            Err(best) if step.saturating_sub(best.step) >= patience => self.fire(
+                out,
+                run,
+                key,
+                "no_improvement",
+                rule.rank,
+                Some(name),
+                Some(step),
+                format!(
+                    "{name} has not improved on {} (step {}) for {} steps",
+                    best.value,
+                    best.step,
+                    step - best.step
+                ),
+            ),
+            Err(_) => {}
         }
     }
 }
@@ -318,9 +348,14 @@ impl Default for Alerts {
     }
 }
 
-/// The alerts service: the shared context and every run's alerts.
+/// The alerts service: what it reaches of the layers below (the runs, the
+/// event bus, the metrics, the data dir whose free space it watches), and
+/// every run's alerts.
 pub struct AlertService {
-    ctx: Context,
+    registry: Arc<Registry>,
+    events: Arc<EventBus>,
+    metrics: Arc<Metrics>,
+    data_dir: PathBuf,
     pub alerts: Alerts,
 }
 
@@ -328,19 +363,22 @@ pub struct AlertService {
 pub type AlertsSvc = std::sync::Arc<AlertService>;
 
 impl AlertService {
-    pub fn new(ctx: Context) -> AlertsSvc {
-        std::sync::Arc::new(AlertService {
-            ctx,
+    pub fn new(ctx: &Context) -> AlertsSvc {
+        Arc::new(AlertService {
+            registry: ctx.registry.clone(),
+            events: ctx.events.clone(),
+            metrics: ctx.metrics.clone(),
+            data_dir: ctx.args.data_dir.clone(),
             alerts: Alerts::new(),
         })
     }
-}
 
-impl std::ops::Deref for AlertService {
-    type Target = Shared;
+    fn run(&self, name: &str) -> Option<Arc<RunHandle>> {
+        self.registry.run(name)
+    }
 
-    fn deref(&self) -> &Shared {
-        &self.ctx
+    fn all_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.registry.all_runs()
     }
 }
 
@@ -385,8 +423,13 @@ fn rules_of(run: &RunHandle) -> AlertRules {
     run.meta.lock().expect("meta lock").alerts.clone()
 }
 
+/// The `status` of a `snapshot` event.
+fn snapshot_status(event: &StoredEvent) -> Option<SnapshotEventStatus> {
+    event.detail["status"].as_str()?.parse().ok()
+}
+
 fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
-    if event.kind == "alert" {
+    if event.kind == EventKind::Alert {
         return;
     }
     let Some(run) = state.run(&event.run) else {
@@ -395,8 +438,8 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
     let rules = rules_of(&run);
     let alerts = &state.alerts;
     let name = event.run.as_str();
-    match event.kind.as_str() {
-        "rejection" if event.detail["code"] == "nonfinite" && rules.nonfinite => {
+    match event.kind {
+        EventKind::Rejection if event.detail["code"] == "nonfinite" && rules.nonfinite => {
             let rank = event.rank.unwrap_or(0);
             alerts.fire(
                 out,
@@ -413,14 +456,14 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 ),
             );
         }
-        "push" if event.detail["applied"] == true => {
+        EventKind::Push if event.detail["applied"] == true => {
             if let Some(rank) = event.rank {
                 alerts.resolve(out, name, &format!("nonfinite:{rank}"), event.step);
                 alerts.resolve(out, name, &format!("stale_rank:{rank}"), event.step);
             }
         }
-        "snapshot" => match event.detail["status"].as_str() {
-            Some("failed") if rules.snapshot_failed => alerts.fire(
+        EventKind::Snapshot => match snapshot_status(event) {
+            Some(SnapshotEventStatus::Failed) if rules.snapshot_failed => alerts.fire(
                 out,
                 name,
                 "snapshot_failed".into(),
@@ -434,10 +477,12 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                     event.detail["reason"].as_str().unwrap_or("")
                 ),
             ),
-            Some("complete") => alerts.resolve(out, name, "snapshot_failed", event.step),
+            Some(SnapshotEventStatus::Complete) => {
+                alerts.resolve(out, name, "snapshot_failed", event.step)
+            }
             _ => {}
         },
-        "metrics" => {
+        EventKind::Metrics => {
             if let (Some(step), Some(values)) = (event.step, event.detail["values"].as_object()) {
                 alerts.on_metric(out, name, &rules, event.rank, step, values);
             }
@@ -460,7 +505,7 @@ pub fn disk_free_fraction(path: &Path) -> Option<f64> {
 
 fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
     let runs = state.all_runs();
-    let free = disk_free_fraction(&state.args.data_dir);
+    let free = disk_free_fraction(&state.data_dir);
     let now = now_ms();
     for run in runs {
         let rules = rules_of(&run);
@@ -532,10 +577,9 @@ fn announce(state: &AlertsSvc, out: Vec<Transition>) {
         let detail = serde_json::to_value(alert).unwrap_or_default();
         state.events.emit(
             &t.run,
-            "alert",
             alert.rank,
             alert.resolved_step.or(alert.fired_step),
-            detail.clone(),
+            Event::Alert(detail.clone()),
         );
         let by_kind = state.alerts.firing_by_kind(&t.run);
         state

@@ -5,6 +5,8 @@
 
 use crate::engine::EngineError;
 use crate::run::FieldError;
+use crate::snapshot::assemble::AssembleError;
+use crate::snapshot::meta::MetaError;
 use crate::store::StoreError;
 use crate::wire::codec::CodecError;
 use crate::wire::WireError;
@@ -86,6 +88,43 @@ impl ServiceError {
             "internal error; the server log has the detail",
         )
     }
+
+    /// A blocking worker that panicked or was cancelled.
+    pub fn worker_failed(detail: impl std::fmt::Display) -> Self {
+        Self::fault(500, "worker_failed", "a server worker failed", detail)
+    }
+
+    /// Reading or writing stored snapshot bytes failed.
+    pub fn snapshot_io(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::NotConnected {
+            // The object store is down (see `snapshot::source`).
+            return ServiceError {
+                retry_after: Some(5),
+                ..Self::fault(
+                    503,
+                    "store_unavailable",
+                    "the object store cannot be reached",
+                    e,
+                )
+            };
+        }
+        let code = if e.kind() == std::io::ErrorKind::NotFound {
+            "snapshot_part_missing"
+        } else {
+            "snapshot_io"
+        };
+        Self::fault(500, code, "stored snapshot data could not be read", e)
+    }
+
+    /// A stored snapshot part that does not parse.
+    fn snapshot_corrupt(detail: impl std::fmt::Display) -> Self {
+        Self::fault(
+            500,
+            "snapshot_corrupt",
+            "a stored snapshot part cannot be read back",
+            detail,
+        )
+    }
 }
 
 impl std::fmt::Display for ServiceError {
@@ -154,7 +193,7 @@ impl From<StoreError> for ServiceError {
             StoreError::RunExists(name) => {
                 Self::conflict("run_exists", format!("run `{name}` already exists"))
             }
-            StoreError::Json(e) => Self::fault(
+            StoreError::Json(_) | StoreError::Value(_) => Self::fault(
                 500,
                 "catalog_corrupt",
                 "the catalog holds a row the server cannot read",
@@ -199,6 +238,116 @@ impl From<crate::objstore::StoreError> for ServiceError {
 
 impl From<tokio::task::JoinError> for ServiceError {
     fn from(e: tokio::task::JoinError) -> Self {
-        Self::fault(500, "worker_failed", "a server worker failed", e)
+        Self::worker_failed(e)
     }
+}
+
+impl From<SnapshotError> for ServiceError {
+    fn from(e: SnapshotError) -> Self {
+        match e {
+            SnapshotError::Conflict(m) => Self::conflict("snapshot_conflict", m),
+            SnapshotError::NotFound(m) => Self::not_found("snapshot_not_found", m),
+            SnapshotError::Invalid(m) => Self::unprocessable("invalid_request", m),
+            SnapshotError::Older(m) => Self::conflict("snapshot_older", m),
+            SnapshotError::Internal(m) => Self::internal(m),
+            SnapshotError::Corrupt(m) => Self::snapshot_corrupt(m),
+            SnapshotError::WriteFailed(m) => Self::new(500, "snapshot_write_failed", m),
+            SnapshotError::Meta(e) => Self::from(e),
+            SnapshotError::Worker(m) => Self::worker_failed(m),
+            SnapshotError::Engine(e) => e.into(),
+            SnapshotError::Store(e) => e.into(),
+            SnapshotError::Objects(e) => e.into(),
+            SnapshotError::Io(e) => Self::snapshot_io(e),
+            SnapshotError::NoSpace(e) => Self::new(507, "insufficient_storage", e.to_string()),
+        }
+    }
+}
+
+impl From<AssembleError> for ServiceError {
+    fn from(e: AssembleError) -> Self {
+        match e {
+            AssembleError::DoesNotTile(m) => Self::unprocessable("does_not_tile", m),
+            AssembleError::Missing(m) => Self::not_found("not_in_snapshot", m),
+            AssembleError::Io(e) => Self::snapshot_io(e),
+            AssembleError::Malformed(m) => Self::snapshot_corrupt(m),
+            AssembleError::Format(e @ MetaError::Newer { .. }) => Self::from(e),
+            AssembleError::Format(e) => Self::snapshot_corrupt(e),
+        }
+    }
+}
+
+/// Stored metadata this server cannot read: written by a newer version
+/// (the answer says which format), or a catalog row that does not parse.
+impl From<MetaError> for ServiceError {
+    fn from(e: MetaError) -> Self {
+        match e {
+            MetaError::Newer { .. } => Self::new(500, "snapshot_format_unsupported", e.to_string()),
+            MetaError::Malformed(_) => Self::fault(
+                500,
+                "catalog_corrupt",
+                "the catalog holds a row the server cannot read",
+                e,
+            ),
+        }
+    }
+}
+
+/// What the snapshot service fails with.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Invalid(String),
+    /// `resume` found only a snapshot older than the step asked for.
+    #[error("{0}")]
+    Older(String),
+    /// The server's fault (a worker that panicked, catalog data that does
+    /// not hold together): answered 500, never blamed on the request.
+    #[error("{0}")]
+    Internal(String),
+    /// A stored part could not be read back (truncated, bytes that do not
+    /// parse, a part missing for a profile): 500 `snapshot_corrupt`.
+    #[error("{0}")]
+    Corrupt(String),
+    /// A part's metadata (in the catalog) or a part file that this server
+    /// cannot read: malformed (500 `catalog_corrupt`), or written in a
+    /// newer format (500 `snapshot_format_unsupported`).
+    #[error("{0}")]
+    Meta(#[from] MetaError),
+    /// Writing a snapshot's parts or committing it failed (the reason is
+    /// the snapshot's): 500 `snapshot_write_failed`.
+    #[error("{0}")]
+    WriteFailed(String),
+    /// A blocking worker panicked or was cancelled: 500 `worker_failed`.
+    #[error("a worker failed: {0}")]
+    Worker(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The object store (an outage: 503 `store_unavailable`; a part
+    /// missing: 500 `snapshot_part_missing`).
+    #[error(transparent)]
+    Objects(#[from] crate::objstore::StoreError),
+    #[error("snapshot files: {0}")]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    NoSpace(#[from] NoSpace),
+}
+
+/// Why a write was refused before it started.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "not enough disk space: {need} bytes to write would leave {left} of {free} free bytes, \
+     under the reserve of {reserve} bytes (--disk-reserve); free some space (delete snapshots) \
+     or lower the reserve"
+)]
+pub struct NoSpace {
+    pub need: u64,
+    pub free: u64,
+    pub left: i128,
+    pub reserve: u64,
 }

@@ -26,6 +26,7 @@ use super::{Context, ServiceError};
 use crate::clock::now_ms;
 use crate::engine::rank::PushOutcome;
 use crate::engine::EngineError;
+use crate::events::{self, Event, PushApplied, RankRegistered, Rejection};
 use crate::registry::{counts_of, RunHandle};
 use crate::run::NonfinitePolicy;
 use crate::wire::bodies::BodyPool;
@@ -579,24 +580,26 @@ impl Ingest {
             let (tensors, numel) = counts_of(layout);
             ctx.events.emit(
                 name,
-                "rank_registered",
                 Some(rank),
                 Some(step),
-                serde_json::json!({"tensors": tensors, "numel": numel, "resident_bytes": outcome.resident_bytes}),
+                Event::RankRegistered(RankRegistered {
+                    tensors,
+                    numel,
+                    resident_bytes: outcome.resident_bytes,
+                }),
             );
         }
         ctx.events.emit(
             name,
-            "push",
             Some(rank),
             Some(step),
-            serde_json::json!({
-                "applied": outcome.applied,
-                "duplicate": outcome.duplicate,
-                "bytes": wire_len,
-                "apply_seconds": outcome.apply_seconds,
-                "seconds": started.elapsed().as_secs_f64(),
-                "skipped": outcome.skipped,
+            Event::Push(PushApplied {
+                applied: outcome.applied,
+                duplicate: outcome.duplicate,
+                bytes: wire_len,
+                apply_seconds: outcome.apply_seconds,
+                seconds: started.elapsed().as_secs_f64(),
+                skipped: outcome.skipped.clone(),
             }),
         );
     }
@@ -627,13 +630,12 @@ impl Ingest {
             m.mirror_mismatches.with_label_values(&[name]).inc();
             self.ctx.events.emit(
                 name,
-                "mirror_mismatch",
                 Some(rank),
                 Some(step),
-                serde_json::json!({
-                    "client_crc32": mismatch.client_crc32,
-                    "server_crc32": mismatch.server_crc32,
-                    "repaired": true,
+                Event::MirrorMismatch(events::MirrorMismatch {
+                    client_crc32: mismatch.client_crc32.clone(),
+                    server_crc32: mismatch.server_crc32.clone(),
+                    repaired: true,
                 }),
             );
             tracing::warn!(run = %name, rank, step, "keyframe found the mirror diverged from the client's copy; repaired");
@@ -674,10 +676,13 @@ impl Ingest {
         ctx.record_rank(run, rank, &summary, None);
         ctx.events.emit(
             name,
-            "rejection",
             Some(rank),
             Some(step),
-            serde_json::json!({"status": err.status, "code": err.code, "message": err.message}),
+            Event::Rejection(Rejection {
+                status: err.status,
+                code: err.code,
+                message: err.message.clone(),
+            }),
         );
         tracing::info!(run = %name, rank, step, code = err.code, "push rejected: {}", err.message);
     }

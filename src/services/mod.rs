@@ -12,6 +12,7 @@
 //!   rate) and their retention.
 //! - [`alerts`]: per-run alert rules evaluated from events and a tick;
 //!   webhooks.
+//! - [`runs`]: deleting a run, exporting its live EMA, engine liveness.
 //! - [`snapshots`]: the snapshot lifecycle (cuts, capture writes,
 //!   retention, state persistence, restore and recovery) and derived
 //!   snapshots (post-hoc, merge).
@@ -21,6 +22,7 @@ pub mod error;
 pub mod ingest;
 pub mod monitor;
 pub mod pipeline;
+pub mod runs;
 pub mod snapshots;
 
 use std::sync::Arc;
@@ -31,9 +33,9 @@ pub use error::ServiceError;
 use crate::config::ServeArgs;
 use crate::engine::rank::RankLayout;
 use crate::events::EventBus;
+use crate::objstore::ObjectStore;
 use crate::registry::{RankSummary, Registry, RunHandle};
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
-use crate::objstore::ObjectStore;
 use crate::store::Store;
 use crate::telemetry::Metrics;
 
@@ -48,8 +50,8 @@ pub struct Shared {
     pub objects: ObjectStore,
     /// Batched catalog writes off the request path.
     pub catalog: CatalogWriter,
-    pub registry: Registry,
-    pub events: EventBus,
+    pub registry: Arc<Registry>,
+    pub events: Arc<EventBus>,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
 }
@@ -72,11 +74,22 @@ impl Shared {
         summary: &RankSummary,
         layout: Option<&RankLayout>,
     ) {
-        let layout_json = layout.map(crate::snapshot::meta::encode_layout);
-        self.catalog.send(CatalogUpdate::Rank {
-            run: run.config.name.clone(),
-            row: summary.to_row(rank),
-            layout_json,
-        });
+        record_rank(&self.catalog, run, rank, summary, layout);
     }
+}
+
+/// Records a registered layout and the new counters of a rank.
+pub fn record_rank(
+    catalog: &CatalogWriter,
+    run: &RunHandle,
+    rank: u32,
+    summary: &RankSummary,
+    layout: Option<&RankLayout>,
+) {
+    let layout_json = layout.map(crate::snapshot::meta::encode_layout);
+    catalog.send(CatalogUpdate::Rank {
+        run: run.config.name.clone(),
+        row: summary.to_row(rank),
+        layout_json,
+    });
 }

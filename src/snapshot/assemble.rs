@@ -383,7 +383,7 @@ pub fn build(
             let part = parts.iter().find(|p| p.rank == rank).ok_or_else(|| {
                 AssembleError::Missing(format!("rank {rank} has no file in this snapshot"))
             })?;
-            let len = part.path.open()?.len()?;
+            let len = part.path.open()?.size()?;
             (
                 vec![Piece::File {
                     path: part.path.clone(),

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::files::{PartWriter, WrittenFile};
-use super::source::{PartLoc, PartReader};
 use super::format::{self, BlockFill, StoredRange};
+use super::source::{PartLoc, PartReader};
 use crate::engine::rank::RankLayout;
 use crate::wire::DType;
 
@@ -99,7 +99,7 @@ pub fn combine_rank(
             .iter()
             .map(|seg| (seg.numel * seg.at[s].0.size()) as u64)
             .sum();
-        progress(src.file.len()?.saturating_sub(averaged));
+        progress(src.file.size()?.saturating_sub(averaged));
     }
     let mut writers = Vec::with_capacity(outputs.len());
     let mut fills = Vec::new();

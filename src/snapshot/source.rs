@@ -122,7 +122,7 @@ fn block_on<T>(fut: impl std::future::Future<Output = Result<T, StoreError>>) ->
 
 impl PartReader {
     /// The part's size in bytes.
-    pub fn len(&mut self) -> io::Result<u64> {
+    pub fn size(&mut self) -> io::Result<u64> {
         match self {
             PartReader::File(file) => Ok(file.metadata()?.len()),
             PartReader::Object {
@@ -188,7 +188,7 @@ impl PartReader {
                 Ok(out)
             }
             PartReader::Object { .. } => {
-                let n = self.len()?;
+                let n = self.size()?;
                 Ok(self.read_bytes_at(0, n)?.to_vec())
             }
         }
@@ -200,7 +200,7 @@ impl Read for PartReader {
         match self {
             PartReader::File(file) => file.read(buf),
             PartReader::Object { .. } => {
-                let total = self.len()?;
+                let total = self.size()?;
                 let PartReader::Object { pos, .. } = self else {
                     unreachable!()
                 };

@@ -235,7 +235,7 @@ fn map_at(
         return Ok(Bytes::new());
     }
     let reader = open(files, path)?;
-    if offset + len > reader.len()? {
+    if offset + len > reader.size()? {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
             format!("{path:?} is shorter than its recipe"),

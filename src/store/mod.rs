@@ -23,6 +23,7 @@ use std::time::Duration;
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Executor, Row};
 
+use crate::contract::EventKind;
 use crate::run::RunConfig;
 
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +36,8 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("catalog holds invalid JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("catalog holds {0}")]
+    Value(#[from] crate::contract::UnknownValue),
     #[error("data dir: {0}")]
     Io(#[from] std::io::Error),
     #[error("catalog URL `{0}`: expected sqlite://PATH or postgres://...")]
@@ -114,7 +117,7 @@ pub struct StoredEvent {
     pub id: i64,
     pub run: String,
     pub at_ms: i64,
-    pub kind: String,
+    pub kind: EventKind,
     pub rank: Option<u32>,
     pub step: Option<u64>,
     #[schema(value_type = Object)]
@@ -352,7 +355,7 @@ impl Store {
                     id: row.get("id"),
                     run: row.get("run"),
                     at_ms: row.get("at_ms"),
-                    kind: row.get("kind"),
+                    kind: row.get::<&str, _>("kind").parse()?,
                     rank: row.get::<Option<i64>, _>("rank").map(|r| r as u32),
                     step: row.get::<Option<i64>, _>("step").map(|s| s as u64),
                     detail: serde_json::from_str(row.get::<&str, _>("detail"))?,

@@ -7,6 +7,7 @@ use sqlx::Row;
 use utoipa::ToSchema;
 
 use super::{Store, StoreError};
+use crate::contract::{SnapshotKind, SnapshotStatus};
 
 /// A snapshot as listed.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -14,12 +15,10 @@ pub struct SnapshotRow {
     pub id: String,
     pub run: String,
     pub step: u64,
-    /// `manual`, `periodic`, `state` or `posthoc`.
-    pub kind: String,
+    pub kind: SnapshotKind,
     pub label: Option<String>,
     pub profiles: Vec<String>,
-    /// `pending`, `complete` or `failed`.
-    pub status: String,
+    pub status: SnapshotStatus,
     pub reason: Option<String>,
     pub created_at_ms: i64,
     pub completed_at_ms: Option<i64>,
@@ -33,15 +32,21 @@ pub struct SnapshotRow {
 impl SnapshotRow {
     /// A new `pending` row (no label, deadline or detail yet; callers set
     /// the fields their kind needs).
-    pub fn pending(id: &str, run: &str, step: u64, kind: &str, profiles: Vec<String>) -> Self {
+    pub fn pending(
+        id: &str,
+        run: &str,
+        step: u64,
+        kind: SnapshotKind,
+        profiles: Vec<String>,
+    ) -> Self {
         SnapshotRow {
             id: id.to_string(),
             run: run.to_string(),
             step,
-            kind: kind.to_string(),
+            kind,
             label: None,
             profiles,
-            status: "pending".into(),
+            status: SnapshotStatus::Pending,
             reason: None,
             created_at_ms: crate::clock::now_ms(),
             completed_at_ms: None,
@@ -74,10 +79,10 @@ fn row_to_snapshot(row: sqlx::any::AnyRow) -> Result<SnapshotRow, StoreError> {
         id: row.get("id"),
         run: row.get("run"),
         step: row.get::<i64, _>("step") as u64,
-        kind: row.get("kind"),
+        kind: row.get::<&str, _>("kind").parse()?,
         label: row.get("label"),
         profiles: serde_json::from_str(row.get::<&str, _>("profiles"))?,
-        status: row.get("status"),
+        status: row.get::<&str, _>("status").parse()?,
         reason: row.get("reason"),
         created_at_ms: row.get("created_at_ms"),
         completed_at_ms: row.get("completed_at_ms"),
@@ -96,10 +101,10 @@ impl Store {
         .bind(&s.id)
         .bind(&s.run)
         .bind(s.step as i64)
-        .bind(&s.kind)
+        .bind(s.kind.as_str())
         .bind(&s.label)
         .bind(serde_json::to_string(&s.profiles)?)
-        .bind(&s.status)
+        .bind(s.status.as_str())
         .bind(&s.reason)
         .bind(s.created_at_ms)
         .bind(s.deadline_ms)

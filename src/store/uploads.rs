@@ -15,11 +15,7 @@ pub struct OpenUpload {
 }
 
 impl Store {
-    pub async fn record_upload(
-        &self,
-        upload: &OpenUpload,
-        at_ms: i64,
-    ) -> Result<(), StoreError> {
+    pub async fn record_upload(&self, upload: &OpenUpload, at_ms: i64) -> Result<(), StoreError> {
         sqlx::query(&self.sql(
             "INSERT INTO uploads (upload_id, object_key, snapshot, started_at_ms) VALUES (?, ?, ?, ?)",
         ))

@@ -106,7 +106,7 @@ async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreErro
         .bind(e.id)
         .bind(&e.run)
         .bind(e.at_ms)
-        .bind(&e.kind)
+        .bind(e.kind.as_str())
         .bind(e.rank.map(|r| r as i64))
         .bind(e.step.map(|s| s as i64))
         .bind(e.detail.to_string())

@@ -143,6 +143,65 @@ pub fn parse_push(
     limits: WireLimits,
     policy: NonfinitePolicy,
 ) -> Result<ParsedPush, WireError> {
+    let (data_start, metadata) = read_header(&body, limits)?;
+    let extra = metadata.metadata().clone().unwrap_or_default();
+    let PushMeta {
+        kind,
+        quant,
+        mirror_crc32,
+        mut chunks,
+        aliases,
+    } = PushMeta::parse(&extra)?;
+    let names = metadata.offset_keys();
+    if names.is_empty() {
+        return Err(WireError::Empty);
+    }
+    check_aliases(&metadata, &aliases)?;
+    let mut tensors = Vec::with_capacity(names.len());
+    let mut scales: HashMap<String, Range<usize>> = HashMap::new();
+    for name in names {
+        let info = metadata.info(&name).ok_or_else(|| {
+            WireError::Invalid(format!("tensor `{name}` vanished from the header"))
+        })?;
+        let (start, end) = info.data_offsets;
+        let range = data_start + start..data_start + end;
+        if let (Some(q), Some(of)) = (quant, name.strip_suffix(SCALE_SUFFIX)) {
+            if q.format.scaled() {
+                if info.dtype != safetensors::Dtype::F32 || info.shape.len() != 1 {
+                    return Err(WireError::InvalidMetadata(format!(
+                        "scales `{name}` must be a 1-d F32 tensor"
+                    )));
+                }
+                scales.insert(of.to_string(), range);
+                continue;
+            }
+        }
+        let chunk = chunks.remove(&name);
+        tensors.push(wire_tensor(name, info, range, chunk, quant)?);
+    }
+    attach_scales(&mut tensors, scales)?;
+    if let Some(name) = chunks.keys().next() {
+        return Err(WireError::InvalidShards(format!(
+            "chunk metadata for `{name}`, which is not in the push"
+        )));
+    }
+    let digest = scan_nonfinite(&body, &mut tensors, kind, policy)?;
+    Ok(ParsedPush {
+        body,
+        tensors,
+        kind,
+        digest,
+        aliases,
+        mirror_crc32,
+    })
+}
+
+/// The safetensors header of a push body, within `limits`: where the data
+/// starts, and the parsed header.
+fn read_header(
+    body: &Bytes,
+    limits: WireLimits,
+) -> Result<(usize, safetensors::tensor::Metadata), WireError> {
     let prefix: [u8; 8] = body
         .get(..8)
         .and_then(|b| b.try_into().ok())
@@ -165,56 +224,79 @@ pub fn parse_push(
             body.len()
         )));
     }
-    let (n, metadata) = safetensors::SafeTensors::read_metadata(&body)
+    let (n, metadata) = safetensors::SafeTensors::read_metadata(body)
         .map_err(|e| classify_safetensors_error(e, &body[8..8 + header_len as usize]))?;
-    let data_start = 8 + n;
+    Ok((8 + n, metadata))
+}
 
-    let extra = metadata.metadata().clone().unwrap_or_default();
-    let kind = match extra.get(KIND_KEY).map(String::as_str) {
-        None | Some("full") => PushKind::Full,
-        Some("delta") => PushKind::Delta,
-        Some("xor") => PushKind::Xor,
-        Some(other) => {
-            return Err(WireError::InvalidMetadata(format!(
-                "{KIND_KEY} must be `full`, `delta` or `xor`, got `{other}`"
-            )))
-        }
-    };
-    let quant = match extra.get(QUANT_KEY) {
-        None => None,
-        Some(_) if kind != PushKind::Delta => {
-            return Err(WireError::InvalidMetadata(format!(
-                "{QUANT_KEY} needs {KIND_KEY} `delta`"
-            )))
-        }
-        Some(json) => Some(Quant::parse(json).map_err(WireError::InvalidMetadata)?),
-    };
-    let mirror_crc32 = match extra.get(MIRROR_CRC_KEY) {
-        None => None,
-        Some(hex) => Some(u32::from_str_radix(hex, 16).map_err(|_| {
-            WireError::InvalidMetadata(format!(
-                "{MIRROR_CRC_KEY} must be a CRC-32 in hex, got `{hex}`"
-            ))
-        })?),
-    };
-    let mut chunks: HashMap<String, Chunk> = match extra.get(SHARDS_KEY) {
-        None => HashMap::new(),
-        Some(json) => serde_json::from_str(json)
-            .map_err(|e| WireError::InvalidShards(format!("not a JSON object of chunks: {e}")))?,
-    };
+/// What a push's `__metadata__` says about it.
+struct PushMeta {
+    kind: PushKind,
+    quant: Option<Quant>,
+    mirror_crc32: Option<u32>,
+    chunks: HashMap<String, Chunk>,
+    aliases: BTreeMap<String, String>,
+}
 
-    let aliases: BTreeMap<String, String> = match extra.get(ALIASES_KEY) {
-        None => BTreeMap::new(),
-        Some(json) => serde_json::from_str(json).map_err(|e| {
-            WireError::InvalidMetadata(format!("{ALIASES_KEY} is not a JSON object of names: {e}"))
-        })?,
-    };
-
-    let names = metadata.offset_keys();
-    if names.is_empty() {
-        return Err(WireError::Empty);
+impl PushMeta {
+    fn parse(extra: &HashMap<String, String>) -> Result<Self, WireError> {
+        let kind = match extra.get(KIND_KEY).map(String::as_str) {
+            None | Some("full") => PushKind::Full,
+            Some("delta") => PushKind::Delta,
+            Some("xor") => PushKind::Xor,
+            Some(other) => {
+                return Err(WireError::InvalidMetadata(format!(
+                    "{KIND_KEY} must be `full`, `delta` or `xor`, got `{other}`"
+                )))
+            }
+        };
+        let quant = match extra.get(QUANT_KEY) {
+            None => None,
+            Some(_) if kind != PushKind::Delta => {
+                return Err(WireError::InvalidMetadata(format!(
+                    "{QUANT_KEY} needs {KIND_KEY} `delta`"
+                )))
+            }
+            Some(json) => Some(Quant::parse(json).map_err(WireError::InvalidMetadata)?),
+        };
+        let mirror_crc32 = match extra.get(MIRROR_CRC_KEY) {
+            None => None,
+            Some(hex) => Some(u32::from_str_radix(hex, 16).map_err(|_| {
+                WireError::InvalidMetadata(format!(
+                    "{MIRROR_CRC_KEY} must be a CRC-32 in hex, got `{hex}`"
+                ))
+            })?),
+        };
+        let chunks = match extra.get(SHARDS_KEY) {
+            None => HashMap::new(),
+            Some(json) => serde_json::from_str(json).map_err(|e| {
+                WireError::InvalidShards(format!("not a JSON object of chunks: {e}"))
+            })?,
+        };
+        let aliases = match extra.get(ALIASES_KEY) {
+            None => BTreeMap::new(),
+            Some(json) => serde_json::from_str(json).map_err(|e| {
+                WireError::InvalidMetadata(format!(
+                    "{ALIASES_KEY} is not a JSON object of names: {e}"
+                ))
+            })?,
+        };
+        Ok(PushMeta {
+            kind,
+            quant,
+            mirror_crc32,
+            chunks,
+            aliases,
+        })
     }
-    for (alias, target) in &aliases {
+}
+
+/// Every alias names a pushed tensor and is not one itself.
+fn check_aliases(
+    metadata: &safetensors::tensor::Metadata,
+    aliases: &BTreeMap<String, String>,
+) -> Result<(), WireError> {
+    for (alias, target) in aliases {
         if metadata.info(alias).is_some() {
             return Err(WireError::InvalidMetadata(format!(
                 "{ALIASES_KEY}: `{alias}` is pushed as a tensor and named as an alias"
@@ -226,71 +308,65 @@ pub fn parse_push(
             )));
         }
     }
-    let mut tensors = Vec::with_capacity(names.len());
-    let mut scales: HashMap<String, Range<usize>> = HashMap::new();
-    for name in names {
-        let info = metadata.info(&name).ok_or_else(|| {
-            WireError::Invalid(format!("tensor `{name}` vanished from the header"))
-        })?;
-        let (start, end) = info.data_offsets;
-        let range = data_start + start..data_start + end;
-        if let (Some(q), Some(of)) = (quant, name.strip_suffix(SCALE_SUFFIX)) {
-            if q.format.scaled() {
-                if info.dtype != safetensors::Dtype::F32 || info.shape.len() != 1 {
-                    return Err(WireError::InvalidMetadata(format!(
-                        "scales `{name}` must be a 1-d F32 tensor"
-                    )));
-                }
-                scales.insert(of.to_string(), range);
-                continue;
-            }
-        }
-        let fp8 = info.dtype == safetensors::Dtype::F8_E4M3
-            && quant.is_some_and(|q| q.format == QuantFormat::Fp8E4m3);
-        let dtype = if fp8 {
-            DType::U8
-        } else {
-            DType::from_safetensors(info.dtype).ok_or_else(|| WireError::UnsupportedDtype {
-                tensor: name.clone(),
-                dtype: format!("{:?}", info.dtype),
-            })?
+    Ok(())
+}
+
+/// One pushed tensor (not a scales tensor): its dtype as stored (fp8 as
+/// bytes), its chunk checked against its shape, its quantisation.
+fn wire_tensor(
+    name: String,
+    info: &safetensors::tensor::TensorInfo,
+    range: Range<usize>,
+    chunk: Option<Chunk>,
+    quant: Option<Quant>,
+) -> Result<WireTensor, WireError> {
+    let fp8 = info.dtype == safetensors::Dtype::F8_E4M3
+        && quant.is_some_and(|q| q.format == QuantFormat::Fp8E4m3);
+    let dtype = if fp8 {
+        DType::U8
+    } else {
+        DType::from_safetensors(info.dtype).ok_or_else(|| WireError::UnsupportedDtype {
+            tensor: name.clone(),
+            dtype: format!("{:?}", info.dtype),
+        })?
+    };
+    let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+    if let Some(chunk) = &chunk {
+        check_chunk(&name, &shape, chunk)?;
+    }
+    let quant = quant.and_then(|q| {
+        let quantised = match q.format {
+            QuantFormat::Bf16 => dtype == DType::BF16,
+            QuantFormat::Fp8E4m3 => fp8,
+            QuantFormat::Int8 => dtype == DType::I8,
         };
-        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
-        let chunk = chunks.remove(&name);
-        if let Some(chunk) = &chunk {
-            check_chunk(&name, &shape, chunk)?;
-        }
-        let quant = quant.and_then(|q| {
-            let quantised = match q.format {
-                QuantFormat::Bf16 => dtype == DType::BF16,
-                QuantFormat::Fp8E4m3 => fp8,
-                QuantFormat::Int8 => dtype == DType::I8,
-            };
-            quantised.then_some(TensorQuant {
-                format: q.format,
-                block: q.block,
-                scales: 0..0,
-            })
-        });
-        tensors.push(WireTensor {
-            name,
-            dtype,
-            shape,
-            range,
-            chunk,
-            nonfinite: false,
-            quant,
-        });
-    }
-    attach_scales(&mut tensors, scales)?;
-    if let Some(name) = chunks.keys().next() {
-        return Err(WireError::InvalidShards(format!(
-            "chunk metadata for `{name}`, which is not in the push"
-        )));
-    }
-    // The digest and the NaN/Inf scan, in one pass over the body. The
-    // floats of an XOR push are bit patterns, not values: the engine scans
-    // them once they are undone against the mirror.
+        quantised.then_some(TensorQuant {
+            format: q.format,
+            block: q.block,
+            scales: 0..0,
+        })
+    });
+    Ok(WireTensor {
+        name,
+        dtype,
+        shape,
+        range,
+        chunk,
+        nonfinite: false,
+        quant,
+    })
+}
+
+/// The digest and the NaN/Inf scan, in one pass over the body; marks the
+/// tensors holding NaN/Inf, or refuses the push under `reject`. The floats
+/// of an XOR push are bit patterns, not values: the engine scans them once
+/// they are undone against the mirror.
+fn scan_nonfinite(
+    body: &Bytes,
+    tensors: &mut [WireTensor],
+    kind: PushKind,
+    policy: NonfinitePolicy,
+) -> Result<u128, WireError> {
     let scan = policy != NonfinitePolicy::Allow;
     let spans: Vec<Span> = tensors
         .iter()
@@ -303,23 +379,16 @@ pub fn parse_push(
             range: t.range.clone(),
         })
         .collect();
-    let (digest, flags) = scan_and_digest(&body, &spans, scan);
+    let (digest, flags) = scan_and_digest(body, &spans, scan);
     for (t, nonfinite) in tensors.iter_mut().zip(flags) {
-        t.nonfinite = nonfinite || (scan && quant_nonfinite(&body, t));
+        t.nonfinite = nonfinite || (scan && quant_nonfinite(body, t));
         if t.nonfinite && policy == NonfinitePolicy::Reject {
             return Err(WireError::Nonfinite {
                 tensor: t.name.clone(),
             });
         }
     }
-    Ok(ParsedPush {
-        body,
-        tensors,
-        kind,
-        digest,
-        aliases,
-        mirror_crc32,
-    })
+    Ok(digest)
 }
 
 /// Gives each fp8/int8 tensor its scales; every scales tensor must belong

@@ -15,6 +15,7 @@ from .errors import PolyakError
 
 __all__ = [
     "DERIVED_KINDS",
+    "CutKind",
     "DownloadLayout",
     "EventKind",
     "SnapshotEventStatus",
@@ -73,6 +74,8 @@ class EventKind(str, Enum):
     RANK_REGISTERED = "rank_registered"
     PUSH = "push"
     REJECTION = "rejection"
+    #: A keyframe found the mirror diverged from the client's copy (repaired).
+    MIRROR_MISMATCH = "mirror_mismatch"
     SNAPSHOT = "snapshot"
     FINISHED = "finished"
     RESUMED = "resumed"
@@ -80,6 +83,19 @@ class EventKind(str, Enum):
     ANNOTATED = "annotated"
     ALERT = "alert"
     METRICS = "metrics"
+
+
+class CutKind(str, Enum):
+    """``detail.cut`` of a manual snapshot: how its step was chosen."""
+
+    #: Every rank had applied the ranks' current step: cut at once.
+    CURRENT = "current"
+    #: The next update step after the furthest rank.
+    NEXT_UPDATE = "next_update"
+    #: The step the request named.
+    REQUESTED = "requested"
+    #: The final snapshot of a finished run.
+    FINAL = "final"
 
 
 class DownloadLayout(str, Enum):

@@ -22,24 +22,27 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
             state.pending.register(
                 &snapshot,
                 &run,
-                PERIODIC,
+                SnapshotKind::Periodic,
                 (0..handle.config.world_size).collect(),
                 Some(Instant::now() + timeout),
                 Some(backlog),
             );
             let row = SnapshotRow {
                 deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
-                ..SnapshotRow::pending(&snapshot, &run, step, PERIODIC, profiles)
+                ..SnapshotRow::pending(&snapshot, &run, step, SnapshotKind::Periodic, profiles)
             };
             if let Err(e) = state.store.insert_snapshot(&row).await {
                 tracing::error!(run = %run, error = %e, "recording a periodic snapshot failed");
             }
             state.events.emit(
                 &run,
-                "snapshot",
                 None,
                 Some(step),
-                serde_json::json!({"id": snapshot, "status": "pending", "kind": PERIODIC}),
+                Event::Snapshot(SnapshotEvent::Pending {
+                    id: snapshot,
+                    kind: SnapshotKind::Periodic,
+                    cut: None,
+                }),
             );
         }
         CaptureEvent::PeriodicSkipped {
@@ -61,10 +64,12 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
                 .inc();
             state.events.emit(
                 &run,
-                "snapshot",
                 None,
                 Some(step),
-                serde_json::json!({"status": "skipped", "kind": PERIODIC, "reason": reason}),
+                Event::Snapshot(SnapshotEvent::Skipped {
+                    kind: SnapshotKind::Periodic,
+                    reason,
+                }),
             );
         }
         CaptureEvent::Captured(capture) => write_capture(state.clone(), *capture),
@@ -247,10 +252,13 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
             tracing::info!(run = %p.run, snapshot = %id, step, bytes, "snapshot complete");
             state.events.emit(
                 &p.run,
-                "snapshot",
                 None,
                 Some(step),
-                serde_json::json!({"id": id, "status": "complete", "kind": p.kind, "bytes": bytes}),
+                Event::Snapshot(SnapshotEvent::Complete {
+                    id: id.to_string(),
+                    kind: p.kind,
+                    bytes,
+                }),
             );
             for w in p.waiters {
                 let _ = w.send(Finished::Complete);
@@ -292,10 +300,13 @@ pub async fn fail(state: &Snaps, id: &str, reason: &str) {
     record_failure(state, id, reason).await;
     state.events.emit(
         &p.run,
-        "snapshot",
         None,
         None,
-        serde_json::json!({"id": id, "status": "failed", "reason": reason}),
+        Event::Snapshot(SnapshotEvent::Failed {
+            id: id.to_string(),
+            kind: None,
+            reason: reason.to_string(),
+        }),
     );
     for w in p.waiters {
         let _ = w.send(Finished::Failed(reason.to_string()));

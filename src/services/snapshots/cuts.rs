@@ -16,22 +16,16 @@ pub fn next_step(config: &RunConfig, furthest: Option<u64>) -> u64 {
 /// every rank has applied it (`current`: nothing to wait for), else at the
 /// next update step after the furthest rank (`next_update`: ranks are mid
 /// step, or some never pushed), as v1 did.
-pub fn cut_now(config: &RunConfig, steps: &[Option<u64>]) -> (u64, &'static str) {
+pub fn cut_now(config: &RunConfig, steps: &[Option<u64>]) -> (u64, CutKind) {
     let first = steps.first().copied().flatten();
     if let Some(s) = first {
         if steps.iter().all(|r| *r == Some(s)) && config.is_update_step(s) {
-            return (s, CUT_CURRENT);
+            return (s, CutKind::Current);
         }
     }
     let furthest = steps.iter().flatten().copied().max();
-    (next_step(config, furthest), CUT_NEXT_UPDATE)
+    (next_step(config, furthest), CutKind::NextUpdate)
 }
-
-/// `detail.cut` of a manual snapshot: how its step was chosen.
-pub const CUT_CURRENT: &str = "current";
-pub const CUT_NEXT_UPDATE: &str = "next_update";
-pub const CUT_REQUESTED: &str = "requested";
-pub const CUT_FINAL: &str = "final";
 
 /// Schedules a consistent cut of `run` at `step`; without one, at the
 /// ranks' current step or the next update step (see [`cut_now`]; the row's
@@ -52,7 +46,7 @@ pub async fn create(
         let run_name = config.name.clone();
         let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
         let (at, cut) = match step {
-            Some(s) => (s, CUT_REQUESTED),
+            Some(s) => (s, CutKind::Requested),
             None => cut_now(&config, &steps),
         };
         match schedule_manual(state, run, at, &names, &indices, label.clone(), cut).await {
@@ -98,7 +92,7 @@ pub(super) async fn schedule_manual(
     names: &[String],
     indices: &[usize],
     label: Option<String>,
-    cut: &str,
+    cut: CutKind,
 ) -> Result<SnapshotRow, SnapshotError> {
     let config = run.config.clone();
     if !config.is_update_step(step) {
@@ -110,19 +104,25 @@ pub(super) async fn schedule_manual(
     // The run's resident bytes bound what the cut writes (every profile,
     // copied tensors, mirror).
     disk::check(state, run.resident_bytes())?;
-    let id = snapshot_id(MANUAL, step);
+    let id = snapshot_id(SnapshotKind::Manual, step);
     let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
     let row = SnapshotRow {
         label,
         deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
         detail: serde_json::json!({"cut": cut}),
-        ..SnapshotRow::pending(&id, &config.name, step, MANUAL, names.to_vec())
+        ..SnapshotRow::pending(
+            &id,
+            &config.name,
+            step,
+            SnapshotKind::Manual,
+            names.to_vec(),
+        )
     };
     state.store.insert_snapshot(&row).await?;
     state.pending.register(
         &id,
         &config.name,
-        MANUAL,
+        SnapshotKind::Manual,
         (0..config.world_size).collect(),
         Some(Instant::now() + timeout),
         None,
@@ -139,10 +139,13 @@ pub(super) async fn schedule_manual(
     }
     state.events.emit(
         &config.name,
-        "snapshot",
         None,
         Some(step),
-        serde_json::json!({"id": id, "status": "pending", "kind": MANUAL, "cut": cut}),
+        Event::Snapshot(SnapshotEvent::Pending {
+            id,
+            kind: SnapshotKind::Manual,
+            cut: Some(cut),
+        }),
     );
     Ok(row)
 }
@@ -176,7 +179,7 @@ pub async fn finish(
                 &names,
                 &indices,
                 Some(label.unwrap_or_else(|| "final".into())),
-                CUT_FINAL,
+                CutKind::Final,
             )
             .await?,
         ),
@@ -191,10 +194,11 @@ pub async fn finish(
     *run.finished.lock().expect("run finish lock") = Some(done.clone());
     state.events.emit(
         &name,
-        "finished",
         None,
         at.0,
-        serde_json::json!({"snapshot": done.snapshot}),
+        Event::Finished(events::Finished {
+            snapshot: done.snapshot.clone(),
+        }),
     );
     tracing::info!(run = %name, step = ?at.0, "run finished");
     Ok((done, row))

@@ -20,10 +20,11 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::snapshot::source::PartLoc;
-use super::{disk, record_failure, remove_files, Snaps, SnapshotError, MANUAL, PERIODIC};
+use super::{disk, record_failure, remove_files, Snaps, SnapshotError};
 use crate::clock::now_ms;
+use crate::contract::{SnapshotKind, SnapshotStatus};
 use crate::engine::snapshot_id;
+use crate::events::{Event, SnapshotEvent};
 use crate::registry::RunHandle;
 use crate::run::{ProfileSpec, RunConfig};
 use crate::sigma_rel::{gamma_to_sigma_rel, sigma_rel_to_gamma, MAX_SIGMA_REL};
@@ -32,13 +33,10 @@ use crate::snapshot::files;
 use crate::snapshot::format::{self, MIRROR_PART};
 use crate::snapshot::meta;
 use crate::snapshot::posthoc::{self, PosthocError, Source};
+use crate::snapshot::source::PartLoc;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
 
-/// Kind of synthesised post-hoc snapshots.
-pub const POSTHOC: &str = "posthoc";
-/// Kind of merged-checkpoint snapshots.
-pub const MERGE: &str = "merge";
 /// The most lengths one post-hoc request may ask for.
 pub const MAX_SWEEP: usize = 32;
 /// The most snapshots one merge may average.
@@ -128,10 +126,7 @@ async fn power_sources(
 ) -> Result<Vec<PowerSource>, SnapshotError> {
     let rows = state.store.snapshots(&config.name).await?;
     let mut best: BTreeMap<(u64, String), (&SnapshotRow, f64)> = BTreeMap::new();
-    for row in rows
-        .iter()
-        .filter(|r| r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC))
-    {
+    for row in rows.iter().filter(|r| mergeable(r)) {
         for profile in &row.profiles {
             let Some(&gamma) = gammas.get(profile) else {
                 continue;
@@ -309,12 +304,12 @@ pub async fn posthoc(
     name: Option<String>,
     profiles: Option<&[String]>,
 ) -> Result<Started, SnapshotError> {
-    let name = profile_name(name, POSTHOC)?;
+    let name = profile_name(name, SnapshotKind::Posthoc.as_str())?;
     let plan = plan(state, run, sigma_rels, step, profiles).await?;
     let sweep_ids: Vec<String> = plan
         .targets
         .iter()
-        .map(|_| snapshot_id(POSTHOC, plan.step))
+        .map(|_| snapshot_id(SnapshotKind::Posthoc, plan.step))
         .collect();
     let mut rows = Vec::with_capacity(plan.targets.len());
     let mut outputs = Vec::with_capacity(plan.targets.len());
@@ -332,7 +327,7 @@ pub async fn posthoc(
         rows.push(derived_row(
             run,
             id,
-            POSTHOC,
+            SnapshotKind::Posthoc,
             plan.step,
             format!("sigma_rel={}", target.sigma_rel),
             &name,
@@ -425,7 +420,7 @@ pub async fn merge(
     let chosen = choose_merged(&config.name, rows, selection)?;
     let weights = merge_weights(scheme, chosen.len(), alpha);
     let newest = chosen.last().map(|r| r.step).unwrap_or(0);
-    let id = snapshot_id(MERGE, newest);
+    let id = snapshot_id(SnapshotKind::Merge, newest);
     let detail = serde_json::json!({
         "weights": scheme,
         "alpha": (scheme == MergeWeights::Exp).then_some(alpha),
@@ -434,7 +429,7 @@ pub async fn merge(
         })).collect::<Vec<_>>(),
     });
     let label = format!("merge of {} ({})", chosen.len(), scheme.name());
-    let row = derived_row(run, &id, MERGE, newest, label, &name, detail);
+    let row = derived_row(run, &id, SnapshotKind::Merge, newest, label, &name, detail);
     let sources: Vec<JobSource> = chosen
         .iter()
         .map(|r| JobSource {
@@ -469,7 +464,7 @@ fn merge_alpha(scheme: MergeWeights, alpha: Option<f64>) -> Result<f64, Snapshot
 /// Complete manual and periodic snapshots hold a consistent cut of the
 /// online weights; the others do not.
 fn mergeable(r: &SnapshotRow) -> bool {
-    r.status == "complete" && (r.kind == MANUAL || r.kind == PERIODIC)
+    r.status == SnapshotStatus::Complete && r.kind.is_cut()
 }
 
 /// The snapshots a merge averages, oldest first.
@@ -543,7 +538,7 @@ fn profile_name(name: Option<String>, default: &str) -> Result<String, SnapshotE
 fn derived_row(
     run: &RunHandle,
     id: &str,
-    kind: &str,
+    kind: SnapshotKind,
     step: u64,
     label: String,
     profile: &str,
@@ -574,6 +569,11 @@ async fn start(
     base: usize,
     outputs: Vec<JobOutput>,
 ) -> Result<Started, SnapshotError> {
+    let Some(kind) = rows.first().map(|r| r.kind) else {
+        return Err(SnapshotError::Internal(
+            "no derived snapshot to write".into(),
+        ));
+    };
     // Every source's files are looked up before anything is recorded, so a
     // request that cannot run changes nothing.
     let mut files = Vec::with_capacity(sources.len());
@@ -607,15 +607,18 @@ async fn start(
     for row in &rows {
         state.events.emit(
             &run.config.name,
-            "snapshot",
             None,
             Some(row.step),
-            serde_json::json!({"id": row.id, "status": "pending", "kind": row.kind}),
+            Event::Snapshot(SnapshotEvent::Pending {
+                id: row.id.clone(),
+                kind: row.kind,
+                cut: None,
+            }),
         );
     }
     let job = Job {
         run: run.config.name.clone(),
-        kind: rows.first().map(|r| r.kind.clone()).unwrap_or_default(),
+        kind,
         step: rows.first().map(|r| r.step).unwrap_or(0),
         out_dtype: if run.config.ema_dtype.kind() == tch::Kind::Double {
             DType::F64
@@ -633,7 +636,7 @@ async fn start(
 
 struct Job {
     run: String,
-    kind: String,
+    kind: SnapshotKind,
     step: u64,
     out_dtype: DType,
     /// Per source: its files of the part read (one per rank).
@@ -648,7 +651,7 @@ fn spawn_job(state: Snaps, job: Job) {
     tokio::spawn(async move {
         let started = Instant::now();
         let ids: Vec<String> = job.outputs.iter().map(|o| o.id.clone()).collect();
-        let (run, kind, step) = (job.run.clone(), job.kind.clone(), job.step);
+        let (run, kind, step) = (job.run.clone(), job.kind, job.step);
         let staging = staging_dir(&state);
         let (st, objects, at) = (state.clone(), state.objects.clone(), staging.clone());
         let written = tokio::task::spawn_blocking(move || {
@@ -673,10 +676,13 @@ fn spawn_job(state: Snaps, job: Job) {
                 for (id, b) in ids.iter().zip(bytes) {
                     state.events.emit(
                         &run,
-                        "snapshot",
                         None,
                         Some(step),
-                        serde_json::json!({"id": id, "status": "complete", "kind": kind, "bytes": b}),
+                        Event::Snapshot(SnapshotEvent::Complete {
+                            id: id.clone(),
+                            kind,
+                            bytes: b,
+                        }),
                     );
                 }
             }
@@ -688,10 +694,13 @@ fn spawn_job(state: Snaps, job: Job) {
                     record_failure(&state, id, &reason).await;
                     state.events.emit(
                         &run,
-                        "snapshot",
                         None,
                         Some(step),
-                        serde_json::json!({"id": id, "status": "failed", "kind": kind, "reason": reason}),
+                        Event::Snapshot(SnapshotEvent::Failed {
+                            id: id.clone(),
+                            kind: Some(kind),
+                            reason: reason.to_string(),
+                        }),
                     );
                 }
             }
@@ -704,14 +713,15 @@ fn report(state: &Snaps, job: &Job, done: u64) {
     state
         .pending
         .progress_set(job.outputs.iter().map(|o| o.id.as_str()), done);
-    state.events.emit_transient(
+    state.events.emit(
         &job.run,
-        "snapshot",
         None,
         Some(job.step),
-        serde_json::json!({
-            "ids": job.outputs.iter().map(|o| &o.id).collect::<Vec<_>>(),
-            "status": "running", "kind": job.kind, "done": done, "total": job.total,
+        Event::Snapshot(SnapshotEvent::Running {
+            ids: job.outputs.iter().map(|o| o.id.clone()).collect(),
+            kind: job.kind,
+            done,
+            total: job.total,
         }),
     );
 }
@@ -774,7 +784,12 @@ async fn publish(
             };
             let stored = state
                 .objects
-                .put_file(&row.path, &staging.join(&row.path), Some(&row.sha256), record)
+                .put_file(
+                    &row.path,
+                    &staging.join(&row.path),
+                    Some(&row.sha256),
+                    record,
+                )
                 .await;
             if state.objects.local_path("").is_none() {
                 // The upload's id, recorded when it opened, is done with.

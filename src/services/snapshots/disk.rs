@@ -9,19 +9,7 @@ use std::path::Path;
 
 use super::Snaps;
 
-/// Why a write was refused before it started.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "not enough disk space: {need} bytes to write would leave {left} of {free} free bytes, \
-     under the reserve of {reserve} bytes (--disk-reserve); free some space (delete snapshots) \
-     or lower the reserve"
-)]
-pub struct NoSpace {
-    pub need: u64,
-    pub free: u64,
-    pub left: i128,
-    pub reserve: u64,
-}
+pub use crate::services::error::NoSpace;
 
 /// Bytes an unprivileged process may still write on the filesystem of `path`.
 pub fn free_bytes(path: &Path) -> std::io::Result<u64> {

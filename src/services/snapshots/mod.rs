@@ -31,9 +31,7 @@ mod retention;
 
 use capture::*;
 pub use capture::{fail, record_failure};
-pub use cuts::{
-    create, cut_now, finish, next_step, CUT_CURRENT, CUT_FINAL, CUT_NEXT_UPDATE, CUT_REQUESTED,
-};
+pub use cuts::{create, cut_now, finish, next_step};
 pub use pending::Snapshots;
 use pending::*;
 use persist::*;
@@ -50,70 +48,30 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::now_ms;
+use crate::config::ServeArgs;
+pub use crate::contract::{CutKind, SnapshotKind, SnapshotStatus};
 use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RestoredRank};
-use crate::engine::{snapshot_id, EngineError};
+use crate::engine::snapshot_id;
+use crate::events::EventBus;
+use crate::events::{self, Event, Restored, SnapshotEvent};
+use crate::objstore::ObjectStore;
+use crate::registry::Registry;
 use crate::registry::RunHandle;
 use crate::run::RunConfig;
-use crate::services::{Context, Shared};
+pub use crate::services::error::SnapshotError;
+use crate::services::Context;
 use crate::snapshot::meta::{self, MetaError};
 use crate::snapshot::{assemble, compare, files, format};
 use crate::store::snapshots::{FileRow, SnapshotRow};
-use crate::store::{RunFinish, StoreError};
+use crate::store::writer::CatalogWriter;
+use crate::store::RunFinish;
+use crate::store::Store;
+use crate::telemetry::Metrics;
 use compare::CompareResult;
 use format::MIRROR_PART;
 
-/// Snapshot kinds.
-pub const MANUAL: &str = "manual";
-pub const PERIODIC: &str = "periodic";
-pub const STATE: &str = "state";
-
 /// State snapshots kept per run (older ones are deleted).
 const STATE_KEEP: usize = 2;
-
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotError {
-    #[error("{0}")]
-    Conflict(String),
-    #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    Invalid(String),
-    /// `resume` found only a snapshot older than the step asked for.
-    #[error("{0}")]
-    Older(String),
-    /// The server's fault (a worker that panicked, catalog data that does
-    /// not hold together): answered 500, never blamed on the request.
-    #[error("{0}")]
-    Internal(String),
-    /// A stored part could not be read back (truncated, bytes that do not
-    /// parse, a part missing for a profile): 500 `snapshot_corrupt`.
-    #[error("{0}")]
-    Corrupt(String),
-    /// A part's metadata (in the catalog) or a part file that this server
-    /// cannot read: malformed (500 `catalog_corrupt`), or written in a
-    /// newer format (500 `snapshot_format_unsupported`).
-    #[error("{0}")]
-    Meta(#[from] MetaError),
-    /// Writing a snapshot's parts or committing it failed (the reason is
-    /// the snapshot's): 500 `snapshot_write_failed`.
-    #[error("{0}")]
-    WriteFailed(String),
-    /// A blocking worker panicked or was cancelled: 500 `worker_failed`.
-    #[error("a worker failed: {0}")]
-    Worker(String),
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// The object store (an outage: 503 `store_unavailable`; a part
-    /// missing: 500 `snapshot_part_missing`).
-    #[error(transparent)]
-    Objects(#[from] crate::objstore::StoreError),
-    #[error("snapshot files: {0}")]
-    Io(#[from] std::io::Error),
-    #[error(transparent)]
-    NoSpace(#[from] disk::NoSpace),
-}
 
 /// How a snapshot ended, for those waiting on it.
 #[derive(Debug, Clone)]
@@ -122,9 +80,18 @@ pub enum Finished {
     Failed(String),
 }
 
-/// The snapshot service: the shared context and the snapshot registry.
+/// The snapshot service: what it reaches of the layers below (the catalog,
+/// the runs, the event bus, the metrics, the settings it reads), and the
+/// snapshot registry.
 pub struct SnapshotService {
-    ctx: Context,
+    pub(crate) args: ServeArgs,
+    pub(crate) store: Store,
+    /// Where snapshot parts live.
+    pub(crate) objects: ObjectStore,
+    catalog: CatalogWriter,
+    registry: Arc<Registry>,
+    pub(crate) events: Arc<EventBus>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Snapshots being written, compare results, progress of derived jobs.
     pub pending: Snapshots,
 }
@@ -133,19 +100,36 @@ pub struct SnapshotService {
 pub type Snaps = Arc<SnapshotService>;
 
 impl SnapshotService {
-    pub fn new(ctx: Context) -> Snaps {
+    pub fn new(ctx: &Context) -> Snaps {
         Arc::new(SnapshotService {
             pending: Snapshots::new(ctx.args.data_dir.clone()),
-            ctx,
+            args: ctx.args.clone(),
+            store: ctx.store.clone(),
+            objects: ctx.objects.clone(),
+            catalog: ctx.catalog.clone(),
+            registry: ctx.registry.clone(),
+            events: ctx.events.clone(),
+            metrics: ctx.metrics.clone(),
         })
     }
-}
 
-impl std::ops::Deref for SnapshotService {
-    type Target = Shared;
+    pub fn run(&self, name: &str) -> Option<Arc<RunHandle>> {
+        self.registry.run(name)
+    }
 
-    fn deref(&self) -> &Shared {
-        &self.ctx
+    pub fn all_runs(&self) -> Vec<Arc<RunHandle>> {
+        self.registry.all_runs()
+    }
+
+    /// Records the new counters of a rank (after a restore).
+    pub(crate) fn record_rank(
+        &self,
+        run: &RunHandle,
+        rank: u32,
+        summary: &crate::registry::RankSummary,
+        layout: Option<&crate::engine::rank::RankLayout>,
+    ) {
+        crate::services::record_rank(&self.catalog, run, rank, summary, layout);
     }
 }
 

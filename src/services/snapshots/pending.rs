@@ -10,7 +10,7 @@ use super::*;
 /// A snapshot being captured and written.
 pub(super) struct Pending {
     pub(super) run: String,
-    pub(super) kind: String,
+    pub(super) kind: SnapshotKind,
     /// Ranks whose files must be written before it completes.
     pub(super) expected: BTreeSet<u32>,
     pub(super) written: Vec<FileRow>,
@@ -67,7 +67,7 @@ impl Snapshots {
         &self,
         id: &str,
         run: &str,
-        kind: &str,
+        kind: SnapshotKind,
         expected: BTreeSet<u32>,
         deadline: Option<Instant>,
         backlog: Option<Backlog>,
@@ -76,7 +76,7 @@ impl Snapshots {
             id.to_string(),
             Pending {
                 run: run.to_string(),
-                kind: kind.to_string(),
+                kind,
                 expected,
                 written: Vec::new(),
                 writing: BTreeSet::new(),

@@ -17,7 +17,7 @@ pub async fn persist_state(
         .pending
         .set_state_attempt(&run.config.name, Instant::now());
     disk::check(state, run.resident_bytes())?;
-    let id = snapshot_id(STATE, 0);
+    let id = snapshot_id(SnapshotKind::State, 0);
     let (run_name, sid) = (run.config.name.clone(), id.clone());
     let captures = run
         .engine
@@ -40,13 +40,13 @@ pub async fn persist_state(
         detail: serde_json::json!({
             "rank_steps": captures.iter().map(|c| (c.rank.to_string(), c.step)).collect::<BTreeMap<_, _>>()
         }),
-        ..SnapshotRow::pending(&id, &run.config.name, step, STATE, profiles)
+        ..SnapshotRow::pending(&id, &run.config.name, step, SnapshotKind::State, profiles)
     };
     state.store.insert_snapshot(&row).await?;
     state.pending.register(
         &id,
         &run.config.name,
-        STATE,
+        SnapshotKind::State,
         captures.iter().map(|c| c.rank).collect(),
         None,
         None,

@@ -75,8 +75,8 @@ pub(super) fn load_restorable(
 /// Whether a complete snapshot can restore the run: every profile present.
 pub(super) fn restorable(config: &RunConfig, row: &SnapshotRow) -> bool {
     // Derived snapshots (post-hoc, merged) hold weights no run ever had.
-    row.status == "complete"
-        && matches!(row.kind.as_str(), MANUAL | PERIODIC | STATE)
+    row.status == SnapshotStatus::Complete
+        && !row.kind.is_derived()
         && config
             .profiles
             .iter()
@@ -193,10 +193,14 @@ pub async fn resume(
     }
     state.events.emit(
         &run.config.name,
-        "resumed",
         None,
         Some(row.step),
-        serde_json::json!({"snapshot": row.id, "rank_steps": steps, "requested_step": step, "older": older}),
+        Event::Resumed(events::Resumed {
+            snapshot: row.id.clone(),
+            rank_steps: steps.clone(),
+            requested_step: step,
+            older,
+        }),
     );
     Ok(Resumed {
         row,
@@ -214,7 +218,10 @@ pub async fn resume(
 /// node of the same service writing it now) is left alone.
 async fn abort_open_uploads(state: &Snaps) -> Result<(), SnapshotError> {
     for open in state.store.open_uploads().await? {
-        state.objects.abort_upload(&open.key, &open.upload_id).await?;
+        state
+            .objects
+            .abort_upload(&open.key, &open.upload_id)
+            .await?;
         state.store.forget_upload(&open.upload_id).await?;
         tracing::info!(key = %open.key, snapshot = %open.snapshot, "aborted an upload left open by the last stop");
     }
@@ -225,7 +232,7 @@ async fn abort_open_uploads(state: &Snaps) -> Result<(), SnapshotError> {
             (parts.next(), parts.next(), parts.next(), parts.next())
         {
             let row = state.store.snapshot(run, id).await?;
-            if row.is_some_and(|r| r.status == "pending") {
+            if row.is_some_and(|r| r.status == SnapshotStatus::Pending) {
                 continue;
             }
         }
@@ -296,10 +303,12 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
                 }
                 state.events.emit(
                     &run.config.name,
-                    "restored",
                     None,
                     Some(row.step),
-                    serde_json::json!({"snapshot": row.id, "rank_steps": steps}),
+                    Event::Restored(Restored {
+                        snapshot: row.id.clone(),
+                        rank_steps: steps,
+                    }),
                 );
             }
             Err(e) => {

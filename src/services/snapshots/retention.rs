@@ -12,7 +12,10 @@ pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotEr
         fail(state, &id, "the run was deleted").await;
     }
     let prefix = files::run_rel_dir(run);
-    state.objects.delete_prefix(&prefix.to_string_lossy()).await?;
+    state
+        .objects
+        .delete_prefix(&prefix.to_string_lossy())
+        .await?;
     let dir = state.pending.data_dir.join(prefix);
     tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
@@ -36,13 +39,28 @@ pub(super) async fn remove_files(state: &Snaps, run: &str, id: &str) {
 }
 
 /// Deletes a snapshot: the catalog row first (so a crash never leaves a
-/// complete snapshot without files), then the files.
-pub async fn delete(state: &Snaps, run: &str, id: &str) -> Result<bool, SnapshotError> {
+/// complete snapshot without files), then the files; then says so on the
+/// event stream (`reason`: why, when not asked for).
+pub async fn delete(
+    state: &Snaps,
+    run: &str,
+    id: &str,
+    reason: Option<&'static str>,
+) -> Result<bool, SnapshotError> {
     if state.pending.is_pending(id) {
         fail(state, id, "deleted while pending").await;
     }
     let existed = state.store.delete_snapshot(id).await?;
     remove_files(state, run, id).await;
+    state.events.emit(
+        run,
+        None,
+        None,
+        Event::Snapshot(SnapshotEvent::Deleted {
+            id: id.to_string(),
+            reason,
+        }),
+    );
     Ok(existed)
 }
 
@@ -57,14 +75,14 @@ pub(super) async fn apply_retention(state: &Snaps, run: &str) -> Result<(), Snap
     let mut doomed = Vec::new();
     let mut states: Vec<&SnapshotRow> = all
         .iter()
-        .filter(|s| s.kind == STATE && s.status == "complete")
+        .filter(|s| s.kind == SnapshotKind::State && s.status == SnapshotStatus::Complete)
         .collect();
     states.sort_by_key(|s| std::cmp::Reverse(s.completed_at_ms));
     doomed.extend(states.iter().skip(STATE_KEEP).map(|s| s.id.clone()));
     if retention.keep_last > 0 {
         let mut cuts: Vec<&SnapshotRow> = all
             .iter()
-            .filter(|s| (s.kind == MANUAL || s.kind == PERIODIC) && s.status == "complete")
+            .filter(|s| s.kind.is_cut() && s.status == SnapshotStatus::Complete)
             .collect();
         cuts.sort_by_key(|s| std::cmp::Reverse((s.step, s.created_at_ms)));
         for s in cuts.iter().skip(retention.keep_last as usize) {
@@ -75,14 +93,7 @@ pub(super) async fn apply_retention(state: &Snaps, run: &str) -> Result<(), Snap
         }
     }
     for id in doomed {
-        delete(state, run, &id).await?;
-        state.events.emit(
-            run,
-            "snapshot",
-            None,
-            None,
-            serde_json::json!({"id": id, "status": "deleted", "reason": "retention"}),
-        );
+        delete(state, run, &id, Some("retention")).await?;
     }
     Ok(())
 }

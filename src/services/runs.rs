@@ -1,0 +1,86 @@
+//! What a run's handlers ask of the engine outside ingest and snapshots:
+//! deleting a run everywhere it lives, exporting its live EMA (one rank's,
+//! or every rank's for a comparison), and whether every engine answers.
+//! The engine closures live here, not in the handlers.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::alerts::AlertsSvc;
+use super::snapshots::{self, Snaps};
+use super::{Context, ServiceError};
+use crate::engine::rank::RankLayout;
+use crate::engine::EmaExport;
+use crate::registry::RunHandle;
+use crate::snapshot::compare::RankTensors;
+use crate::wire::DType;
+
+/// Deletes a run: out of the registry and the catalog, its EMA freed on
+/// its engine, its metrics and alerts forgotten, its files removed.
+pub async fn delete(
+    ctx: &Context,
+    snaps: &Snaps,
+    alerts: &AlertsSvc,
+    run: &RunHandle,
+) -> Result<(), ServiceError> {
+    let name = run.config.name.clone();
+    ctx.registry.remove_run(&name);
+    ctx.store.delete_run(&name).await?;
+    let engine_name = name.clone();
+    let _ = run.engine.call(move |e| e.drop_run(&engine_name)).await;
+    ctx.metrics.forget_run(&name);
+    alerts.alerts.forget(&name);
+    // The catalog no longer lists them: without this they stayed on disk
+    // until the next start.
+    if let Err(e) = snapshots::remove_run_files(snaps, &name).await {
+        tracing::warn!(run = %name, error = %e, "removing a deleted run's files failed");
+    }
+    tracing::info!(run = %name, "run deleted");
+    Ok(())
+}
+
+/// One rank's live EMA of `profile`, on the host (cast to `cast` first).
+pub async fn rank_ema(
+    run: &RunHandle,
+    rank: u32,
+    profile: &str,
+    cast: Option<DType>,
+) -> Result<EmaExport, ServiceError> {
+    let (run_name, p) = (run.config.name.clone(), profile.to_string());
+    let export = run
+        .engine
+        .try_call(move |e| e.export_ema(&run_name, rank, &p))
+        .await??;
+    Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)
+}
+
+/// Every rank's live EMA of `profile`, as named tensor bytes beside the
+/// rank's layout (what a comparison reads).
+pub async fn live_tensors(
+    run: &RunHandle,
+    profile: &str,
+) -> Result<HashMap<u32, (Arc<RankLayout>, RankTensors)>, ServiceError> {
+    let (r, p) = (run.config.name.clone(), profile.to_string());
+    let exports = run.engine.try_call(move |e| e.export_all(&r, &p)).await??;
+    tokio::task::spawn_blocking(move || -> Result<_, ServiceError> {
+        let mut out = HashMap::new();
+        for (rank, export) in exports {
+            let host = export.to_host(None)?;
+            let tensors =
+                crate::snapshot::format::flat_tensors(host.layout.as_ref(), host.ema, host.copied);
+            out.insert(rank, (host.layout.clone(), tensors));
+        }
+        Ok(out)
+    })
+    .await?
+}
+
+/// Whether every engine thread still takes work.
+pub async fn engines_answer(ctx: &Context) -> bool {
+    for engine in ctx.registry.engines() {
+        if engine.call(|_| ()).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
