@@ -151,14 +151,14 @@ fn assemble_full(c: &mut Criterion) {
         let written = files::write_part(dir.path(), &rel, &part).unwrap();
         parts.push(StoredPart {
             rank,
-            path: Arc::new(dir.path().join(&rel)),
+            path: polyak::snapshot::source::PartLoc::file(dir.path().join(&rel)),
             sha256: written.sha256,
             meta: Arc::new(meta),
         });
     }
     let total: u64 = parts
         .iter()
-        .map(|p| std::fs::metadata(&*p.path).unwrap().len())
+        .map(|p| p.path.open().unwrap().size().unwrap())
         .sum();
     let mut g = c.benchmark_group("assemble");
     g.throughput(Throughput::Bytes(total));
@@ -167,7 +167,7 @@ fn assemble_full(c: &mut Criterion) {
         bench.iter(|| {
             parts
                 .iter()
-                .map(|p| std::fs::read(&*p.path).unwrap().len())
+                .map(|p| p.path.open().unwrap().read_all().unwrap().len())
                 .sum::<usize>()
         })
     });

@@ -43,6 +43,17 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_CATALOG", hide_env_values = true)]
     pub catalog: Option<String>,
 
+    /// Where snapshot parts live: `file://DIR` or `s3://BUCKET[/PREFIX]`
+    /// (credentials and region from the usual `AWS_*` variables). Default:
+    /// files under `<data-dir>`.
+    #[arg(long, env = "POLYAK_STORE")]
+    pub store: Option<String>,
+
+    /// The S3 endpoint of a service other than AWS (MinIO, SeaweedFS,
+    /// Garage, Ceph, GCS's S3 interface); `http://` is allowed.
+    #[arg(long, env = "POLYAK_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+
     /// Default device for new runs' EMA: `auto` (CUDA when available, else
     /// CPU), `cpu`, `cuda` or `cuda:N`. Asking for CUDA on a machine without
     /// it fails at start.

@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use crate::config::ServeArgs;
 use crate::engine::device;
 use crate::http::conn::ConnLimits;
+use crate::objstore::ObjectStore;
 use crate::state::{AppInner, AppState};
 use crate::store::writer::CatalogWriter;
 use crate::store::Store;
@@ -35,8 +36,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let data_dir = args.data_dir.clone();
     let store = open_catalog(&args).await?;
     let store_kind = store.kind().name();
+    let objects = open_objects(&args)?;
+    let objects_kind = objects.kind();
     let (catalog, writer) = CatalogWriter::spawn(store.clone());
-    let (state, captures) = AppInner::open(args, default_device, catalog, store).await?;
+    let (state, captures) = AppInner::open(args, default_device, catalog, store, objects).await?;
     crate::services::snapshots::recover(state.snapshots())
         .await
         .context("recovering from the last run's snapshots")?;
@@ -46,6 +49,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         device = %state.registry().default_device(),
         data_dir = %data_dir.display(),
         catalog = store_kind,
+        store = objects_kind,
         runs = state.registry().len(),
         "polyak ready"
     );
@@ -69,6 +73,17 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(10), writer).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Opens the object store of `--store` (default: files under the data dir).
+fn open_objects(args: &ServeArgs) -> anyhow::Result<ObjectStore> {
+    let url = args
+        .store
+        .clone()
+        .filter(|url| !url.is_empty())
+        .unwrap_or_else(|| ObjectStore::default_url(&args.data_dir));
+    let endpoint = args.s3_endpoint.as_deref().filter(|e| !e.is_empty());
+    ObjectStore::open(&url, endpoint).with_context(|| format!("opening the object store {url}"))
 }
 
 /// Opens the catalog `--catalog` names (default: SQLite in the data dir),

@@ -8,6 +8,7 @@ use std::time::Instant;
 use crate::config::ServeArgs;
 use crate::engine::capture::CaptureEvent;
 use crate::events::EventBus;
+use crate::objstore::ObjectStore;
 use crate::registry::Registry;
 use crate::services::alerts::{AlertService, AlertsSvc};
 use crate::services::ingest::Ingest;
@@ -35,10 +36,14 @@ impl AppInner {
         default_device: tch::Device,
         catalog: CatalogWriter,
         store: Store,
+        objects: ObjectStore,
     ) -> Result<(AppState, tokio::sync::mpsc::UnboundedReceiver<CaptureEvent>), StoreError> {
         let last_event = store.max_event_id().await?;
         let (captures, captures_rx) = tokio::sync::mpsc::unbounded_channel();
         let metrics = Arc::new(Metrics::new());
+        if let Err(e) = metrics.register_store(objects.metrics()) {
+            tracing::warn!(error = %e, "object store metrics not registered");
+        }
         let registry = Registry::new(
             default_device,
             args.queue_depth,
@@ -51,6 +56,7 @@ impl AppInner {
             events: Arc::new(EventBus::new(last_event, catalog.clone())),
             catalog,
             store,
+            objects,
             registry: Arc::new(registry),
             metrics,
             started: Instant::now(),

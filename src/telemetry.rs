@@ -214,6 +214,11 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition.
+    /// Adds the object store's series to this registry.
+    pub fn register_store(&self, store: &crate::objstore::StoreMetrics) -> prometheus::Result<()> {
+        store.register(&self.registry)
+    }
+
     pub fn render(&self) -> String {
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

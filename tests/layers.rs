@@ -26,7 +26,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("engine", 3),
     ("snapshot", 4),
     ("store", 4),
-    ("objstore", 4),
+    ("objstore", 3),
     ("telemetry", 4),
     // The run registry and the event bus.
     ("registry", 5),

@@ -123,8 +123,14 @@ async fn s3_store_uploads_reads_aborts_and_survives_an_outage() {
     up.write(&payload(PART_BYTES + 1, 3)).await.unwrap();
     drop(up);
     assert_eq!(blocking(|| s3.open_uploads("objstore-test/runs/r2/")), 1);
+    // The store's own listing finds it without the recorded id, under the
+    // store's prefix, and not under another run's keys.
+    let listed = store.open_uploads("runs/").await.unwrap();
+    assert_eq!(listed, vec![(key.to_string(), id.clone())]);
+    assert!(store.open_uploads("runs/r1/").await.unwrap().is_empty());
     store.abort_upload(key, &id).await.unwrap();
     assert_eq!(blocking(|| s3.open_uploads("objstore-test/runs/r2/")), 0);
+    assert!(store.open_uploads("runs/").await.unwrap().is_empty());
     assert!(store.size(key).await.is_err());
 
     // The metrics saw the traffic.

@@ -33,6 +33,8 @@ pub struct Health {
     pub disk_reserve_bytes: u64,
     /// The catalog database: `sqlite` or `postgres`.
     pub catalog: String,
+    /// The object store of snapshot parts: `file` or `s3`.
+    pub store: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
 }
@@ -46,6 +48,7 @@ fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
         disk_free_bytes: crate::services::snapshots::disk::refresh_gauge(state.snapshots()),
         disk_reserve_bytes: state.args().disk_reserve.0,
         catalog: state.store().kind().name().into(),
+        store: state.shared().objects.kind().into(),
         detail,
     }
 }
@@ -56,7 +59,10 @@ pub async fn livez(State(state): State<AppState>) -> Json<Health> {
     Json(health(&state, "ok", None))
 }
 
-/// The catalog answers and every engine takes work.
+/// The catalog answers and every engine takes work: 200 `ok`. A catalog
+/// that cannot be reached or a stopped engine: 503 `unavailable`. An object
+/// store that cannot be reached: 200 `degraded` with the reason (pushes
+/// and reads of live EMA go on; snapshots wait or fail with the reason).
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
@@ -81,6 +87,17 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             )),
         )
             .into_response();
+    }
+    let objects = &state.shared().objects;
+    let ping = tokio::time::timeout(std::time::Duration::from_secs(5), objects.ping()).await;
+    let failed = match ping {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => Some("no answer within 5 s".to_string()),
+    };
+    if let Some(e) = failed {
+        let detail = format!("store ({}): {e}", objects.kind());
+        return Json(health(&state, "degraded", Some(detail))).into_response();
     }
     Json(health(&state, "ok", None)).into_response()
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::stream::{FuturesOrdered, StreamExt, TryStreamExt};
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey, AwsAuthorizer};
 use object_store::local::LocalFileSystem;
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path;
@@ -67,8 +67,19 @@ impl StoreError {
 }
 
 enum Backend {
-    File { root: PathBuf, fs: LocalFileSystem },
-    S3 { s3: Arc<AmazonS3>, prefix: String },
+    File {
+        root: PathBuf,
+        fs: LocalFileSystem,
+    },
+    S3 {
+        s3: Arc<AmazonS3>,
+        prefix: String,
+        /// The bucket's URL and region, for the one request `object_store`
+        /// does not make: listing open multipart uploads.
+        bucket_url: String,
+        region: String,
+        http: reqwest::Client,
+    },
 }
 
 /// A snapshot store (cheap to clone).
@@ -121,9 +132,23 @@ impl ObjectStore {
                     .with_allow_http(endpoint.starts_with("http://"))
                     .with_virtual_hosted_style_request(false);
             }
+            let region = builder
+                .get_config_value(&AmazonS3ConfigKey::Region)
+                .unwrap_or_else(|| "us-east-1".to_string());
+            let bucket_url = match s3_endpoint {
+                Some(endpoint) => format!("{}/{bucket}", endpoint.trim_end_matches('/')),
+                None => format!("https://{bucket}.s3.{region}.amazonaws.com"),
+            };
             Backend::S3 {
                 s3: Arc::new(builder.build()?),
                 prefix: prefix.trim_matches('/').to_string(),
+                bucket_url,
+                region,
+                http: reqwest::Client::builder()
+                    .connect_timeout(Duration::from_secs(5))
+                    .timeout(Duration::from_secs(60))
+                    .build()
+                    .map_err(|e| StoreError::Url(format!("{url}: {e}")))?,
             }
         } else {
             return Err(StoreError::Url(url.to_string()));
@@ -269,6 +294,18 @@ impl ObjectStore {
         .await
     }
 
+    /// Deletes `key` (a missing one is not an error).
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let path = self.path(key);
+        self.timed("delete", async {
+            match self.dyn_store().delete(&path).await {
+                Err(object_store::Error::NotFound { .. }) | Ok(()) => Ok(()),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
+    }
+
     /// Deletes every object under `prefix` (a snapshot's or a run's keys);
     /// returns how many.
     pub async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
@@ -309,6 +346,167 @@ impl ObjectStore {
         .await
     }
 
+    /// The file behind `key` when the store is a directory (readers then
+    /// use the file itself: `pread`, `mmap`); `None` for S3.
+    pub fn local_path(&self, key: &str) -> Option<PathBuf> {
+        match &*self.backend {
+            Backend::File { root, .. } => Some(root.join(key)),
+            Backend::S3 { .. } => None,
+        }
+    }
+
+    /// Stores the local file `src` under `key` and removes `src`: a rename
+    /// when the store is a directory on the same filesystem, else a
+    /// streamed upload (the file is read a part at a time). `on_open`
+    /// hears the S3 upload id (`known_sha256` spares a rename re-reading
+    /// the file) as soon as it exists, for the caller to
+    /// record until this returns.
+    pub async fn put_file(
+        &self,
+        key: &str,
+        src: &FsPath,
+        known_sha256: Option<&str>,
+        on_open: impl AsyncFnOnce(&str) -> Result<(), StoreError>,
+    ) -> Result<Uploaded, StoreError> {
+        if let Some(dest) = self.local_path(key) {
+            if let Some(dir) = dest.parent() {
+                tokio::fs::create_dir_all(dir).await?;
+            }
+            if tokio::fs::rename(src, &dest).await.is_ok() {
+                let bytes = tokio::fs::metadata(&dest).await?.len();
+                let sha256 = match known_sha256 {
+                    Some(sha) => sha.to_string(),
+                    None => {
+                        let path = dest.clone();
+                        tokio::task::spawn_blocking(move || sha256_of(&path))
+                            .await
+                            .map_err(|e| StoreError::Io(std::io::Error::other(e)))??
+                    }
+                };
+                if let Some(dir) = dest.parent() {
+                    tokio::fs::File::open(dir).await?.sync_all().await?;
+                }
+                self.metrics.written_bytes.inc_by(bytes);
+                return Ok(Uploaded {
+                    key: key.to_string(),
+                    bytes,
+                    sha256,
+                });
+            }
+        }
+        let mut upload = self.begin_upload(key).await?;
+        if let Some(id) = upload.id() {
+            let id = id.to_string();
+            if let Err(e) = on_open(&id).await {
+                let _ = upload.abort().await;
+                return Err(e);
+            }
+        }
+        let copied = async {
+            let mut file = tokio::fs::File::open(src).await?;
+            let mut buf = vec![0u8; PART_BYTES];
+            loop {
+                let n = tokio::io::AsyncReadExt::read(&mut file, &mut buf).await?;
+                if n == 0 {
+                    return Ok::<(), StoreError>(());
+                }
+                upload.write(&buf[..n]).await?;
+            }
+        }
+        .await;
+        if let Err(e) = copied {
+            let _ = upload.abort().await;
+            return Err(e);
+        }
+        let done = upload.finish().await?;
+        let _ = tokio::fs::remove_file(src).await;
+        Ok(done)
+    }
+
+    /// The multipart uploads under `prefix` that are neither completed nor
+    /// aborted, as `(key, upload id)` (S3's `ListMultipartUploads`; a
+    /// directory has none). Unlike ids recorded by the caller, this also
+    /// finds an upload whose process died before it could record the id.
+    pub async fn open_uploads(&self, prefix: &str) -> Result<Vec<(String, String)>, StoreError> {
+        let Backend::S3 {
+            s3,
+            prefix: root,
+            bucket_url,
+            region,
+            http,
+        } = &*self.backend
+        else {
+            return Ok(Vec::new());
+        };
+        let full = self.path(prefix.trim_end_matches('/')).to_string();
+        let strip = if root.is_empty() { 0 } else { root.len() + 1 };
+        let mut found = Vec::new();
+        let mut markers: Option<(String, String)> = None;
+        loop {
+            let mut url = url::Url::parse(&format!("{bucket_url}/"))
+                .map_err(|e| StoreError::Url(format!("{bucket_url}: {e}")))?;
+            {
+                let mut q = url.query_pairs_mut();
+                q.append_pair("prefix", &full);
+                q.append_pair("uploads", "");
+                if let Some((key, id)) = &markers {
+                    q.append_pair("key-marker", key);
+                    q.append_pair("upload-id-marker", id);
+                }
+            }
+            let credential = s3.credentials().get_credential().await?;
+            let mut request = http::Request::builder()
+                .method("GET")
+                .uri(url.as_str())
+                .body(object_store::client::HttpRequestBody::empty())
+                .map_err(|e| StoreError::Url(e.to_string()))?;
+            AwsAuthorizer::new(&credential, "s3", region).authorize(&mut request, None);
+            let body = self
+                .timed("list_uploads", async {
+                    let answer = http
+                        .get(url.as_str())
+                        .headers(request.headers().clone())
+                        .send()
+                        .await
+                        .map_err(|e| StoreError::Io(std::io::Error::other(e)))?;
+                    let status = answer.status();
+                    let text = answer
+                        .text()
+                        .await
+                        .map_err(|e| StoreError::Io(std::io::Error::other(e)))?;
+                    if !status.is_success() {
+                        return Err(StoreError::Io(std::io::Error::other(format!(
+                            "listing multipart uploads: {status}: {text}"
+                        ))));
+                    }
+                    Ok(text)
+                })
+                .await?;
+            for upload in xml_blocks(&body, "Upload") {
+                if let (Some(key), Some(id)) =
+                    (xml_text(upload, "Key"), xml_text(upload, "UploadId"))
+                {
+                    if key.len() >= strip {
+                        found.push((key[strip..].to_string(), id));
+                    }
+                }
+            }
+            let truncated = xml_text(&body, "IsTruncated").is_some_and(|t| t == "true");
+            match (
+                truncated,
+                xml_text(&body, "NextKeyMarker"),
+                xml_text(&body, "NextUploadIdMarker"),
+            ) {
+                (true, Some(key), Some(id))
+                    if markers.as_ref() != Some(&(key.clone(), id.clone())) =>
+                {
+                    markers = Some((key, id))
+                }
+                _ => return Ok(found),
+            }
+        }
+    }
+
     /// A cheap request that needs the service: listing one key.
     pub async fn ping(&self) -> Result<(), StoreError> {
         let base = self.path("");
@@ -337,9 +535,46 @@ fn not_found(e: object_store::Error, key: &str) -> StoreError {
     }
 }
 
+/// The contents of every `<tag>…</tag>` in `xml` (S3's answers are flat
+/// enough that no XML parser is needed for the fields read here).
+fn xml_blocks<'a>(xml: &'a str, tag: &str) -> Vec<&'a str> {
+    let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+    let mut out = Vec::new();
+    let mut rest = xml;
+    while let Some(start) = rest.find(&open) {
+        let after = &rest[start + open.len()..];
+        let Some(end) = after.find(&close) else { break };
+        out.push(&after[..end]);
+        rest = &after[end + close.len()..];
+    }
+    out
+}
+
+/// The unescaped text of the first `<tag>` in `xml`.
+fn xml_text(xml: &str, tag: &str) -> Option<String> {
+    let raw = xml_blocks(xml, tag).into_iter().next()?;
+    Some(
+        raw.replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&quot;", "\"")
+            .replace("&apos;", "'")
+            .replace("&amp;", "&"),
+    )
+}
+
+fn sha256_of(path: &FsPath) -> std::io::Result<String> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher)?;
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// Marks a file being written by an upload (removed at start when left).
+pub const TMP_MARK: &str = ".tmp-";
+
 fn tmp_name(dest: &FsPath) -> PathBuf {
     let mut name = dest.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp-{:08x}", rand::random::<u32>()));
+    name.push(format!("{TMP_MARK}{:08x}", rand::random::<u32>()));
     dest.with_file_name(name)
 }
 

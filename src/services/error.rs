@@ -96,6 +96,18 @@ impl ServiceError {
 
     /// Reading or writing stored snapshot bytes failed.
     pub fn snapshot_io(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::NotConnected {
+            // The object store is down (see `snapshot::source`).
+            return ServiceError {
+                retry_after: Some(5),
+                ..Self::fault(
+                    503,
+                    "store_unavailable",
+                    "the object store cannot be reached",
+                    e,
+                )
+            };
+        }
         let code = if e.kind() == std::io::ErrorKind::NotFound {
             "snapshot_part_missing"
         } else {
@@ -201,6 +213,29 @@ impl From<StoreError> for ServiceError {
     }
 }
 
+impl From<crate::objstore::StoreError> for ServiceError {
+    fn from(e: crate::objstore::StoreError) -> Self {
+        match e {
+            crate::objstore::StoreError::NotFound(_) => Self::fault(
+                500,
+                "snapshot_part_missing",
+                "a stored snapshot part is missing from the object store",
+                e,
+            ),
+            other if other.is_unavailable() => ServiceError {
+                retry_after: Some(5),
+                ..Self::fault(
+                    503,
+                    "store_unavailable",
+                    "the object store cannot be reached",
+                    other,
+                )
+            },
+            other => Self::fault(500, "store_error", "an object store request failed", other),
+        }
+    }
+}
+
 impl From<tokio::task::JoinError> for ServiceError {
     fn from(e: tokio::task::JoinError) -> Self {
         Self::worker_failed(e)
@@ -221,6 +256,7 @@ impl From<SnapshotError> for ServiceError {
             SnapshotError::Worker(m) => Self::worker_failed(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
+            SnapshotError::Objects(e) => e.into(),
             SnapshotError::Io(e) => Self::snapshot_io(e),
             SnapshotError::NoSpace(e) => Self::new(507, "insufficient_storage", e.to_string()),
         }
@@ -292,6 +328,10 @@ pub enum SnapshotError {
     Engine(#[from] EngineError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The object store (an outage: 503 `store_unavailable`; a part
+    /// missing: 500 `snapshot_part_missing`).
+    #[error(transparent)]
+    Objects(#[from] crate::objstore::StoreError),
     #[error("snapshot files: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]

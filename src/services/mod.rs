@@ -33,18 +33,21 @@ pub use error::ServiceError;
 use crate::config::ServeArgs;
 use crate::engine::rank::RankLayout;
 use crate::events::EventBus;
+use crate::objstore::ObjectStore;
 use crate::registry::{RankSummary, Registry, RunHandle};
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
 use crate::store::Store;
 use crate::telemetry::Metrics;
 
-/// What every service reaches: the configuration, the catalog, the run
-/// registry, the event bus and the metrics. Cheap to clone.
+/// What every service reaches: the configuration, the catalog, the object
+/// store, the run registry, the event bus and the metrics. Cheap to clone.
 pub type Context = Arc<Shared>;
 
 pub struct Shared {
     pub args: ServeArgs,
     pub store: Store,
+    /// Where snapshot parts live (files under the data dir, or S3).
+    pub objects: ObjectStore,
     /// Batched catalog writes off the request path.
     pub catalog: CatalogWriter,
     pub registry: Arc<Registry>,

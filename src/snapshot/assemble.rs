@@ -12,14 +12,13 @@
 //! - `rank`: one stored file as it is on disk (its sha256 is recorded).
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::io::Read;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
+use super::source::PartLoc;
 use super::vfile::{ChunkSource, GatherSpec, Piece, VirtualFile};
 use crate::engine::capture::RankMeta;
 use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
@@ -28,7 +27,7 @@ use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
 #[derive(Debug, Clone)]
 pub struct StoredPart {
     pub rank: u32,
-    pub path: Arc<PathBuf>,
+    pub path: Arc<PartLoc>,
     pub sha256: String,
     pub meta: Arc<RankMeta>,
 }
@@ -69,7 +68,7 @@ pub enum AssembleError {
 #[derive(Debug, Clone)]
 struct StoredTensor {
     rank: u32,
-    path: Arc<PathBuf>,
+    path: Arc<PartLoc>,
     dtype: DType,
     shape: Vec<i64>,
     /// Absolute byte offset of the data in the file.
@@ -93,7 +92,7 @@ impl StoredTensor {
 
 /// Reads the tensor table of a stored file.
 fn read_table(part: &StoredPart) -> Result<Vec<(String, StoredTensor)>, AssembleError> {
-    let mut file = File::open(&*part.path)?;
+    let mut file = part.path.open()?;
     let mut len = [0u8; 8];
     file.read_exact(&mut len)?;
     let n = u64::from_le_bytes(len);
@@ -384,7 +383,7 @@ pub fn build(
             let part = parts.iter().find(|p| p.rank == rank).ok_or_else(|| {
                 AssembleError::Missing(format!("rank {rank} has no file in this snapshot"))
             })?;
-            let len = std::fs::metadata(&*part.path)?.len();
+            let len = part.path.open()?.size()?;
             (
                 vec![Piece::File {
                     path: part.path.clone(),

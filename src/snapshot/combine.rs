@@ -15,12 +15,12 @@
 //! networks).
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::files::{PartWriter, WrittenFile};
 use super::format::{self, BlockFill, StoredRange};
+use super::source::{PartLoc, PartReader};
 use crate::engine::rank::RankLayout;
 use crate::wire::DType;
 
@@ -48,7 +48,7 @@ pub struct OutputSpec {
 }
 
 struct Source {
-    file: File,
+    file: PartReader,
     table: HashMap<String, StoredRange>,
 }
 
@@ -68,7 +68,7 @@ struct Segment {
 pub fn combine_rank(
     data_dir: &Path,
     layout: &RankLayout,
-    sources: &[PathBuf],
+    sources: &[Arc<PartLoc>],
     base: usize,
     out_dtype: DType,
     outputs: Vec<OutputSpec>,
@@ -81,7 +81,7 @@ pub fn combine_rank(
     }
     let mut opened = Vec::with_capacity(sources.len());
     for path in sources {
-        let mut file = File::open(path)?;
+        let mut file = path.open()?;
         let table = format::read_tensor_table(&mut file)?;
         opened.push(Source { file, table });
     }
@@ -94,12 +94,12 @@ pub fn combine_rank(
     // Progress counts every byte of every source file: what is not read
     // (headers, the other sources' copied tensors) counts as done now, so
     // the total is the sum of the file sizes.
-    for (s, src) in opened.iter().enumerate() {
+    for (s, src) in opened.iter_mut().enumerate() {
         let averaged: u64 = segments
             .iter()
             .map(|seg| (seg.numel * seg.at[s].0.size()) as u64)
             .sum();
-        progress(src.file.metadata()?.len().saturating_sub(averaged));
+        progress(src.file.size()?.saturating_sub(averaged));
     }
     let mut writers = Vec::with_capacity(outputs.len());
     let mut fills = Vec::new();
@@ -403,7 +403,7 @@ mod tests {
         let written = combine_rank(
             dir.path(),
             &layout,
-            &[s0.clone(), s1.clone()],
+            &[PartLoc::file(s0.clone()), PartLoc::file(s1.clone())],
             0,
             DType::F32,
             outputs,

@@ -243,7 +243,11 @@ fn stats(name: String, shape: Vec<i64>, a: Acc) -> TensorStats {
 /// Reads a stored rank file into name -> (dtype, bytes).
 /// Reads a stored part of one rank whole, for comparing.
 pub fn read_part(part: &super::assemble::StoredPart) -> Result<RankTensors, String> {
-    let bytes = std::fs::read(&*part.path).map_err(|e| e.to_string())?;
+    let bytes = part
+        .path
+        .open()
+        .and_then(|mut r| r.read_all())
+        .map_err(|e| e.to_string())?;
     read_rank_file(Bytes::from(bytes))
 }
 

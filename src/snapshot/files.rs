@@ -167,7 +167,8 @@ pub fn remove_unlisted(
             let id = snap.file_name().to_string_lossy().into_owned();
             if keep.contains(&(run.clone(), id)) {
                 for f in fs::read_dir(snap.path())?.flatten() {
-                    if f.file_name().to_string_lossy().ends_with(TMP_SUFFIX) {
+                    let name = f.file_name().to_string_lossy().into_owned();
+                    if name.ends_with(TMP_SUFFIX) || name.contains(crate::objstore::TMP_MARK) {
                         fs::remove_file(f.path())?;
                         removed.push(f.path());
                     }

@@ -222,9 +222,8 @@ const MAX_STORED_HEADER: u64 = 256 << 20;
 
 /// Reads the tensor table of a stored safetensors file (its header only).
 pub fn read_tensor_table(
-    file: &mut std::fs::File,
+    file: &mut impl std::io::Read,
 ) -> Result<std::collections::HashMap<String, StoredRange>, FormatError> {
-    use std::io::Read;
     let mut len = [0u8; 8];
     file.read_exact(&mut len)?;
     let n = u64::from_le_bytes(len);

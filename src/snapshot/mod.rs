@@ -8,6 +8,8 @@
 //! - [`meta`]: the versioned metadata stored with every part (the layout
 //!   and step bookkeeping a restore needs), and the compatibility rule.
 //! - [`files`]: durable writes (tmp, fsync, rename, dir fsync) and clean-up.
+//! - [`source`]: where a part's bytes are read from (a file, or an object
+//!   of the store, by ranges).
 //! - [`vfile`]: downloads as recipes of pieces, streamed with `Range`.
 //! - [`assemble`]: `full`, `hf`, `sharded` and `rank` downloads.
 //! - [`compare`]: per-tensor statistics over whole tensors.
@@ -22,4 +24,5 @@ pub mod files;
 pub mod format;
 pub mod meta;
 pub mod posthoc;
+pub mod source;
 pub mod vfile;

@@ -6,16 +6,14 @@
 //! (HTTP `Range`).
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io;
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::Stream;
 
+use super::source::{PartLoc, PartReader};
 use crate::wire::DType;
 
 /// Bytes produced at a time.
@@ -24,7 +22,7 @@ const CHUNK: u64 = 4 << 20;
 /// One chunk of a tensor stored in a file.
 #[derive(Debug, Clone)]
 pub struct ChunkSource {
-    pub path: Arc<PathBuf>,
+    pub path: Arc<PartLoc>,
     /// Byte offset of the chunk's data in the file.
     pub offset: u64,
     pub shape: Vec<i64>,
@@ -44,13 +42,13 @@ pub struct GatherSpec {
 pub enum Piece {
     Bytes(Bytes),
     File {
-        path: Arc<PathBuf>,
+        path: Arc<PartLoc>,
         offset: u64,
         len: u64,
     },
     /// `count` elements of `from` at `offset`, written as `to`.
     Cast {
-        path: Arc<PathBuf>,
+        path: Arc<PartLoc>,
         offset: u64,
         count: u64,
         from: DType,
@@ -75,7 +73,7 @@ impl Piece {
 
     /// Byte range of `from` in the file, when this piece is stored bytes
     /// (used to merge adjacent pieces).
-    fn file_range(&self) -> Option<(&Arc<PathBuf>, u64, u64)> {
+    fn file_range(&self) -> Option<(&Arc<PartLoc>, u64, u64)> {
         match self {
             Piece::File { path, offset, len } => Some((path, *offset, *len)),
             Piece::Cast {
@@ -161,7 +159,7 @@ impl VirtualFile {
         range: Range<u64>,
         mut sink: impl FnMut(Bytes) -> bool,
     ) -> io::Result<()> {
-        let mut files: HashMap<PathBuf, File> = HashMap::new();
+        let mut files: HashMap<String, PartReader> = HashMap::new();
         let end = range.end.min(self.len);
         let first = self
             .starts
@@ -196,16 +194,19 @@ impl VirtualFile {
     }
 }
 
-fn open<'a>(files: &'a mut HashMap<PathBuf, File>, path: &PathBuf) -> io::Result<&'a File> {
-    if !files.contains_key(path) {
-        files.insert(path.clone(), File::open(path)?);
+fn open<'a>(
+    files: &'a mut HashMap<String, PartReader>,
+    path: &PartLoc,
+) -> io::Result<&'a mut PartReader> {
+    if !files.contains_key(path.key()) {
+        files.insert(path.key().to_string(), path.open()?);
     }
-    Ok(&files[path])
+    Ok(files.get_mut(path.key()).expect("just opened"))
 }
 
 fn read_at(
-    files: &mut HashMap<PathBuf, File>,
-    path: &PathBuf,
+    files: &mut HashMap<String, PartReader>,
+    path: &PartLoc,
     offset: u64,
     len: u64,
 ) -> io::Result<Vec<u8>> {
@@ -225,21 +226,25 @@ impl AsRef<[u8]> for Mapped {
 }
 
 fn map_at(
-    files: &mut HashMap<PathBuf, File>,
-    path: &PathBuf,
+    files: &mut HashMap<String, PartReader>,
+    path: &PartLoc,
     offset: u64,
     len: u64,
 ) -> io::Result<Bytes> {
     if len == 0 {
         return Ok(Bytes::new());
     }
-    let file = open(files, path)?;
-    if offset + len > file.metadata()?.len() {
+    let reader = open(files, path)?;
+    if offset + len > reader.size()? {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
-            format!("{} is shorter than its recipe", path.display()),
+            format!("{path:?} is shorter than its recipe"),
         ));
     }
+    let Some(file) = reader.as_file() else {
+        // An object: its bytes arrive in a buffer of their own.
+        return reader.read_bytes_at(offset, len);
+    };
     // SAFETY: the files a download reads are stored snapshot parts: written
     // under a temporary name, fsynced and renamed into place before they are
     // listed, and never written again (retention and delete unlink them,
@@ -257,7 +262,7 @@ fn map_at(
 fn produce_piece(
     piece: &Piece,
     local: Range<u64>,
-    files: &mut HashMap<PathBuf, File>,
+    files: &mut HashMap<String, PartReader>,
     sink: &mut impl FnMut(Bytes) -> bool,
 ) -> io::Result<bool> {
     match piece {
@@ -312,7 +317,7 @@ fn produce_piece(
 }
 
 /// Builds a whole tensor in memory from its chunks (any N-d tiling).
-fn gather(spec: &GatherSpec, files: &mut HashMap<PathBuf, File>) -> io::Result<Vec<u8>> {
+fn gather(spec: &GatherSpec, files: &mut HashMap<String, PartReader>) -> io::Result<Vec<u8>> {
     let es = spec.dtype.size();
     let global = &spec.global_shape;
     let numel: i64 = global.iter().product();
@@ -417,10 +422,11 @@ mod tests {
     #[test]
     fn ranges_equal_slices_of_the_whole() {
         let dir = tempfile::tempdir().unwrap();
-        let path = Arc::new(dir.path().join("f"));
+        let path = PartLoc::file(dir.path().join("f"));
+        let fpath = dir.path().join("f");
         let floats: Vec<f32> = (0..1000).map(|i| i as f32 * 0.37 - 11.0).collect();
         let raw: Vec<u8> = floats.iter().flat_map(|f| f.to_le_bytes()).collect();
-        std::fs::write(&*path, &raw).unwrap();
+        std::fs::write(&fpath, &raw).unwrap();
         let vf = VirtualFile::new(vec![
             Piece::Bytes(Bytes::from_static(b"header!")),
             Piece::File {
@@ -471,8 +477,8 @@ mod tests {
     fn gather_places_column_chunks() {
         // A 3x4 tensor split into two column chunks (Shard(1)).
         let dir = tempfile::tempdir().unwrap();
-        let a = Arc::new(dir.path().join("a"));
-        let b = Arc::new(dir.path().join("b"));
+        let a = PartLoc::file(dir.path().join("a"));
+        let b = PartLoc::file(dir.path().join("b"));
         let whole: Vec<f32> = (0..12).map(|i| i as f32).collect();
         let left: Vec<u8> = [0, 1, 4, 5, 8, 9]
             .iter()
@@ -482,8 +488,8 @@ mod tests {
             .iter()
             .flat_map(|&i| whole[i].to_le_bytes())
             .collect();
-        std::fs::write(&*a, &left).unwrap();
-        std::fs::write(&*b, &right).unwrap();
+        std::fs::write(dir.path().join("a"), &left).unwrap();
+        std::fs::write(dir.path().join("b"), &right).unwrap();
         let spec = GatherSpec {
             dtype: DType::F32,
             to: DType::F32,

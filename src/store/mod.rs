@@ -13,6 +13,7 @@
 
 pub mod meta;
 pub mod snapshots;
+pub mod uploads;
 pub mod writer;
 
 use std::borrow::Cow;

@@ -148,21 +148,44 @@ def test_snapshot_ids_are_unique_and_ordered_by_creation_across_runs(server):
         assert [s["id"] for s in by_time] == sorted(s["id"] for s in listed)
 
 
+class WriteBlocker:
+    """Makes a run's snapshot writes fail, and lets them through again: on
+    files, a regular file where the run's snapshot directory belongs (it
+    fails even for root); on S3, the S3 service stopped (an outage; its
+    data and ports are kept for the restart)."""
+
+    def __init__(self, srv, backends, backend: str, run: str) -> None:
+        self.path = srv.data_dir / "runs" / run / "snapshots"
+        self.s3 = backends.s3() if backend.endswith("-s3") else None
+
+    def block(self) -> None:
+        if self.s3 is not None:
+            self.s3.stop(keep_data=True)
+        else:
+            self.path.parent.mkdir(parents=True)
+            self.path.write_text("in the way")
+
+    def unblock(self) -> None:
+        if self.s3 is not None:
+            self.s3.start()
+        else:
+            self.path.unlink()
+
+
 def test_a_failed_state_write_is_retried_and_the_newest_ema_persisted_at_shutdown(
-    fresh_server, backend
+    fresh_server, backends, backend
 ):
-    """A regular file where the run's snapshot directory belongs makes the
-    state write fail (even for root). The run stays due: once the way is
-    clear the write is retried without a new push; and a failed forced
-    write still leaves the newest EMA to the graceful stop."""
+    """A state write made to fail (see :class:`WriteBlocker`). The run
+    stays due: once the way is clear the write is retried without a new
+    push; and a failed forced write still leaves the newest EMA to the
+    graceful stop."""
     srv = fresh_server.start()
     run = "persist-retry"
-    blocker = srv.data_dir / "runs" / run / "snapshots"
+    blocker = WriteBlocker(srv, backends, backend, run)
     states = [v0_state(s) for s in range(6)]
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         create(c, run, persist_every_secs=1)
-        blocker.parent.mkdir(parents=True)
-        blocker.write_text("in the way")
+        blocker.block()
         for step in range(4):
             push(c, run, step, states[step])
         failed = wait_for(
@@ -172,7 +195,7 @@ def test_a_failed_state_write_is_retried_and_the_newest_ema_persisted_at_shutdow
             what="a failed state snapshot",
         )
         assert failed[0]["reason"], failed
-        blocker.unlink()
+        blocker.unblock()
         done = wait_for(
             lambda: [
                 s
@@ -185,15 +208,14 @@ def test_a_failed_state_write_is_retried_and_the_newest_ema_persisted_at_shutdow
         # A run persisted only on demand and at shutdown: the forced write
         # fails, and the graceful stop still writes the newest EMA.
         create(c, "persist-at-stop", persist_every_secs=0)
-        stop_blocker = srv.data_dir / "runs" / "persist-at-stop" / "snapshots"
-        stop_blocker.parent.mkdir(parents=True)
-        stop_blocker.write_text("in the way")
+        stop_blocker = WriteBlocker(srv, backends, backend, "persist-at-stop")
+        stop_blocker.block()
         for step in range(6):
             push(c, "persist-at-stop", step, states[step])
         r = c.post("/v1/runs/persist-at-stop/persist")
         assert r.status_code == 500, r.text
         assert r.json()["error"]["code"] == "snapshot_write_failed", r.text
-        stop_blocker.unlink()
+        stop_blocker.unblock()
     srv.stop()
     srv.start()
     with httpx.Client(base_url=srv.url, timeout=60) as c:
@@ -237,13 +259,14 @@ def test_corrupt_part_file_and_catalog_row_answer_5xx_with_their_codes(
             )
         # A part file cut short: resuming from it cannot read it back.
         files = c.get(f"/v1/runs/{run}/snapshots/{ids[0]}").json()["files"]
-        part = srv.data_dir / files[0]["path"]
-        part.write_bytes(part.read_bytes()[:40])
+        store = backends.store_of(srv)
+        key = files[0]["path"]
+        store.write(key, store.read(key)[:40])
         r = c.post(f"/v1/runs/{run}/resume", json={"step": 1})
         assert r.status_code == 500, r.text
         assert r.json()["error"]["code"] == "snapshot_corrupt", r.text
         # The part file gone: its download is a server fault too.
-        part.unlink()
+        store.delete(key)
         r = c.get(
             f"/v1/runs/{run}/snapshots/{ids[0]}/download", params={"layout": "rank", "rank": 0}
         )

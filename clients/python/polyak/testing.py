@@ -474,10 +474,26 @@ class S3Service:
             f"s3://{self.bucket}/p{os.getpid()}-{self._prefixes}-{int(time.time() * 1000) % 10**9}"
         )
 
-    def start(self, timeout: float = 60.0) -> S3Service:
+    def start(self, timeout: float = 120.0) -> S3Service:
+        """Starts the service (again, after :meth:`stop` with ``keep_data``).
+        A first start whose ports were taken meanwhile (they are chosen free,
+        then bound by weed) is tried again on new ones."""
         if self.external:
             self._ensure_bucket(timeout)
             return self
+        first = self.dir is None
+        for attempt in range(3 if first else 1):
+            try:
+                return self._launch(timeout)
+            except RuntimeError:
+                log = self.dir / "weed.log" if self.dir is not None else None
+                tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+                self.stop(keep_data=not first)
+                if attempt == 2 or not first:
+                    raise RuntimeError(f"SeaweedFS did not start; its log ends:\n{tail}") from None
+        raise AssertionError("unreachable")
+
+    def _launch(self, timeout: float) -> S3Service:
         weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
         if self.dir is None:
             self.dir = Path(tempfile.mkdtemp(prefix="polyak-s3-"))
@@ -567,45 +583,144 @@ class S3Service:
             self.dir = None
 
 
+class StoreView:
+    """A test's view of one server's object store, whichever it is: files
+    under the data dir, or keys under the server's S3 prefix (read and
+    written with boto3), to inspect, corrupt or remove snapshot parts."""
+
+    def __init__(self, server: PolyakServer, s3: S3Service | None = None) -> None:
+        self.server = server
+        self.s3 = s3
+        self.prefix = ""
+        self.is_s3 = False
+        if "--store" in server.args:
+            url = server.args[server.args.index("--store") + 1]
+            if url.startswith("s3://"):
+                if s3 is None:
+                    raise ValueError("an S3 store needs its S3Service")
+                _bucket, _, prefix = url[len("s3://") :].partition("/")
+                self.prefix = prefix.strip("/")
+                self.is_s3 = True
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def read(self, key: str) -> bytes:
+        if self.is_s3:
+            assert self.s3 is not None
+            got = self.s3.client().get_object(Bucket=self.s3.bucket, Key=self._key(key))
+            return got["Body"].read()
+        return (self.server.data_dir / key).read_bytes()
+
+    def write(self, key: str, data: bytes) -> None:
+        if self.is_s3:
+            assert self.s3 is not None
+            self.s3.client().put_object(Bucket=self.s3.bucket, Key=self._key(key), Body=data)
+        else:
+            (self.server.data_dir / key).write_bytes(data)
+
+    def delete(self, key: str) -> None:
+        if self.is_s3:
+            assert self.s3 is not None
+            self.s3.client().delete_object(Bucket=self.s3.bucket, Key=self._key(key))
+        else:
+            (self.server.data_dir / key).unlink()
+
+    def keys(self, prefix: str = "runs/") -> dict[str, int]:
+        """``{key: size}`` of every stored object (or file) under ``prefix``,
+        temporary files included."""
+        if self.is_s3:
+            assert self.s3 is not None
+            skip = len(self.prefix) + 1
+            return {k[skip:]: n for k, n in self.s3.objects(self._key(prefix)).items()}
+        root = self.server.data_dir
+        found: dict[str, int] = {}
+        base = root / prefix
+        if base.exists():
+            for path in base.rglob("*"):
+                if path.is_file():
+                    found[path.relative_to(root).as_posix()] = path.stat().st_size
+        return found
+
+    def open_uploads(self) -> list[dict]:
+        """Multipart uploads under the server's prefix neither completed nor
+        aborted (none can exist for files)."""
+        if not self.is_s3:
+            return []
+        assert self.s3 is not None
+        return self.s3.open_uploads(self.prefix + "/")
+
+
 class Backends:
     """The catalog and object-store pairs a test server can run against.
 
     ``sqlite-file`` is the embedded default (SQLite and files under the data
-    dir); ``postgres-file`` keeps the catalog in a database of its own on a
-    throwaway PostgreSQL (started on first use, stopped by :meth:`close`).
+    dir); ``postgres-s3`` keeps the catalog in a database of its own on a
+    throwaway PostgreSQL and the snapshot parts under a prefix of their own
+    on a throwaway SeaweedFS S3 endpoint (each started on first use, stopped
+    by :meth:`close`); ``postgres-file`` pairs that catalog with files.
     Suites that must hold on every pair parametrise their server fixture
     over :attr:`PAIRS`.
     """
 
-    PAIRS = ("sqlite-file", "postgres-file")
+    PAIRS = ("sqlite-file", "postgres-s3")
+    KNOWN = ("sqlite-file", "postgres-file", "sqlite-s3", "postgres-s3")
 
     def __init__(self) -> None:
         self._postgres: PostgresService | None = None
+        self._s3: S3Service | None = None
 
     def postgres(self) -> PostgresService:
         if self._postgres is None:
             self._postgres = PostgresService().start()
         return self._postgres
 
+    def s3(self) -> S3Service:
+        if self._s3 is None:
+            self._s3 = S3Service().start()
+        return self._s3
+
     def server_args(self, pair: str) -> list[str]:
-        """Flags for a new server on ``pair`` (a fresh, empty catalog)."""
-        catalog, _, store = pair.partition("-")
-        if store != "file" or catalog not in ("sqlite", "postgres"):
+        """Flags for a new server on ``pair`` (a fresh, empty catalog and
+        store)."""
+        if pair not in self.KNOWN:
             raise ValueError(f"unknown backend pair {pair!r}")
+        catalog, _, store = pair.partition("-")
+        args: list[str] = []
         if catalog == "postgres":
-            return ["--catalog", self.postgres().new_database()]
-        return []
+            args += ["--catalog", self.postgres().new_database()]
+        if store == "s3":
+            s3 = self.s3()
+            args += ["--store", s3.new_prefix(), "--s3-endpoint", s3.endpoint]
+        return args
+
+    def server_env(self, pair: str) -> dict[str, str]:
+        """The environment a server on ``pair`` needs (S3 credentials)."""
+        return self.s3().env() if pair.endswith("-s3") else {}
 
     def server(
         self, pair: str, data_dir: str | os.PathLike[str], *args: str, binary: str | None = None
     ) -> PolyakServer:
         """A server (not started) on ``pair`` with its data under ``data_dir``."""
-        return PolyakServer(data_dir, *self.server_args(pair), *args, binary=binary)
+        return PolyakServer(
+            data_dir,
+            *self.server_args(pair),
+            *args,
+            binary=binary,
+            env=self.server_env(pair),
+        )
+
+    def store_of(self, server: PolyakServer) -> StoreView:
+        """The object store ``server`` keeps its snapshot parts in."""
+        return StoreView(server, self._s3)
 
     def close(self) -> None:
         if self._postgres is not None:
             self._postgres.stop()
             self._postgres = None
+        if self._s3 is not None:
+            self._s3.stop()
+            self._s3 = None
 
     @classmethod
     def parametrize(cls, metafunc: Any) -> None:

@@ -4,6 +4,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::store::uploads::OpenUpload;
 
 pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
     match event {
@@ -76,7 +77,8 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
     }
 }
 
-/// Serialises and writes one rank's capture off the async threads.
+/// Serialises one rank's capture and uploads its parts to the object store
+/// (a blocking thread builds each part; its bytes stream to the store).
 pub(super) fn write_capture(state: Snaps, capture: RankCapture) {
     let id = capture.snapshot.clone();
     let rank = capture.rank;
@@ -88,16 +90,9 @@ pub(super) fn write_capture(state: Snaps, capture: RankCapture) {
             fail(&state, &id, &format!("rank {rank} not written: {e}")).await;
             return;
         }
-        let data_dir = state.pending.data_dir.clone();
-        let written = tokio::task::spawn_blocking(move || write_rank(&data_dir, capture)).await;
-        let result = match written {
-            Ok(Ok(files)) => Ok(files),
-            Ok(Err(e)) => Err(format!("writing rank {rank} failed: {e}")),
-            Err(e) => Err(format!("writing rank {rank} panicked: {e}")),
-        };
-        match result {
+        match write_rank(&state, capture).await {
             Ok(files) => rank_written(&state, &id, rank, files).await,
-            Err(reason) => fail(&state, &id, &reason).await,
+            Err(e) => fail(&state, &id, &format!("writing rank {rank} failed: {e}")).await,
         }
     });
 }
@@ -111,9 +106,26 @@ pub(super) fn capture_bytes(capture: &RankCapture) -> u64 {
     profiles + copied * capture.profiles.len() as u64 + mirror
 }
 
-/// Writes every part of a rank; returns their catalog rows.
-pub(super) fn write_rank(
-    data_dir: &Path,
+/// On the host and contiguous (a no-op for CPU captures).
+fn host(t: tch::Tensor) -> Result<tch::Tensor, SnapshotError> {
+    t.f_to_device(tch::Device::Cpu)
+        .and_then(|t| t.f_contiguous())
+        .map_err(|e| SnapshotError::Engine(e.into()))
+}
+
+/// Runs `f` on a blocking thread.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, SnapshotError> + Send + 'static,
+) -> Result<T, SnapshotError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| SnapshotError::Worker(e.to_string()))?
+}
+
+/// Writes every part of a rank, one part at a time (a device capture is
+/// copied to the host a part at a time); returns their catalog rows.
+pub(super) async fn write_rank(
+    state: &Snaps,
     capture: RankCapture,
 ) -> Result<Vec<FileRow>, SnapshotError> {
     let dir = files::snapshot_rel_dir(&capture.run, &capture.snapshot);
@@ -127,57 +139,102 @@ pub(super) fn write_rank(
             part,
         )
     };
-    let host = |t: tch::Tensor| -> Result<tch::Tensor, SnapshotError> {
-        t.f_to_device(tch::Device::Cpu)
-            .and_then(|t| t.f_contiguous())
-            .map_err(|e| SnapshotError::Engine(e.into()))
+    let layout = capture.layout.clone();
+    let copied: Vec<tch::Tensor> = {
+        let copied: Vec<tch::Tensor> = capture.copied.iter().map(|t| t.shallow_clone()).collect();
+        blocking(move || copied.into_iter().map(host).collect()).await?
     };
-    let copied: Vec<tch::Tensor> = capture
-        .copied
+    let mut parts: Vec<(String, Vec<tch::Tensor>)> = capture
+        .profiles
         .iter()
-        .map(|t| host(t.shallow_clone()))
-        .collect::<Result<_, _>>()?;
+        .map(|(name, ema)| (name.clone(), vec![ema.shallow_clone()]))
+        .collect();
+    if let Some(mirror) = &capture.mirror {
+        let tensors = mirror.iter().map(|t| t.shallow_clone()).collect();
+        parts.push((MIRROR_PART.to_string(), tensors));
+    }
     let mut rows = Vec::new();
-    let mut record = |part: &str, file: &format::PartFile| -> Result<(), SnapshotError> {
-        let rel = dir.join(files::part_file_name(capture.rank, part));
-        let w = files::write_part(data_dir, &rel, file)?;
+    for (name, tensors) in parts {
+        let meta = base_meta(&name);
+        let copies: Vec<tch::Tensor> = copied.iter().map(|t| t.shallow_clone()).collect();
+        let layout = layout.clone();
+        let mirror = name == MIRROR_PART;
+        let part = blocking(move || {
+            let tensors: Vec<tch::Tensor> =
+                tensors.into_iter().map(host).collect::<Result<_, _>>()?;
+            Ok(if mirror {
+                format::mirror_part(&layout, tensors, meta)
+            } else {
+                let ema = tensors.into_iter().next().expect("one EMA tensor");
+                format::profile_part(&layout, ema, copies, meta)
+            })
+        })
+        .await?;
+        let key = dir.join(files::part_file_name(capture.rank, &name));
+        let key = key.to_string_lossy();
+        let uploaded = upload_part(state, &capture.snapshot, &key, &part).await?;
         rows.push(FileRow {
             rank: capture.rank,
-            part: part.to_string(),
-            path: w.path,
-            sha256: w.sha256,
-            bytes: w.bytes,
+            part: name,
+            path: uploaded.key,
+            sha256: uploaded.sha256,
+            bytes: uploaded.bytes,
             step: capture.step,
             state: meta_json.clone(),
         });
-        Ok(())
-    };
-    for (name, ema) in &capture.profiles {
-        let copies = copied.iter().map(|t| t.shallow_clone()).collect();
-        let part = format::profile_part(
-            &capture.layout,
-            host(ema.shallow_clone())?,
-            copies,
-            base_meta(name),
-        );
-        record(name, &part)?;
     }
-    if let Some(mirror) = &capture.mirror {
-        let tensors = mirror
-            .iter()
-            .map(|t| host(t.shallow_clone()))
-            .collect::<Result<_, _>>()?;
-        let part = format::mirror_part(&capture.layout, tensors, base_meta(MIRROR_PART));
-        record(MIRROR_PART, &part)?;
-    }
-    files::sync_dir(&data_dir.join(&dir))?;
     Ok(rows)
+}
+
+/// Streams one part to the store under `key`. An S3 upload's id is in the
+/// catalog while it is open, so a crash's leftover is aborted at the next
+/// start; a failed upload is aborted at once.
+pub(super) async fn upload_part(
+    state: &Snaps,
+    snapshot: &str,
+    key: &str,
+    part: &format::PartFile,
+) -> Result<crate::objstore::Uploaded, SnapshotError> {
+    let mut upload = state.objects.begin_upload(key).await?;
+    let open = upload.id().map(|id| OpenUpload {
+        upload_id: id.to_string(),
+        key: key.to_string(),
+        snapshot: snapshot.to_string(),
+    });
+    if let Some(open) = &open {
+        if let Err(e) = state.store.record_upload(open, now_ms()).await {
+            let _ = upload.abort().await;
+            return Err(e.into());
+        }
+    }
+    let mut written = upload.write(part.header.bytes()).await;
+    for block in &part.blocks {
+        if written.is_err() {
+            break;
+        }
+        written = upload.write(block).await;
+    }
+    let done = match written {
+        Ok(()) => upload.finish().await,
+        Err(e) => {
+            let _ = upload.abort().await;
+            Err(e)
+        }
+    };
+    if let Some(open) = &open {
+        // An upload finished or aborted needs no abort at the next start;
+        // a row left behind only costs that start an abort of nothing.
+        if let Err(e) = state.store.forget_upload(&open.upload_id).await {
+            tracing::warn!(upload = %open.upload_id, error = %e, "forgetting a finished upload failed");
+        }
+    }
+    Ok(done?)
 }
 
 pub(super) async fn rank_written(state: &Snaps, id: &str, rank: u32, rows: Vec<FileRow>) {
     match state.pending.rank_written(id, rank, rows) {
         // Failed, or its run deleted, while this rank was being written.
-        RankWritten::Gone(rows) => discard_files(state, &rows),
+        RankWritten::Gone(rows) => discard_files(state, &rows).await,
         RankWritten::More => {}
         RankWritten::Last(p) => finalize(state, id, p).await,
     }
@@ -212,7 +269,7 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
         }
         Ok(false) => {
             // Deleted or failed meanwhile: its files go.
-            remove_files(state, &p.run, id);
+            remove_files(state, &p.run, id).await;
             for w in p.waiters {
                 let _ = w.send(Finished::Failed("deleted".into()));
             }
@@ -239,7 +296,7 @@ pub async fn fail(state: &Snaps, id: &str, reason: &str) {
         let (r, s) = (p.run.clone(), id.to_string());
         let _ = run.engine.call(move |e| e.cancel_cut(&r, &s)).await;
     }
-    remove_files(state, &p.run, id);
+    remove_files(state, &p.run, id).await;
     record_failure(state, id, reason).await;
     state.events.emit(
         &p.run,
@@ -299,15 +356,10 @@ pub(super) async fn retry_unrecorded(state: &Snaps) {
     }
 }
 
-pub(super) fn discard_files(state: &Snaps, rows: &[FileRow]) {
+pub(super) async fn discard_files(state: &Snaps, rows: &[FileRow]) {
     for row in rows {
-        let path = state.pending.data_dir.join(&row.path);
-        if let Err(e) = std::fs::remove_file(&path) {
-            tracing::warn!(path = %path.display(), error = %e, "removing an orphaned snapshot file failed");
-        }
-        if let Some(dir) = path.parent() {
-            // Only succeeds once the directory is empty.
-            let _ = std::fs::remove_dir(dir);
+        if let Err(e) = state.objects.delete(&row.path).await {
+            tracing::warn!(key = %row.path, error = %e, "removing an orphaned snapshot part failed");
         }
     }
 }

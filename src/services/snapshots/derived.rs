@@ -33,6 +33,7 @@ use crate::snapshot::files;
 use crate::snapshot::format::{self, MIRROR_PART};
 use crate::snapshot::meta;
 use crate::snapshot::posthoc::{self, PosthocError, Source};
+use crate::snapshot::source::PartLoc;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
 
@@ -651,16 +652,22 @@ fn spawn_job(state: Snaps, job: Job) {
         let started = Instant::now();
         let ids: Vec<String> = job.outputs.iter().map(|o| o.id.clone()).collect();
         let (run, kind, step) = (job.run.clone(), job.kind, job.step);
-        let data_dir = state.pending.data_dir().to_path_buf();
-        let st = state.clone();
+        let staging = staging_dir(&state);
+        let (st, objects, at) = (state.clone(), state.objects.clone(), staging.clone());
         let written = tokio::task::spawn_blocking(move || {
-            write_outputs(&data_dir, &job, &mut |done| report(&st, &job, done))
+            write_outputs(&at, &objects, &job, &mut |done| report(&st, &job, done))
         })
         .await;
-        let result = match written {
-            Ok(Ok(per_output)) => complete(&state, &ids, step, per_output).await,
+        let written = match written {
+            Ok(Ok(per_output)) => publish(&state, &staging, &ids, per_output)
+                .await
+                .map_err(|e| e.to_string()),
             Ok(Err(e)) => Err(e.to_string()),
             Err(e) => Err(format!("the job panicked: {e}")),
+        };
+        let result = match written {
+            Ok(per_output) => complete(&state, &ids, step, per_output).await,
+            Err(e) => Err(e),
         };
         state.pending.progress_end(ids.iter().map(String::as_str));
         match result {
@@ -683,7 +690,7 @@ fn spawn_job(state: Snaps, job: Job) {
                 tracing::warn!(run = %run, kind = %kind, snapshots = ?ids, "derived snapshots failed: {reason}");
                 for id in &ids {
                     // Files first: on a full disk the catalog needs the room.
-                    remove_files(&state, &run, id);
+                    remove_files(&state, &run, id).await;
                     record_failure(&state, id, &reason).await;
                     state.events.emit(
                         &run,
@@ -744,9 +751,61 @@ async fn complete(
 /// How often progress is reported, at most.
 const REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// Writes every output, rank by rank; returns each output's file rows.
+/// Where derived parts are written before they are stored: the store's
+/// own directory when it is one (storing is then a rename in place), else
+/// `<data-dir>/staging` (storing uploads each part, then removes it).
+fn staging_dir(state: &Snaps) -> std::path::PathBuf {
+    state
+        .objects
+        .local_path("")
+        .unwrap_or_else(|| state.pending.data_dir().join("staging"))
+}
+
+/// Stores the parts written under `staging`; their rows keep their keys.
+async fn publish(
+    state: &Snaps,
+    staging: &std::path::Path,
+    ids: &[String],
+    per_output: Vec<Vec<FileRow>>,
+) -> Result<Vec<Vec<FileRow>>, SnapshotError> {
+    for (rows, id) in per_output.iter().zip(ids) {
+        for row in rows {
+            let record = async |upload_id: &str| {
+                let open = crate::store::uploads::OpenUpload {
+                    upload_id: upload_id.to_string(),
+                    key: row.path.clone(),
+                    snapshot: id.clone(),
+                };
+                state
+                    .store
+                    .record_upload(&open, now_ms())
+                    .await
+                    .map_err(|e| crate::objstore::StoreError::Io(std::io::Error::other(e)))
+            };
+            let stored = state
+                .objects
+                .put_file(
+                    &row.path,
+                    &staging.join(&row.path),
+                    Some(&row.sha256),
+                    record,
+                )
+                .await;
+            if state.objects.local_path("").is_none() {
+                // The upload's id, recorded when it opened, is done with.
+                let _ = state.store.forget_uploads_of(&row.path).await;
+            }
+            stored?;
+        }
+    }
+    Ok(per_output)
+}
+
+/// Writes every output, rank by rank, under `data_dir`; returns each
+/// output's file rows (keys in the store).
 fn write_outputs(
     data_dir: &std::path::Path,
+    objects: &crate::objstore::ObjectStore,
     job: &Job,
     report: &mut dyn FnMut(u64),
 ) -> Result<Vec<Vec<FileRow>>, SnapshotError> {
@@ -764,7 +823,7 @@ fn write_outputs(
             let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
                 SnapshotError::Internal(format!("rank {rank} is missing from a source snapshot"))
             })?;
-            paths.push(data_dir.join(&f.path));
+            paths.push(PartLoc::new(objects, &f.path));
         }
         let base_file = job.files[job.base]
             .iter()

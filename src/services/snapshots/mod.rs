@@ -54,6 +54,7 @@ use crate::engine::capture::{Backlog, CaptureEvent, RankCapture, RestoredRank};
 use crate::engine::snapshot_id;
 use crate::events::EventBus;
 use crate::events::{self, Event, Restored, SnapshotEvent};
+use crate::objstore::ObjectStore;
 use crate::registry::Registry;
 use crate::registry::RunHandle;
 use crate::run::RunConfig;
@@ -85,6 +86,8 @@ pub enum Finished {
 pub struct SnapshotService {
     pub(crate) args: ServeArgs,
     pub(crate) store: Store,
+    /// Where snapshot parts live.
+    pub(crate) objects: ObjectStore,
     catalog: CatalogWriter,
     registry: Arc<Registry>,
     pub(crate) events: Arc<EventBus>,
@@ -102,6 +105,7 @@ impl SnapshotService {
             pending: Snapshots::new(ctx.args.data_dir.clone()),
             args: ctx.args.clone(),
             store: ctx.store.clone(),
+            objects: ctx.objects.clone(),
             catalog: ctx.catalog.clone(),
             registry: ctx.registry.clone(),
             events: ctx.events.clone(),

@@ -3,6 +3,8 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::objstore::ObjectStore;
+use crate::snapshot::source::PartLoc;
 
 /// The files of a complete snapshot, by rank, for one part.
 pub async fn parts_of(
@@ -16,7 +18,7 @@ pub async fn parts_of(
         let meta = meta::decode_rank_meta(&f.state)?;
         out.push(assemble::StoredPart {
             rank: f.rank,
-            path: Arc::new(state.pending.data_dir.join(&f.path)),
+            path: PartLoc::new(&state.objects, &f.path),
             sha256: f.sha256,
             meta: Arc::new(meta),
         });
@@ -26,7 +28,7 @@ pub async fn parts_of(
 
 /// Reads every rank of a complete snapshot back into restorable tensors.
 pub(super) fn load_restorable(
-    data_dir: &Path,
+    objects: &ObjectStore,
     config: &RunConfig,
     files: Vec<FileRow>,
 ) -> Result<Vec<(u32, RestoredRank)>, SnapshotError> {
@@ -39,7 +41,7 @@ pub(super) fn load_restorable(
         let meta = meta::decode_rank_meta(&files[0].state)?;
         let read = |part: &str| -> Result<Option<Vec<u8>>, SnapshotError> {
             match files.iter().find(|f| f.part == part) {
-                Some(f) => Ok(Some(std::fs::read(data_dir.join(&f.path))?)),
+                Some(f) => Ok(Some(PartLoc::new(objects, &f.path).open()?.read_all()?)),
                 None => Ok(None),
             }
         };
@@ -90,8 +92,8 @@ pub async fn restore_from(
 ) -> Result<BTreeMap<u32, u64>, SnapshotError> {
     let files = state.store.snapshot_files(&row.id).await?;
     let config = run.config.clone();
-    let data_dir = state.pending.data_dir.clone();
-    let ranks = tokio::task::spawn_blocking(move || load_restorable(&data_dir, &config, files))
+    let objects = state.objects.clone();
+    let ranks = tokio::task::spawn_blocking(move || load_restorable(&objects, &config, files))
         .await
         .map_err(|e| SnapshotError::Worker(e.to_string()))??;
     let steps: BTreeMap<u32, u64> = ranks
@@ -207,6 +209,74 @@ pub async fn resume(
     })
 }
 
+/// Aborts the multipart uploads the catalog lists as open: a crash left
+/// them (an open S3 upload keeps its parts until it is aborted).
+///
+/// Two sources: the ids the catalog recorded, and the store's own list of
+/// open uploads under `runs/` (which also has an upload whose id a crash
+/// kept from being recorded). An upload of a snapshot still pending (a
+/// node of the same service writing it now) is left alone.
+async fn abort_open_uploads(state: &Snaps) -> Result<(), SnapshotError> {
+    for open in state.store.open_uploads().await? {
+        state
+            .objects
+            .abort_upload(&open.key, &open.upload_id)
+            .await?;
+        state.store.forget_upload(&open.upload_id).await?;
+        tracing::info!(key = %open.key, snapshot = %open.snapshot, "aborted an upload left open by the last stop");
+    }
+    for (key, upload_id) in state.objects.open_uploads("runs/").await? {
+        // runs/<run>/snapshots/<id>/<part>
+        let mut parts = key.split('/');
+        if let (Some("runs"), Some(run), Some("snapshots"), Some(id)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        {
+            let row = state.store.snapshot(run, id).await?;
+            if row.is_some_and(|r| r.status == SnapshotStatus::Pending) {
+                continue;
+            }
+        }
+        state.objects.abort_upload(&key, &upload_id).await?;
+        tracing::info!(key = %key, "aborted an upload the store listed as open");
+    }
+    Ok(())
+}
+
+/// Removes the parts of every snapshot that is not complete (a crash's
+/// leftovers), half-written files, and derived parts left in staging.
+async fn remove_unlisted(
+    state: &Snaps,
+    keep: std::collections::HashSet<(String, String)>,
+) -> Result<(), SnapshotError> {
+    let staging = state.pending.data_dir.join("staging");
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    if let Some(root) = state.objects.local_path("") {
+        let removed = tokio::task::spawn_blocking(move || files::remove_unlisted(&root, &keep))
+            .await
+            .map_err(|e| SnapshotError::Worker(e.to_string()))??;
+        for path in removed {
+            tracing::info!(path = %path.display(), "removed an incomplete snapshot file");
+        }
+        return Ok(());
+    }
+    for (key, _) in state.objects.list("runs").await? {
+        // runs/<run>/snapshots/<id>/<part>
+        let mut parts = key.split('/');
+        let (Some("runs"), Some(run), Some("snapshots"), Some(id)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if !keep.contains(&(run.to_string(), id.to_string())) {
+            state.objects.delete(&key).await?;
+            tracing::info!(key = %key, "removed an incomplete snapshot part");
+        }
+    }
+    Ok(())
+}
+
 /// At start: fails snapshots a stop interrupted, removes files the catalog
 /// does not list as complete, and restores every run from its newest
 /// restorable snapshot.
@@ -215,14 +285,9 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
     for (run, id) in &interrupted {
         tracing::warn!(run = %run, snapshot = %id, "snapshot interrupted by the last stop; marked failed");
     }
+    abort_open_uploads(state).await?;
     let keep = state.store.complete_snapshot_ids().await?;
-    let data_dir = state.pending.data_dir.clone();
-    let removed = tokio::task::spawn_blocking(move || files::remove_unlisted(&data_dir, &keep))
-        .await
-        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
-    for path in removed {
-        tracing::info!(path = %path.display(), "removed an incomplete snapshot file");
-    }
+    remove_unlisted(state, keep).await?;
     let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
         let rows = state.store.snapshots(&run.config.name).await?;

@@ -11,7 +11,12 @@ pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotEr
     for id in pending {
         fail(state, &id, "the run was deleted").await;
     }
-    let dir = state.pending.data_dir.join(files::run_rel_dir(run));
+    let prefix = files::run_rel_dir(run);
+    state
+        .objects
+        .delete_prefix(&prefix.to_string_lossy())
+        .await?;
+    let dir = state.pending.data_dir.join(prefix);
     tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
@@ -21,15 +26,15 @@ pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotEr
     Ok(())
 }
 
-pub(super) fn remove_files(state: &Snaps, run: &str, id: &str) {
-    let dir = state
-        .pending
-        .data_dir
-        .join(files::snapshot_rel_dir(run, id));
-    if dir.exists() {
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            tracing::warn!(path = %dir.display(), error = %e, "removing snapshot files failed");
-        }
+pub(super) async fn remove_files(state: &Snaps, run: &str, id: &str) {
+    let prefix = files::snapshot_rel_dir(run, id);
+    let prefix = prefix.to_string_lossy();
+    if let Err(e) = state.objects.delete_prefix(&prefix).await {
+        tracing::warn!(prefix = %prefix, error = %e, "removing snapshot parts failed");
+    }
+    if let Some(dir) = state.objects.local_path(&prefix) {
+        // The emptied directory itself.
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 
@@ -46,7 +51,7 @@ pub async fn delete(
         fail(state, id, "deleted while pending").await;
     }
     let existed = state.store.delete_snapshot(id).await?;
-    remove_files(state, run, id);
+    remove_files(state, run, id).await;
     state.events.emit(
         run,
         None,
