@@ -93,48 +93,50 @@ def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 def test_store_outage_fails_the_snapshot_and_spares_pushes(tmp_path, backends: Backends):
     srv = backends.server("postgres-s3", tmp_path / "data")
     srv.start()
-    s3 = backends.s3()
-    run = "outage"
-    with httpx.Client(base_url=srv.url, timeout=120) as c:
-        create(c, run)
-        for step in range(3):
-            push(c, run, step)
-        assert c.get("/readyz").json()["store"] == "s3"
-        assert c.get("/readyz").json()["status"] == "ok"
-        s3.stop(keep_data=True)
-        # The store is down: /readyz says so (the node still serves).
-        ready = c.get("/readyz")
-        assert ready.status_code == 200, ready.text
-        assert ready.json()["status"] == "degraded", ready.text
-        assert "store" in ready.json()["detail"], ready.text
-        sid = snapshot_at(c, run, 3)
-        push(c, run, 3)
-        failed = wait_status(c, run, sid)
-        assert failed["status"] == "failed", failed
-        assert failed["reason"], failed
-        # Pushes went on untouched: the live EMA is the exact EMA.
-        for step in range(4, 6):
-            push(c, run, step)
-        live = safetensors.torch.load(
-            c.get(f"/v1/runs/{run}/ranks/0/ema", params={"profile": "ema"}).content
-        )
-        assert_equal(live, exact_ema(list(range(6)), 0.9))
-        # The store is back: the next snapshot completes, readyz is ok.
-        s3.start()
-        sid = snapshot_at(c, run, 6)
-        push(c, run, 6)
-        done = wait_status(c, run, sid)
-        assert done["status"] == "complete", done
-        assert_equal(download(c, run, sid), exact_ema(list(range(7)), 0.9))
-        assert c.get("/readyz").json()["status"] == "ok"
-        # The failed snapshot left no object and no open upload.
-        store = backends.store_of(srv)
-        assert not [k for k in store.keys() if f"/{failed['id']}/" in k]
-        assert store.open_uploads() == []
-        metrics = c.get("/metrics").text
-        assert 'polyak_store_errors_total{op="' in metrics
-        assert "polyak_store_written_bytes_total" in metrics
-    srv.stop()
+    try:
+        s3 = backends.s3()
+        run = "outage"
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            create(c, run)
+            for step in range(3):
+                push(c, run, step)
+            assert c.get("/readyz").json()["store"] == "s3"
+            assert c.get("/readyz").json()["status"] == "ok"
+            s3.stop(keep_data=True)
+            # The store is down: /readyz says so (the node still serves).
+            ready = c.get("/readyz")
+            assert ready.status_code == 200, ready.text
+            assert ready.json()["status"] == "degraded", ready.text
+            assert "store" in ready.json()["detail"], ready.text
+            sid = snapshot_at(c, run, 3)
+            push(c, run, 3)
+            failed = wait_status(c, run, sid)
+            assert failed["status"] == "failed", failed
+            assert failed["reason"], failed
+            # Pushes went on untouched: the live EMA is the exact EMA.
+            for step in range(4, 6):
+                push(c, run, step)
+            live = safetensors.torch.load(
+                c.get(f"/v1/runs/{run}/ranks/0/ema", params={"profile": "ema"}).content
+            )
+            assert_equal(live, exact_ema(list(range(6)), 0.9))
+            # The store is back: the next snapshot completes, readyz is ok.
+            s3.start()
+            sid = snapshot_at(c, run, 6)
+            push(c, run, 6)
+            done = wait_status(c, run, sid)
+            assert done["status"] == "complete", done
+            assert_equal(download(c, run, sid), exact_ema(list(range(7)), 0.9))
+            assert c.get("/readyz").json()["status"] == "ok"
+            # The failed snapshot left no object and no open upload.
+            store = backends.store_of(srv)
+            assert not [k for k in store.keys() if f"/{failed['id']}/" in k]
+            assert store.open_uploads() == []
+            metrics = c.get("/metrics").text
+            assert 'polyak_store_errors_total{op="' in metrics
+            assert "polyak_store_written_bytes_total" in metrics
+    finally:
+        srv.stop()
 
 
 def test_an_empty_data_dir_restores_every_run_and_serves_every_snapshot(
@@ -142,25 +144,27 @@ def test_an_empty_data_dir_restores_every_run_and_serves_every_snapshot(
 ):
     first = backends.server("postgres-s3", tmp_path / "first")
     first.start()
-    runs = {"alpha": 1, "beta": 2}
-    snaps: dict[str, list[tuple[str, int]]] = {}
-    with httpx.Client(base_url=first.url, timeout=120) as c:
-        for run, world in runs.items():
-            create(c, run, world=world, mirror=True, persist_every_secs=0)
-            snaps[run] = []
-            for step in range(6):
-                if step in (2, 4):
-                    snaps[run].append((snapshot_at(c, run, step), step))
-                for rank in range(world):
-                    push(c, run, step, rank)
-            for sid, _ in snaps[run]:
-                assert wait_status(c, run, sid)["status"] == "complete"
-        shas = {
-            (run, sid): c.get(f"/v1/runs/{run}/snapshots/{sid}").json()["files"]
-            for run in runs
-            for sid, _ in snaps[run]
-        }
-    first.stop()  # graceful: persists each run's newest state to the store
+    try:
+        runs = {"alpha": 1, "beta": 2}
+        snaps: dict[str, list[tuple[str, int]]] = {}
+        with httpx.Client(base_url=first.url, timeout=120) as c:
+            for run, world in runs.items():
+                create(c, run, world=world, mirror=True, persist_every_secs=0)
+                snaps[run] = []
+                for step in range(6):
+                    if step in (2, 4):
+                        snaps[run].append((snapshot_at(c, run, step), step))
+                    for rank in range(world):
+                        push(c, run, step, rank)
+                for sid, _ in snaps[run]:
+                    assert wait_status(c, run, sid)["status"] == "complete"
+            shas = {
+                (run, sid): c.get(f"/v1/runs/{run}/snapshots/{sid}").json()["files"]
+                for run in runs
+                for sid, _ in snaps[run]
+            }
+    finally:
+        first.stop()  # graceful: persists each run's newest state to the store
     # Same catalog and store, nothing in the data dir.
     args = list(first.args)
     second = type(first)(tmp_path / "second", *args, env=first.env)
