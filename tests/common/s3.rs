@@ -87,6 +87,7 @@ impl S3Endpoint {
             format!("-s3.port={port}"),
             format!("-s3.port.grpc={}", ports[6]),
             "-s3.port.iceberg=0".into(),
+            "-s3.port.lance=0".into(),
             "-master.volumeSizeLimitMB=256".into(),
             "-volume.max=0".into(),
             "-metricsPort=0".into(),

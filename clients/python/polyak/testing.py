@@ -530,6 +530,7 @@ class S3Service:
             f"-s3.port={p['s3']}",
             f"-s3.port.grpc={p['s3.grpc']}",
             "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             f"-s3.config={self.dir / 's3.json'}",
             "-master.volumeSizeLimitMB=256",
             "-volume.max=0",
