@@ -60,6 +60,33 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_DEVICE", default_value = "auto")]
     pub device: String,
 
+    /// This server's name among the nodes of one service (placement
+    /// answers name it). Default: generated once and kept in the data dir
+    /// (`node-id`).
+    #[arg(long, env = "POLYAK_NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// The URL clients and other nodes reach this server at (placement
+    /// answers give it). Default: `http://` and the address bound.
+    #[arg(long, env = "POLYAK_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+
+    /// Seconds a node's lease in the catalog lasts; it is renewed three
+    /// times in that span. A node whose lease ran out counts as gone.
+    #[arg(long, env = "POLYAK_LEASE_SECS", default_value_t = 10.0)]
+    pub lease_secs: f64,
+
+    /// Bytes of EMA state this node offers (placement balances on it).
+    /// Default: the machine's memory.
+    #[arg(long, env = "POLYAK_MEMORY_BUDGET")]
+    pub memory_budget: Option<ByteSize>,
+
+    /// Engine threads a CPU run's ranks are spread over (each applies its
+    /// ranks' pushes on its own core). Default: one per two cores, at
+    /// least one. A GPU has one engine each.
+    #[arg(long, env = "POLYAK_ENGINES")]
+    pub engines: Option<usize>,
+
     /// Admin token. When set, every request needs a bearer token: the admin
     /// token, or a run's write token (pushes) or read token (reads).
     #[arg(long, env = "POLYAK_TOKEN", hide_env_values = true)]
@@ -212,7 +239,28 @@ impl ServeArgs {
         if self.body_min_rate.0 == 0 {
             return Err("--body-min-rate must be at least 1 byte per second".into());
         }
+        if !(self.lease_secs >= 0.3 && self.lease_secs <= 3600.0) {
+            return Err("--lease-secs must be between 0.3 and 3600".into());
+        }
+        if self.engines == Some(0) {
+            return Err("--engines must be at least 1".into());
+        }
+        if let Some(url) = &self.advertise_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!(
+                    "--advertise-url `{url}`: give an http:// or https:// URL"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// CPU engine threads: `--engines`, else one per two cores (at least one).
+    pub fn cpu_engines(&self) -> usize {
+        self.engines.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / 2).max(1)
+        })
     }
 
     /// Defaults as `polyak serve` would have them, with a given data dir and

@@ -10,8 +10,8 @@
 //!
 //! Modules only use modules of lower layers (`tests/layers.rs` checks it):
 //! `server` -> `http` -> `state` -> `services` -> {`registry`, `events`} ->
-//! {`snapshot`, `store`, `telemetry`} -> `engine` -> `wire` -> `run` ->
-//! leaves.
+//! {`snapshot`, `store`, `telemetry`} -> `engine` -> {`wire`, `node`} ->
+//! `run` -> leaves.
 //!
 //! - Leaves: [`clock`] (wall-clock milliseconds), [`config`] (the
 //!   `polyak serve` flags, each also an environment variable), [`contract`]
@@ -21,9 +21,12 @@
 //!   pages for the large host buffers).
 //! - [`run`]: a run's configuration (profiles, `update_every`, dtypes,
 //!   policies, alert rules) and its validation, field by field.
+//! - [`node`]: this server's node id (kept in the data dir) and advertised
+//!   URL, as placement answers name them.
 //! - [`wire`]: the push body (safetensors, parsed in place), shard metadata,
 //!   non-finite scans, and the safetensors writer used for responses.
-//! - [`engine`]: the thread (one per device) that owns every tensor; decay
+//! - [`engine`]: the threads (one per GPU, `--engines` on the CPU) that own
+//!   every tensor, a run's ranks spread over them ([`engine::spread`]); decay
 //!   schedules ([`engine::schedule`]), per-rank flat EMA buffers and the update
 //!   kernels.
 //! - [`snapshot`]: the on-disk format of a snapshot part, durable files,
@@ -53,6 +56,7 @@ pub mod engine;
 pub mod events;
 pub mod http;
 pub mod hugepages;
+pub mod node;
 pub mod objstore;
 pub mod registry;
 pub mod run;

@@ -11,6 +11,8 @@ use sha2::{Digest, Sha256};
 use crate::clock::now_ms;
 use crate::engine::capture::CaptureEvent;
 use crate::engine::rank::RankLayout;
+use crate::engine::shared::RunShared;
+use crate::engine::spread::RunEngines;
 use crate::engine::{device, EngineError, EngineHandle, FinishedAt};
 use crate::run::RunConfig;
 use crate::snapshot::meta;
@@ -170,7 +172,8 @@ pub struct IngestWindow {
 pub struct RunHandle {
     pub config: Arc<RunConfig>,
     pub created_at_ms: i64,
-    pub engine: EngineHandle,
+    /// The engines holding the run's ranks.
+    pub engines: RunEngines,
     pub tokens: Option<RunTokens>,
     pub ranks: Vec<Mutex<RankSummary>>,
     /// Ingest since the last sample (see `monitor`).
@@ -209,10 +212,13 @@ impl RunHandle {
     }
 }
 
-/// Every run, by name, and the engine of each device.
+/// Every run, by name, and the engines of each device.
 pub struct Registry {
     runs: RwLock<BTreeMap<String, Arc<RunHandle>>>,
-    engines: Mutex<HashMap<String, EngineHandle>>,
+    /// By label (`cpu#0`, `cuda:1`), with the ranks each holds.
+    engines: Mutex<HashMap<String, (EngineHandle, usize)>>,
+    /// Engine threads a CPU run's ranks are spread over (`--engines`).
+    cpu_engines: usize,
     /// The device new runs get when they do not name one (`cpu` or `cuda:N`).
     default_device: String,
     /// How engines are started: queue depth, periodic-capture backlog, and
@@ -227,6 +233,7 @@ pub struct Registry {
 impl Registry {
     pub fn new(
         default_device: tch::Device,
+        cpu_engines: usize,
         engine_queue_depth: usize,
         periodic_backlog: u64,
         captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
@@ -235,6 +242,7 @@ impl Registry {
         Registry {
             runs: RwLock::new(BTreeMap::new()),
             engines: Mutex::new(HashMap::new()),
+            cpu_engines: cpu_engines.max(1),
             default_device: device::name(default_device),
             engine_queue_depth,
             periodic_backlog,
@@ -270,12 +278,8 @@ impl Registry {
             match handle {
                 Ok(handle) => {
                     if let Some(finish) = stored.finished {
-                        let (run, at) = (name.clone(), FinishedAt(finish.step));
-                        handle
-                            .engine
-                            .call(move |e| e.set_finished(&run, Some(at)))
-                            .await
-                            .map_err(|_| StoreError::Io(std::io::Error::other("engine stopped")))?;
+                        let at = FinishedAt(finish.step);
+                        handle.engines.shared().set_finished(Some(at));
                         *handle.finished.lock().expect("run finish lock") = Some(finish);
                     }
                 }
@@ -290,32 +294,93 @@ impl Registry {
         Ok(())
     }
 
-    /// The engine of a device, started on first use.
-    pub fn engine_for(&self, device_name: &str) -> std::io::Result<EngineHandle> {
+    /// The labels of a device's engines: one per GPU, `--engines` on the CPU.
+    fn labels_of(&self, device: tch::Device) -> Vec<String> {
+        let name = device::name(device);
+        match device {
+            tch::Device::Cpu if self.cpu_engines > 1 => (0..self.cpu_engines)
+                .map(|i| format!("{name}#{i}"))
+                .collect(),
+            _ => vec![name],
+        }
+    }
+
+    /// Places a run's ranks on the engines of its device, balanced by the
+    /// ranks each engine already holds (ties: the first), starting the
+    /// engines on first use. Returns the engines the run uses and, per
+    /// rank, its index among them.
+    fn place(
+        &self,
+        device_name: &str,
+        world_size: u32,
+    ) -> std::io::Result<(Vec<EngineHandle>, Vec<usize>)> {
         let device = device::parse(device_name)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let key = device::name(device);
+        let labels = self.labels_of(device);
         let mut engines = self.engines.lock().expect("engines lock");
-        if let Some(engine) = engines.get(&key) {
-            return Ok(engine.clone());
+        for label in &labels {
+            if !engines.contains_key(label) {
+                let engine = EngineHandle::start(
+                    device,
+                    label,
+                    self.engine_queue_depth,
+                    self.captures.clone(),
+                    self.periodic_backlog,
+                )?;
+                engines.insert(label.clone(), (engine, 0));
+            }
         }
-        let engine = EngineHandle::start(
-            device,
-            self.engine_queue_depth,
-            self.captures.clone(),
-            self.periodic_backlog,
-        )?;
-        engines.insert(key, engine.clone());
-        Ok(engine)
+        let mut used: Vec<String> = Vec::new();
+        let mut by_rank = Vec::with_capacity(world_size as usize);
+        for _ in 0..world_size {
+            let label = labels
+                .iter()
+                .min_by_key(|l| engines[l.as_str()].1)
+                .expect("a device has an engine");
+            engines.get_mut(label.as_str()).expect("engine").1 += 1;
+            let i = match used.iter().position(|u| u == label) {
+                Some(i) => i,
+                None => {
+                    used.push(label.clone());
+                    used.len() - 1
+                }
+            };
+            by_rank.push(i);
+        }
+        let handles = used.iter().map(|l| engines[l.as_str()].0.clone()).collect();
+        Ok((handles, by_rank))
+    }
+
+    /// Gives back the ranks a run held on its engines (the run is gone).
+    fn unplace(&self, run: &RunHandle) {
+        let mut engines = self.engines.lock().expect("engines lock");
+        for label in run.engines.labels() {
+            if let Some((_, held)) = engines.get_mut(label) {
+                *held = held.saturating_sub(1);
+            }
+        }
+    }
+
+    /// The engines this server runs or would start for its default device,
+    /// and any other it started (`cpu#0`, `cuda:1`, ...), sorted.
+    pub fn engine_labels(&self) -> Vec<String> {
+        let mut labels = device::parse(&self.default_device)
+            .map(|d| self.labels_of(d))
+            .unwrap_or_default();
+        for engine in self.engines() {
+            if !labels.iter().any(|l| l == engine.label()) {
+                labels.push(engine.label().to_string());
+            }
+        }
+        labels.sort();
+        labels
     }
 
     pub fn engines(&self) -> Vec<EngineHandle> {
-        self.engines
-            .lock()
-            .expect("engines lock")
-            .values()
-            .cloned()
-            .collect()
+        let engines = self.engines.lock().expect("engines lock");
+        let mut out: Vec<_> = engines.values().map(|(e, _)| e.clone()).collect();
+        out.sort_by(|a, b| a.label().cmp(b.label()));
+        out
     }
 
     /// Registers a run with its engine and in the registry.
@@ -326,11 +391,17 @@ impl Registry {
         tokens: Option<RunTokens>,
         stored_ranks: Vec<StoredRank>,
     ) -> Result<Arc<RunHandle>, EngineError> {
-        let engine = self
-            .engine_for(&config.device)
+        let (handles, by_rank) = self
+            .place(&config.device, config.world_size)
             .map_err(|_| EngineError::Stopped)?;
-        let for_engine = config.clone();
-        engine.call(move |e| e.add_run(for_engine)).await?;
+        let engines = RunEngines::new(handles, by_rank, RunShared::new(config.world_size));
+        for (i, engine) in engines.all().iter().enumerate() {
+            let (for_engine, owned) = (config.clone(), engines.ranks_of(i));
+            let shared = engines.shared().clone();
+            engine
+                .call(move |e| e.add_run(for_engine, &owned, shared))
+                .await?;
+        }
         let mut ranks: Vec<RankSummary> = (0..config.world_size)
             .map(|_| RankSummary::default())
             .collect();
@@ -342,7 +413,7 @@ impl Registry {
         let handle = Arc::new(RunHandle {
             config: config.clone(),
             created_at_ms,
-            engine,
+            engines,
             tokens,
             ranks: ranks.into_iter().map(Mutex::new).collect(),
             ingest: Mutex::new(IngestWindow::default()),
@@ -391,6 +462,10 @@ impl Registry {
         let mut runs = self.runs.write().expect("runs lock");
         let removed = runs.remove(name);
         self.runs_gauge.set(runs.len() as i64);
+        drop(runs);
+        if let Some(run) = &removed {
+            self.unplace(run);
+        }
         removed
     }
 }

@@ -16,7 +16,7 @@ use crate::store::writer::CatalogWriter;
 use crate::store::Store;
 
 /// `polyak serve`: binds, prints the address, serves until Ctrl-C/SIGTERM.
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+pub async fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
     if let Err(reason) = args.validate() {
         bail!(reason);
     }
@@ -35,6 +35,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let data_dir = args.data_dir.clone();
     let store = open_catalog(&args).await?;
+    crate::node::resolve(&mut args, addr).context("naming this node")?;
     let store_kind = store.kind().name();
     let objects = open_objects(&args)?;
     let objects_kind = objects.kind();
@@ -43,10 +44,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     crate::services::snapshots::recover(state.snapshots())
         .await
         .context("recovering from the last run's snapshots")?;
+    crate::services::nodes::register(state.shared())
+        .await
+        .map_err(|e| anyhow::anyhow!("registering this node in the catalog: {e}"))?;
     let tasks = Tasks::spawn(&state, captures);
     tracing::info!(
         %addr,
         device = %state.registry().default_device(),
+        node = %state.args().node_id.as_deref().unwrap_or_default(),
         data_dir = %data_dir.display(),
         catalog = store_kind,
         store = objects_kind,
@@ -123,6 +128,7 @@ impl Tasks {
             crate::services::alerts::spawn(state.alerts().clone(), stop_rx.clone()),
             crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone()),
             state.ingest().spawn_trim(stop_rx.clone()),
+            crate::services::nodes::spawn(state.shared().clone(), stop_rx.clone()),
         ];
         let snapshots =
             crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);

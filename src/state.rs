@@ -46,6 +46,7 @@ impl AppInner {
         }
         let registry = Registry::new(
             default_device,
+            args.cpu_engines(),
             args.queue_depth,
             args.periodic_backlog.0,
             captures,

@@ -1,6 +1,6 @@
 // The dashboard's router: `#/runs`, `#/runs/NAME`, `#/runs/NAME/snapshots`,
 // `#/runs/NAME/compare?a=..&b=..`, `#/runs/NAME/posthoc?sigma_rel=..`,
-// `#/runs/NAME/insight`, `#/compare?runs=a,b&metric=..` (runs side by side). Each page renders into #app with a
+// `#/runs/NAME/insight`, `#/compare?runs=a,b&metric=..` (runs side by side), `#/nodes`. Each page renders into #app with a
 // context whose signal aborts its requests and whose cleanups stop its
 // timers and streams when the page is left.
 
@@ -8,6 +8,7 @@ import { getToken, setToken } from './api.js';
 import { errorBox, h } from './dom.js';
 import * as comparePage from './pages/compare.js';
 import * as insightPage from './pages/insight.js';
+import * as nodesPage from './pages/nodes.js';
 import * as posthocPage from './pages/posthoc.js';
 import * as runPage from './pages/run.js';
 import * as runsPage from './pages/runs.js';
@@ -25,6 +26,7 @@ const ROUTES = [
   [/^\/runs\/([^/]+)\/posthoc$/, posthocPage],
   [/^\/runs\/([^/]+)\/insight$/, insightPage],
   [/^\/compare$/, runsComparePage],
+  [/^\/nodes$/, nodesPage],
 ];
 
 let current = null;

@@ -20,6 +20,8 @@ const LAYERS: &[(&str, u32)] = &[
     // The run configuration (with its alert rules) and the wire format.
     ("run", 1),
     ("wire", 2),
+    // This server's node id and advertised URL.
+    ("node", 2),
     // The engine thread, then what is built beside it: the on-disk snapshot
     // format and the download/compare/post-hoc machinery over it, the
     // catalog, the object store, the Prometheus registry.
@@ -37,6 +39,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("services", 6),
     ("services::error", 6),
     ("services::monitor", 7),
+    ("services::nodes", 7),
     ("services::alerts", 7),
     ("services::pipeline", 7),
     ("services::snapshots", 8),

@@ -183,16 +183,38 @@ impl Delta<'_> {
                 }
             }
             Delta::Fp8 { q, scales, block } => {
-                for (j, (o, &x)) in out.iter_mut().zip(&q[start..end]).enumerate() {
-                    *o = FP8_E4M3[x as usize] * scale_at(scales, (start + j) / block);
-                }
+                dequant_blocks(&q[start..end], start, block, scales, out, |x| {
+                    FP8_E4M3[x as usize]
+                })
             }
             Delta::Int8 { q, scales, block } => {
-                for (j, (o, &x)) in out.iter_mut().zip(&q[start..end]).enumerate() {
-                    *o = x as f32 * scale_at(scales, (start + j) / block);
-                }
+                dequant_blocks(&q[start..end], start, block, scales, out, |x| x as f32)
             }
         }
+    }
+}
+
+/// `out[j] = value(q[j]) * scale` for the elements `start..start + q.len()`
+/// of a blockwise-scaled delta: one scale read per block of `block`
+/// values, so the inner loop has no division and vectorises (a division
+/// per element made quantised deltas 30 % slower to apply than fp32).
+fn dequant_blocks<T: Copy>(
+    q: &[T],
+    start: usize,
+    block: usize,
+    scales: &[u8],
+    out: &mut [f32],
+    value: impl Fn(T) -> f32,
+) {
+    let mut j = 0;
+    while j < q.len() {
+        let b = (start + j) / block;
+        let stop = ((b + 1) * block - start).min(q.len());
+        let scale = scale_at(scales, b);
+        for (o, &x) in out[j..stop].iter_mut().zip(&q[j..stop]) {
+            *o = value(x) * scale;
+        }
+        j = stop;
     }
 }
 
@@ -484,6 +506,45 @@ mod tests {
         run(&mut a, &[Op::Copy], Src::F16(&h), 1);
         run(&mut b, &[Op::Copy], Src::F32(&hw), 1);
         assert_eq!(a, b);
+    }
+
+    /// Dequantising from any element (not only a block's first) takes
+    /// each value's own block scale: `float32(q) * scale[i / block]`.
+    #[test]
+    fn dequant_from_any_start_uses_each_values_block_scale() {
+        let n = 1000usize;
+        let q: Vec<u8> = (0..n).map(|i| ((i * 29) % 256) as u8 & 0xf6).collect();
+        let qi: Vec<i8> = (0..n).map(|i| ((i * 31) % 255) as i8).collect();
+        for block in [128usize, 256] {
+            let nb = n.div_ceil(block);
+            let sbytes: Vec<u8> = (0..nb)
+                .flat_map(|b| (0.5f32 + b as f32 * 0.25).to_le_bytes())
+                .collect();
+            let scale = |i: usize| 0.5f32 + (i / block) as f32 * 0.25;
+            for (start, len) in [(0, n), (1, 300), (127, 2), (200, 600), (999, 1)] {
+                let mut out = vec![0f32; len];
+                Delta::Fp8 {
+                    q: &q,
+                    scales: &sbytes,
+                    block,
+                }
+                .dequant(start, &mut out);
+                for (j, o) in out.iter().enumerate() {
+                    let i = start + j;
+                    assert_eq!(o.to_bits(), (FP8_E4M3[q[i] as usize] * scale(i)).to_bits());
+                }
+                Delta::Int8 {
+                    q: &qi,
+                    scales: &sbytes,
+                    block,
+                }
+                .dequant(start, &mut out);
+                for (j, o) in out.iter().enumerate() {
+                    let i = start + j;
+                    assert_eq!(o.to_bits(), (qi[i] as f32 * scale(i)).to_bits());
+                }
+            }
+        }
     }
 
     /// The fused delta update equals torch's unfused one on the same

@@ -17,10 +17,11 @@ pub mod device;
 pub mod kernels;
 pub mod rank;
 pub mod schedule;
+pub mod shared;
+pub mod spread;
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -32,6 +33,7 @@ use crate::run::{EmaDtype, NonfinitePolicy, RunConfig};
 use crate::wire::ParsedPush;
 use capture::{capture_rank, Backlog, CaptureEvent, PendingCut, RankCapture, RestoredRank};
 use rank::{PushOutcome, RankLayout, RankState};
+use shared::{Periodic, RunShared};
 
 /// Failures of engine work. The HTTP layer maps each to a status.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +44,8 @@ pub enum EngineError {
     Stopped,
     #[error("run `{0}` is not on this engine")]
     RunNotFound(String),
+    #[error("rank {rank} of run `{run}` is held by another engine")]
+    NotHere { run: String, rank: u32 },
     #[error("rank {rank} of run `{run}` has not pushed yet")]
     NoData { run: String, rank: u32 },
     #[error("{0}")]
@@ -87,22 +91,25 @@ fn logical_bytes(push: &ParsedPush, layout: &RankLayout, order: &[usize]) -> u64
 pub struct EngineHandle {
     tx: mpsc::Sender<Job>,
     device: Device,
+    label: Arc<str>,
     depth: usize,
 }
 
 impl EngineHandle {
-    /// Starts the engine thread for `device`, with a queue of `depth` jobs;
+    /// Starts the engine thread `label` for `device`, with a queue of
+    /// `depth` jobs;
     /// captures for snapshots go to `captures`, and a run's periodic cuts
     /// hold at most `periodic_backlog_limit` captured bytes (one always).
     pub fn start(
         device: Device,
+        label: &str,
         depth: usize,
         captures: mpsc::UnboundedSender<CaptureEvent>,
         periodic_backlog_limit: u64,
     ) -> std::io::Result<Self> {
         let (tx, mut rx) = mpsc::channel::<Job>(depth.max(1));
         std::thread::Builder::new()
-            .name(format!("polyak-engine-{}", device::name(device)))
+            .name(format!("polyak-engine-{label}"))
             .spawn(move || {
                 let _guard = tch::no_grad_guard();
                 let mut engine = Engine::new(device, captures, periodic_backlog_limit);
@@ -117,12 +124,19 @@ impl EngineHandle {
         Ok(EngineHandle {
             tx,
             device,
+            label: label.into(),
             depth: depth.max(1),
         })
     }
 
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The engine's name: its device, and with several engines on one
+    /// device its index (`cpu#1`).
+    pub fn label(&self) -> &str {
+        &self.label
     }
 
     /// Jobs waiting in the queue.
@@ -170,18 +184,36 @@ impl EngineHandle {
 pub struct EngineRun {
     pub config: Arc<RunConfig>,
     copy: globset::GlobSet,
-    /// `None` until the rank's first applied push.
+    /// `None` until the rank's first applied push (and always for the
+    /// ranks other engines hold).
     pub ranks: Vec<Option<RankState>>,
+    /// The ranks this engine holds.
+    owned: Vec<bool>,
     /// Cuts waiting for ranks to reach their step.
     pending: Vec<PendingCut>,
-    /// The last step a periodic cut was opened (or skipped) for.
+    /// The last step this engine opened, joined or skipped a periodic cut for.
     last_periodic: Option<u64>,
-    /// Bytes captured by open periodic cuts and not yet written.
-    periodic_backlog: Arc<AtomicU64>,
+    /// What the engines of this run share: the finish step, periodic cut
+    /// decisions and their write backlog.
+    shared: Arc<RunShared>,
     /// Applied pushes since the last state snapshot.
     pub dirty: u64,
-    /// Set when the run was finished: no push past this step is applied.
-    pub finished: Option<FinishedAt>,
+}
+
+impl EngineRun {
+    fn owns(&self, rank: u32) -> bool {
+        self.owned.get(rank as usize).copied().unwrap_or(false)
+    }
+
+    /// The ranks this engine holds, with their state.
+    fn owned_ranks(&self) -> impl Iterator<Item = (u32, Option<&RankState>)> {
+        self.ranks
+            .iter()
+            .zip(&self.owned)
+            .enumerate()
+            .filter(|(_, (_, &owned))| owned)
+            .map(|(rank, (state, _))| (rank as u32, state.as_ref()))
+    }
 }
 
 /// Where a finished run stopped: its furthest rank's last step (`None`:
@@ -235,21 +267,29 @@ impl Engine {
         self.device
     }
 
-    /// Adds a run (at creation, or when the catalog is loaded at start).
-    pub fn add_run(&mut self, config: Arc<RunConfig>) {
+    /// Adds a run (at creation, or when the catalog is loaded at start)
+    /// with the ranks this engine holds; `shared` is the same for every
+    /// engine holding a rank of the run.
+    pub fn add_run(&mut self, config: Arc<RunConfig>, owned: &[u32], shared: Arc<RunShared>) {
         let copy = config.copy_matcher();
         let ranks = (0..config.world_size).map(|_| None).collect();
+        let mut mask = vec![false; config.world_size as usize];
+        for &r in owned {
+            if let Some(m) = mask.get_mut(r as usize) {
+                *m = true;
+            }
+        }
         self.runs.insert(
             config.name.clone(),
             EngineRun {
                 config,
                 copy,
                 ranks,
+                owned: mask,
                 pending: Vec::new(),
                 last_periodic: None,
-                periodic_backlog: Arc::new(AtomicU64::new(0)),
+                shared,
                 dirty: 0,
-                finished: None,
             },
         );
     }
@@ -274,6 +314,41 @@ impl Engine {
         run: &str,
         rank: u32,
         step: u64,
+        push: ParsedPush,
+    ) -> Result<PushOutcome, EngineError> {
+        let entry = self
+            .runs
+            .get(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        if !entry.owns(rank) {
+            return Err(EngineError::NotHere {
+                run: run.to_string(),
+                rank,
+            });
+        }
+        // The finish check and this rank's claim on `step` are one step
+        // under the run's shared lock; the real last step is settled after.
+        let shared = entry.shared.clone();
+        shared
+            .claim(rank, step)
+            .map_err(|at| finished_error(run, at))?;
+        let outcome = self.push_claimed(run, rank, step, push);
+        let state = self
+            .runs
+            .get(run)
+            .and_then(|e| e.ranks[rank as usize].as_ref());
+        shared.settle(rank, state.and_then(|s| s.last_step));
+        if let Ok(o) = &outcome {
+            shared.set_resident(rank, o.resident_bytes);
+        }
+        outcome
+    }
+
+    fn push_claimed(
+        &mut self,
+        run: &str,
+        rank: u32,
+        step: u64,
         mut push: ParsedPush,
     ) -> Result<PushOutcome, EngineError> {
         let started = Instant::now();
@@ -283,7 +358,6 @@ impl Engine {
             .get_mut(run)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
         let config = entry.config.clone();
-        check_not_finished(run, entry.finished, step)?;
         let slot = entry
             .ranks
             .get_mut(rank as usize)
@@ -372,8 +446,8 @@ impl Engine {
             .get_mut(run)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
         let config = entry.config.clone();
-        for (rank, state) in entry.ranks.iter().enumerate() {
-            if let Some(last) = state.as_ref().and_then(|s| s.last_step) {
+        for (rank, state) in entry.owned_ranks() {
+            if let Some(last) = state.and_then(|s| s.last_step) {
                 if last > step {
                     return Err(EngineError::StepConflict(format!(
                         "rank {rank} is already at step {last}, past the snapshot step {step}"
@@ -383,13 +457,13 @@ impl Engine {
         }
         let mut remaining = std::collections::BTreeSet::new();
         let mut captured = Vec::new();
-        for (rank, state) in entry.ranks.iter().enumerate() {
+        for (rank, state) in entry.owned_ranks() {
             match state {
                 Some(s) if s.last_step == Some(step) => {
-                    captured.push(capture_rank(&config, s, snapshot, rank as u32, &profiles)?);
+                    captured.push(capture_rank(&config, s, snapshot, rank, &profiles)?);
                 }
                 _ => {
-                    remaining.insert(rank as u32);
+                    remaining.insert(rank);
                 }
             }
         }
@@ -478,8 +552,8 @@ impl Engine {
             *slot = None;
         }
         for (rank, state) in built {
-            if let Some(slot) = entry.ranks.get_mut(rank as usize) {
-                *slot = Some(state);
+            if entry.owns(rank) {
+                entry.ranks[rank as usize] = Some(state);
             }
         }
         entry.last_periodic = entry
@@ -487,37 +561,24 @@ impl Engine {
             .iter()
             .filter_map(|s| s.as_ref().and_then(|s| s.last_step))
             .max();
+        for (rank, state) in entry.owned_ranks() {
+            entry.shared.settle(rank, state.and_then(|s| s.last_step));
+            let bytes = state.map_or(0, |s| s.resident_bytes(&config));
+            entry.shared.set_resident(rank, bytes);
+        }
         entry.pending.clear();
         entry.dirty = 0;
         Ok(())
     }
 
-    /// Marks a run finished at its furthest rank's last step (at once, so
-    /// no push can pass the final snapshot's step); returns that step. A
-    /// run finished already keeps its step.
-    pub fn finish(&mut self, run: &str) -> Result<FinishedAt, EngineError> {
-        let entry = self
-            .runs
-            .get_mut(run)
-            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
-        if let Some(at) = entry.finished {
-            return Ok(at);
-        }
-        let furthest = entry
-            .ranks
-            .iter()
-            .filter_map(|s| s.as_ref().and_then(|s| s.last_step))
-            .max();
-        let at = FinishedAt(furthest);
-        entry.finished = Some(at);
-        Ok(at)
+    /// The run's shared state (finish, periodic cuts), for the services.
+    pub fn shared(&self, run: &str) -> Option<Arc<RunShared>> {
+        self.runs.get(run).map(|e| e.shared.clone())
     }
 
-    /// Restores a run's finished mark from the catalog (at start).
-    pub fn set_finished(&mut self, run: &str, at: Option<FinishedAt>) {
-        if let Some(entry) = self.runs.get_mut(run) {
-            entry.finished = at;
-        }
+    /// Applied pushes not yet covered by a state snapshot.
+    pub fn dirty(&self, run: &str) -> u64 {
+        self.runs.get(run).map_or(0, |e| e.dirty)
     }
 
     /// Per rank: the last applied step (`None`: no data).
@@ -618,9 +679,10 @@ fn resume_hint(run: &str, last: u64) -> String {
     )
 }
 
-/// Opens the periodic cut of `step` when it is one and none was decided
-/// for it yet, unless the run's write backlog has no room (then it is
-/// skipped, and said so).
+/// Takes part in the periodic cut of `step` when it is one: the first
+/// engine of the run to get there opens it (unless the run's write backlog
+/// has no room: then it is skipped, and said so); the run's other engines
+/// join the same snapshot when one of their ranks gets there.
 fn open_periodic(
     entry: &mut EngineRun,
     run: &str,
@@ -631,52 +693,79 @@ fn open_periodic(
     let config = entry.config.clone();
     if config.snapshot_every == 0
         || step % config.snapshot_every != 0
-        || entry.last_periodic.is_some_and(|s| s >= step)
         || entry.pending.iter().any(|c| c.step == step)
     {
         return;
     }
-    // Decided once per step, taken or skipped: a rank that applies
-    // the step later must not open a cut others are already past.
-    entry.last_periodic = Some(step);
-    // Every profile, copied tensor and mirror of every rank.
-    let bytes: u64 = entry
-        .ranks
-        .iter()
-        .flatten()
-        .map(|r| r.resident_bytes(&config))
-        .sum();
-    match Backlog::take(&entry.periodic_backlog, bytes, limit) {
-        Ok(backlog) => {
-            let snapshot = snapshot_id(SnapshotKind::Periodic, step);
-            let profiles: Vec<usize> = (0..config.profiles.len()).collect();
-            let _ = captures.send(CaptureEvent::PeriodicOpened {
-                snapshot: snapshot.clone(),
-                run: run.to_string(),
-                step,
-                profiles: config
-                    .profiles
-                    .iter()
-                    .map(|p| p.name().to_string())
-                    .collect(),
-                backlog,
-            });
-            entry.pending.push(PendingCut {
-                snapshot,
-                step,
-                profiles,
-                remaining: (0..config.world_size).collect(),
-            });
+    let shared = entry.shared.clone();
+    // This engine's ranks as they are now (the step just applied included);
+    // the other engines' as of their last push.
+    for (rank, state) in entry.owned_ranks() {
+        shared.set_resident(rank, state.map_or(0, |s| s.resident_bytes(&config)));
+    }
+    let decision = shared.periodic(step, entry.last_periodic, || {
+        // Every profile, copied tensor and mirror of every rank.
+        let bytes = shared.resident_bytes();
+        match Backlog::take(&shared.periodic_backlog, bytes, limit) {
+            Ok(backlog) => {
+                let snapshot = snapshot_id(SnapshotKind::Periodic, step);
+                let _ = captures.send(CaptureEvent::PeriodicOpened {
+                    snapshot: snapshot.clone(),
+                    run: run.to_string(),
+                    step,
+                    profiles: config
+                        .profiles
+                        .iter()
+                        .map(|p| p.name().to_string())
+                        .collect(),
+                    backlog,
+                });
+                Some(snapshot)
+            }
+            Err(held) => {
+                let _ = captures.send(CaptureEvent::PeriodicSkipped {
+                    run: run.to_string(),
+                    step,
+                    held,
+                    bytes,
+                });
+                None
+            }
         }
-        Err(held) => {
-            let _ = captures.send(CaptureEvent::PeriodicSkipped {
-                run: run.to_string(),
-                step,
-                held,
-                bytes,
-            });
+    });
+    // Decided once per step, taken or skipped: a rank that applies the
+    // step later must not open a cut others are already past.
+    entry.last_periodic = entry.last_periodic.max(Some(step));
+    let snapshot = match decision {
+        Periodic::Decided(Some(id)) | Periodic::Join(id) => id,
+        Periodic::Decided(None) | Periodic::Nothing => return,
+    };
+    let profiles: Vec<usize> = (0..config.profiles.len()).collect();
+    let mut remaining = std::collections::BTreeSet::new();
+    for (rank, state) in entry.owned_ranks() {
+        match state.and_then(|s| s.last_step) {
+            // A rank of this engine went past the step without applying
+            // it (before this engine heard of the cut).
+            Some(last) if last > step => {
+                let _ = captures.send(CaptureEvent::Failed {
+                    snapshot,
+                    reason: format!(
+                        "rank {rank} went from before step {step} to step {last} without applying it"
+                    ),
+                });
+                return;
+            }
+            _ => {
+                remaining.insert(rank);
+            }
         }
     }
+    entry.pending.push(PendingCut {
+        snapshot,
+        step,
+        profiles,
+        remaining,
+    });
 }
 
 /// Captures `rank` for the cuts waiting on `step` and fails the cuts it
@@ -729,21 +818,12 @@ fn capture_waiting(
     }
 }
 
-/// A finished run takes no push past the step it was finished at.
-fn check_not_finished(
-    run: &str,
-    finished: Option<FinishedAt>,
-    step: u64,
-) -> Result<(), EngineError> {
-    if let Some(FinishedAt(last)) = finished {
-        if last.is_none_or(|last| step > last) {
-            let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
-            return Err(EngineError::RunFinished(format!(
-                "run `{run}` was finished {at}; it takes no later pushes (create a new run to train on)"
-            )));
-        }
-    }
-    Ok(())
+/// The refusal of a push past the step a run was finished at.
+fn finished_error(run: &str, FinishedAt(last): FinishedAt) -> EngineError {
+    let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
+    EngineError::RunFinished(format!(
+        "run `{run}` was finished {at}; it takes no later pushes (create a new run to train on)"
+    ))
 }
 
 /// Step rules (`docs/contract.md`, step semantics) for a rank that pushed

@@ -23,6 +23,7 @@ pub mod events;
 pub mod extract;
 pub mod insight;
 pub mod metrics;
+pub mod nodes;
 pub mod openapi;
 pub mod ops;
 pub mod push;
@@ -43,9 +44,9 @@ use openapi::Contract;
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
     modifiers(&Contract),
     paths(
-        ops::livez, ops::readyz, ops::metrics,
+        ops::livez, ops::readyz, ops::metrics, nodes::list,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
-        runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run,
+        runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run, runs::placement,
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
@@ -60,7 +61,7 @@ use openapi::Contract;
         crate::run::EmaDtype, crate::run::NonfinitePolicy, crate::run::Retention,
         runs::RunView, runs::CreatedRun, runs::RunList, runs::FinishRequest,
         runs::FinishResponse, crate::store::RunFinish,
-        runs::RankView, crate::services::ingest::PushResponse, crate::engine::rank::PushOutcome,
+        runs::RankView, runs::RankPlacement, nodes::NodeView, nodes::NodeList, crate::services::ingest::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
@@ -102,6 +103,7 @@ pub fn router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::disable());
     let api = Router::new()
         .route("/v1/runs", get(runs::list_runs).post(runs::create_run))
+        .route("/v1/nodes", get(nodes::list))
         .route(
             "/v1/runs/{run}",
             get(runs::get_run)
@@ -120,6 +122,7 @@ pub fn router(state: AppState) -> Router {
             axum::routing::post(runs::finish_run),
         )
         .route("/v1/runs/{run}/ranks", get(runs::list_ranks))
+        .route("/v1/runs/{run}/placement", get(runs::placement))
         .route("/v1/runs/{run}/ranks/{rank}", get(runs::get_rank))
         .route("/v1/runs/{run}/ranks/{rank}/ema", get(runs::get_rank_ema))
         .route("/v1/runs/{run}/events", get(events::events))

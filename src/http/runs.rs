@@ -82,11 +82,12 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         .collect();
     let furthest = summaries.iter().filter_map(|s| s.last_step).max();
     let finished = run.finished();
+    let engines = run.engines.labels();
     let ranks: Vec<RankView> = summaries
         .iter()
         .enumerate()
         .map(|(r, s)| {
-            let mut view = RankView::new(r as u32, s, furthest, false);
+            let mut view = RankView::new(r as u32, s, furthest, false, engines[r]);
             // A finished run's ranks stopped on purpose: not stale.
             if finished.is_some() && matches!(view.status.as_str(), "live" | "stale") {
                 view.status = "finished".into();
@@ -401,7 +402,60 @@ pub async fn get_rank(
     let furthest = (0..run.config.world_size)
         .filter_map(|r| run.rank(r).and_then(|s| s.last_step))
         .max();
-    Ok(Json(RankView::new(rank, &summary, furthest, q.layout)))
+    let engine = run.engines.of(rank).label().to_string();
+    Ok(Json(RankView::new(
+        rank, &summary, furthest, q.layout, &engine,
+    )))
+}
+
+/// Where a rank lives: the node (its id and URL), the device and engine,
+/// and the placement's epoch.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RankPlacement {
+    pub node: String,
+    /// The URL pushes of this rank go to.
+    pub url: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
+    /// The engine on that device (`cpu#1` with several CPU engines).
+    pub engine: String,
+    /// Incremented each time the rank moves to another node.
+    pub epoch: u64,
+}
+
+/// Where each rank of the run is held, by rank (`{"0": {...}, ...}`). A
+/// client pushes each rank to its `url`. On one server every rank names
+/// this node, at epoch 1.
+#[utoipa::path(get, path = "/v1/runs/{run}/placement", tag = "runs",
+    params(("run" = String, Path)),
+    responses((status = 200, body = BTreeMap<String, RankPlacement>), (status = 404, body = ErrorBody)))]
+pub async fn placement(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Json<BTreeMap<String, RankPlacement>>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let args = state.args();
+    let node = args.node_id.clone().unwrap_or_else(|| "local".into());
+    let url = args
+        .advertise_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", args.bind));
+    let out = (0..run.config.world_size)
+        .map(|rank| {
+            let engine = run.engines.of(rank);
+            let place = RankPlacement {
+                node: node.clone(),
+                url: url.clone(),
+                device: device::name(engine.device()),
+                engine: engine.label().to_string(),
+                epoch: 1,
+            };
+            (rank.to_string(), place)
+        })
+        .collect();
+    Ok(Json(out))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -466,6 +520,9 @@ pub async fn get_rank_ema(
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct RankView {
     pub rank: u32,
+    /// The engine holding the rank: its device, with an index when several
+    /// engines share it (`cpu#1`, `cuda:0`).
+    pub engine: String,
     /// `live` (pushing recently), `stale` (no push for a while),
     /// `never_seen`, or `not_restored` (known from the catalog, EMA not in
     /// memory since a restart).
@@ -503,7 +560,13 @@ pub struct RankView {
 
 impl RankView {
     /// `furthest`: the highest last step over the run's ranks.
-    pub fn new(rank: u32, s: &RankSummary, furthest: Option<u64>, with_layout: bool) -> Self {
+    pub fn new(
+        rank: u32,
+        s: &RankSummary,
+        furthest: Option<u64>,
+        with_layout: bool,
+        engine: &str,
+    ) -> Self {
         let status = if s.pushes == 0 && s.last_step.is_none() {
             "never_seen"
         } else if !s.live {
@@ -518,6 +581,7 @@ impl RankView {
         };
         RankView {
             rank,
+            engine: engine.to_string(),
             status: status.into(),
             last_step: s.last_step,
             pushes: s.pushes,

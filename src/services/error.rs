@@ -182,7 +182,9 @@ impl From<EngineError> for ServiceError {
             EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
             EngineError::Nonfinite(_) => Self::unprocessable("nonfinite", message),
             EngineError::UnknownProfile(_) => Self::not_found("profile_not_found", message),
-            EngineError::Stopped | EngineError::Torch(_) => Self::internal(message),
+            EngineError::Stopped | EngineError::Torch(_) | EngineError::NotHere { .. } => {
+                Self::internal(message)
+            }
         }
     }
 }

@@ -496,7 +496,8 @@ impl Ingest {
         let queued = Instant::now();
         let retry_after = self.ctx.args.retry_after_secs;
         let outcome = run
-            .engine
+            .engines
+            .of(rank)
             .try_call(move |engine| {
                 let outcome = engine.push(&run_name, rank, step, parsed);
                 drop(budget);

@@ -10,6 +10,8 @@
 //!   until their predecessor is answered so they apply in step order.
 //! - [`monitor`]: the series the server records itself (drift, ingest
 //!   rate) and their retention.
+//! - [`nodes`]: this server's registration and lease in the catalog, and
+//!   the list of the service's nodes.
 //! - [`alerts`]: per-run alert rules evaluated from events and a tick;
 //!   webhooks.
 //! - [`runs`]: deleting a run, exporting its live EMA, engine liveness.
@@ -21,6 +23,7 @@ pub mod alerts;
 pub mod error;
 pub mod ingest;
 pub mod monitor;
+pub mod nodes;
 pub mod pipeline;
 pub mod runs;
 pub mod snapshots;

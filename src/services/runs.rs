@@ -26,8 +26,7 @@ pub async fn delete(
     let name = run.config.name.clone();
     ctx.registry.remove_run(&name);
     ctx.store.delete_run(&name).await?;
-    let engine_name = name.clone();
-    let _ = run.engine.call(move |e| e.drop_run(&engine_name)).await;
+    run.engines.drop_run(&name).await;
     ctx.metrics.forget_run(&name);
     alerts.alerts.forget(&name);
     // The catalog no longer lists them: without this they stayed on disk
@@ -48,7 +47,8 @@ pub async fn rank_ema(
 ) -> Result<EmaExport, ServiceError> {
     let (run_name, p) = (run.config.name.clone(), profile.to_string());
     let export = run
-        .engine
+        .engines
+        .of(rank)
         .try_call(move |e| e.export_ema(&run_name, rank, &p))
         .await??;
     Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)
@@ -60,8 +60,7 @@ pub async fn live_tensors(
     run: &RunHandle,
     profile: &str,
 ) -> Result<HashMap<u32, (Arc<RankLayout>, RankTensors)>, ServiceError> {
-    let (r, p) = (run.config.name.clone(), profile.to_string());
-    let exports = run.engine.try_call(move |e| e.export_all(&r, &p)).await??;
+    let exports = run.engines.export_all(&run.config.name, profile).await?;
     tokio::task::spawn_blocking(move || -> Result<_, ServiceError> {
         let mut out = HashMap::new();
         for (rank, export) in exports {

@@ -12,6 +12,7 @@
 //! one transaction every few hundred milliseconds.
 
 pub mod meta;
+pub mod nodes;
 pub mod snapshots;
 pub mod uploads;
 pub mod writer;

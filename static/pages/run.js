@@ -154,6 +154,7 @@ function ranksPanel(worldSize) {
         field('rejections', 'rejections'),
         field('wire', 'wire ratio'),
         field('codec', 'encode / decode'),
+        field('engine', 'engine'),
       ),
     );
     return { node, fields };
@@ -178,7 +179,7 @@ function ranksPanel(worldSize) {
         if (r.lag > 0) behind += 1;
         if (compact) {
           t.node.className = `rank-square ${rankTone(status)}${r.lag > 0 ? ' behind' : ''}`;
-          t.node.title = `rank ${r.rank}: ${rankStatusText(status)} · step ${fmtStep(r.last_step)} · lag ${fmtInt(r.lag)} · ${fmtAge(r.age)}`;
+          t.node.title = `rank ${r.rank}: ${rankStatusText(status)} · step ${fmtStep(r.last_step)} · lag ${fmtInt(r.lag)} · ${fmtAge(r.age)}${r.engine ? ` · ${r.engine}` : ''}`;
           return;
         }
         const f = t.fields;
@@ -204,6 +205,7 @@ function ranksPanel(worldSize) {
           ? `${fmtSeconds((w.encode_seconds || 0) / pushes)} / ${fmtSeconds((w.decode_seconds || 0) / pushes)}`
           : '—';
         f.codec.classList.toggle('bad-text', (w.mirror_mismatches || 0) > 0);
+        f.engine.textContent = r.engine || '—';
       });
       summary.textContent = [
         counts.finished ? `${counts.finished} finished` : `${counts.live} live`,

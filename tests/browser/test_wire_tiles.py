@@ -27,6 +27,7 @@ def test_rank_tile_shows_wire_ratio_and_codec(page: Page, dash_server):
                     model.weight.add_(torch.randn_like(model.weight) * 1e-3)
                 p.push(model, step)
         wire = run.rank(0)["wire"]
+        engine = run.placement()[0]["engine"]
     assert wire["last_kind"] == "delta" and wire["last_quant"] == "fp8_e4m3/128"
     page.goto(f"{dash_server.url}/#/runs/{RUN}")
     tile = page.locator('.rank-tile[data-rank="0"]')
@@ -36,6 +37,8 @@ def test_rank_tile_shows_wire_ratio_and_codec(page: Page, dash_server):
         "title", re.compile(r"^[\d,]+ wire bytes for [\d,]+ logical bytes$")
     )
     expect(tile.locator('[data-field="codec"]')).to_have_text(re.compile(r"^\S.* / \S.*$"))
+    # The engine holding the rank (the placement's), e.g. `cpu` or `cpu#1`.
+    expect(tile.locator('[data-field="engine"]')).to_have_text(engine)
 
 
 def test_run_stats_show_the_ranks_wire_figures_summed(page: Page, dash_server):

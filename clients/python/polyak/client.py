@@ -261,6 +261,10 @@ class Run:
     def ranks(self) -> list[dict[str, Any]]:
         return list(self._get("/ranks"))
 
+    def placement(self) -> dict[int, dict[str, Any]]:
+        """Where each rank is held: ``{rank: {node, url, device, engine, epoch}}``."""
+        return {int(r): dict(p) for r, p in self._get("/placement").items()}
+
     def rank(self, rank: int, *, layout: bool = False) -> dict[str, Any]:
         return dict(
             self._get(f"/ranks/{int(rank)}", layout=str(layout).lower() if layout else None)

@@ -693,6 +693,10 @@ class Backends:
         if store == "s3":
             s3 = self.s3()
             args += ["--store", s3.new_prefix(), "--s3-endpoint", s3.endpoint]
+            # The scale-out pair also spreads every run over two CPU engines,
+            # so each matrix suite covers cuts, restores and finishing across
+            # engines (the default pair keeps one engine on small machines).
+            args += ["--engines", "2"]
         return args
 
     def server_env(self, pair: str) -> dict[str, str]:

@@ -312,8 +312,7 @@ pub async fn fail(state: &Snaps, id: &str, reason: &str) {
     };
     tracing::warn!(run = %p.run, snapshot = %id, "snapshot failed: {reason}");
     if let Some(run) = state.run(&p.run) {
-        let (r, s) = (p.run.clone(), id.to_string());
-        let _ = run.engine.call(move |e| e.cancel_cut(&r, &s)).await;
+        run.engines.cancel_cut(&p.run, id).await;
     }
     remove_files(state, &p.run, id).await;
     record_failure(state, id, reason).await;

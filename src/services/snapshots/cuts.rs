@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::engine::EngineError;
 
 /// The next update step after the furthest rank (0 when no rank pushed).
 pub fn next_step(config: &RunConfig, furthest: Option<u64>) -> u64 {
@@ -43,8 +44,7 @@ pub async fn create(
     // scheduled; a cut of "now" then looks again (a bounded number of times).
     let mut attempt = 0;
     loop {
-        let run_name = config.name.clone();
-        let steps = run.engine.call(move |e| e.rank_steps(&run_name)).await??;
+        let steps = run.engines.rank_steps(&config.name).await?;
         let (at, cut) = match step {
             Some(s) => (s, CutKind::Requested),
             None => cut_now(&config, &steps),
@@ -127,11 +127,14 @@ pub(super) async fn schedule_manual(
         Some(Instant::now() + timeout),
         None,
     );
-    let (run_name, sid, indices) = (config.name.clone(), id.clone(), indices.to_vec());
     let scheduled = run
-        .engine
-        .call(move |e| e.schedule_cut(&run_name, &sid, step, indices))
-        .await?;
+        .engines
+        .schedule_cut(&config.name, &id, step, indices.to_vec())
+        .await;
+    let scheduled = match scheduled {
+        Err(e @ (EngineError::Stopped | EngineError::QueueFull)) => return Err(e.into()),
+        other => other,
+    };
     if let Err(e) = scheduled {
         state.pending.take(&id);
         state.store.delete_snapshot(&id).await?;
@@ -167,8 +170,7 @@ pub async fn finish(
         };
         return Ok((done, row));
     }
-    let run_name = name.clone();
-    let at = run.engine.call(move |e| e.finish(&run_name)).await??;
+    let at = run.engines.shared().finish();
     let (names, indices) = profile_choice(&run.config, None)?;
     let row = match at.0 {
         Some(step) => Some(

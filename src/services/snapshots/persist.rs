@@ -18,11 +18,10 @@ pub async fn persist_state(
         .set_state_attempt(&run.config.name, Instant::now());
     disk::check(state, run.resident_bytes())?;
     let id = snapshot_id(SnapshotKind::State, 0);
-    let (run_name, sid) = (run.config.name.clone(), id.clone());
     let captures = run
-        .engine
-        .call(move |e| e.capture_state(&run_name, &sid, force))
-        .await??;
+        .engines
+        .capture_state(&run.config.name, &id, force)
+        .await?;
     let Some((captures, covered)) = captures else {
         return Ok(None);
     };
@@ -64,9 +63,8 @@ pub async fn persist_state(
         Ok(Finished::Complete) => {
             // Only now is the newest EMA durable: until here the run stays
             // dirty, so a failed write is taken again.
-            let run_name = run.config.name.clone();
-            run.engine
-                .call(move |e| e.mark_persisted(&run_name, covered))
+            run.engines
+                .mark_persisted(&run.config.name, covered)
                 .await?;
             Ok(Some(id))
         }

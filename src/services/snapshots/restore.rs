@@ -100,10 +100,7 @@ pub async fn restore_from(
         .iter()
         .map(|(r, rr)| (*r, rr.meta.last_step.unwrap_or(0)))
         .collect();
-    let run_name = run.config.name.clone();
-    run.engine
-        .call(move |e| e.restore(&run_name, ranks))
-        .await??;
+    run.engines.restore(&run.config.name, ranks).await?;
     for rank in 0..run.config.world_size {
         let summary = run.update_rank(rank, |s| match steps.get(&rank) {
             Some(&step) => {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..wire import HostBody
-from .mirror import MirrorEncoder
+from .mirror import DEFAULT_CODEC_LEVEL, MirrorEncoder
 
 __all__ = ["Encoding", "Identity", "Mirrored", "Wire", "Zstd", "encoding_for"]
 
@@ -106,7 +106,7 @@ def encoding_for(
     *,
     codec: str | None = None,
     delta: str | None = None,
-    codec_level: int = 3,
+    codec_level: int = DEFAULT_CODEC_LEVEL,
     block: int = 128,
     keyframe_every: int = 100,
 ) -> Encoding:

@@ -1,0 +1,82 @@
+//! This server as a node of the service: it registers itself in the
+//! catalog at start (id, URL, engines, memory budget), renews its lease
+//! three times per `--lease-secs` with the ranks and bytes it holds, and
+//! gives the lease up on a graceful stop. Every node sharing the catalog
+//! lists the others (`GET /v1/nodes`, the dashboard's Nodes page).
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{Context, ServiceError};
+use crate::store::nodes::{NodeInfo, NodeRow};
+
+/// This node as it registers.
+pub fn info(ctx: &Context) -> NodeInfo {
+    let args = &ctx.args;
+    NodeInfo {
+        node_id: args.node_id.clone().unwrap_or_else(|| "local".into()),
+        url: args
+            .advertise_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", args.bind)),
+        engines: ctx.registry.engine_labels(),
+        memory_budget: args
+            .memory_budget
+            .map(|b| b.0)
+            .unwrap_or_else(system_memory),
+        lease_ms: (args.lease_secs * 1000.0).round() as i64,
+    }
+}
+
+/// The machine's memory in bytes (`MemTotal`), 0 when unknown.
+fn system_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
+}
+
+/// Registers this node (at start, before it serves).
+pub async fn register(ctx: &Context) -> Result<(), ServiceError> {
+    ctx.store.register_node(&info(ctx)).await?;
+    Ok(())
+}
+
+/// Every node of the service, as the catalog knows them.
+pub async fn list(ctx: &Context) -> Result<Vec<NodeRow>, ServiceError> {
+    Ok(ctx.store.list_nodes().await?)
+}
+
+/// Renews the lease until `stop`, then gives it up.
+pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let node = info(&ctx).node_id;
+        let every = Duration::from_secs_f64(ctx.args.lease_secs / 3.0);
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => renew(&ctx, &node).await,
+                _ = stop.changed() => break,
+            }
+        }
+        if let Err(e) = ctx.store.leave_node(&node).await {
+            tracing::warn!(error = %e, "giving up the node lease failed");
+        }
+    })
+}
+
+async fn renew(ctx: &Context, node: &str) {
+    let runs = ctx.registry.all_runs();
+    let ranks = runs.iter().map(|r| r.config.world_size as u64).sum();
+    let resident = runs.iter().map(|r| r.resident_bytes()).sum();
+    if let Err(e) = ctx.store.renew_node(node, ranks, resident).await {
+        tracing::warn!(error = %e, "renewing the node lease failed");
+    }
+}
