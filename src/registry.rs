@@ -317,12 +317,21 @@ impl Registry {
         let device = device::parse(device_name)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let labels = self.labels_of(device);
+        // Engines sharing the CPU share its cores: each apply is split over
+        // its share, so engines side by side do not oversubscribe them.
+        let kernel_threads = match device {
+            tch::Device::Cpu if labels.len() > 1 => {
+                (tch::get_num_threads().max(1) as usize / labels.len()).max(1)
+            }
+            _ => 0,
+        };
         let mut engines = self.engines.lock().expect("engines lock");
         for label in &labels {
             if !engines.contains_key(label) {
                 let engine = EngineHandle::start(
                     device,
                     label,
+                    kernel_threads,
                     self.engine_queue_depth,
                     self.captures.clone(),
                     self.periodic_backlog,

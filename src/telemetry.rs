@@ -136,7 +136,7 @@ impl Metrics {
             engine_queue: int_gauges(
                 &r,
                 "polyak_engine_queue_depth",
-                "Jobs waiting in the engine queue",
+                "Jobs waiting in each engine's queue (label: the engine, `cpu#1` with several CPU engines)",
                 &["device"],
             ),
             runs: int_gauge(&r, "polyak_runs", "Runs in the catalog"),

@@ -66,6 +66,21 @@ pub enum EngineError {
 
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
 
+thread_local! {
+    /// Threads the fused CPU kernel splits one apply over, on this engine
+    /// thread (0: all of torch's intra-op threads).
+    static KERNEL_THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Threads one apply on this thread may use: the engine's share of the
+/// cores when several engines share them, else torch's intra-op threads.
+pub fn kernel_threads() -> usize {
+    match KERNEL_THREADS.with(|t| t.get()) {
+        0 => tch::get_num_threads().max(1) as usize,
+        n => n,
+    }
+}
+
 /// The bytes a push would take in the registered dtypes, uncompressed and
 /// unquantised (its header plus each tensor at its registered size): the
 /// logical side of the wire ratio.
@@ -96,13 +111,15 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread `label` for `device`, with a queue of
-    /// `depth` jobs;
+    /// Starts the engine thread `label` for `device` (its fused applies
+    /// split over `kernel_threads` threads, 0: torch's intra-op threads),
+    /// with a queue of `depth` jobs;
     /// captures for snapshots go to `captures`, and a run's periodic cuts
     /// hold at most `periodic_backlog_limit` captured bytes (one always).
     pub fn start(
         device: Device,
         label: &str,
+        kernel_threads: usize,
         depth: usize,
         captures: mpsc::UnboundedSender<CaptureEvent>,
         periodic_backlog_limit: u64,
@@ -112,6 +129,7 @@ impl EngineHandle {
             .name(format!("polyak-engine-{label}"))
             .spawn(move || {
                 let _guard = tch::no_grad_guard();
+                KERNEL_THREADS.with(|t| t.set(kernel_threads));
                 let mut engine = Engine::new(device, captures, periodic_backlog_limit);
                 while let Some(job) = rx.blocking_recv() {
                     // A panicking job loses its reply (the caller sees

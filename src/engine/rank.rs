@@ -816,7 +816,7 @@ impl RankState {
         let sample = !plan.tensor_names.is_empty();
         let mut sums = DriftSums::new(self.ema.len(), plan.averaged.len(), sample);
         let ema_kind = config.ema_dtype.kind();
-        let threads = tch::get_num_threads().max(1) as usize;
+        let threads = super::kernel_threads();
         let ops: Vec<Op> = decisions
             .iter()
             .map(|d| match d.action {

@@ -124,7 +124,7 @@ async fn exposition(state: &AppState) -> Response {
         state
             .metrics()
             .engine_queue
-            .with_label_values(&[&crate::engine::device::name(engine.device())])
+            .with_label_values(&[engine.label()])
             .set(engine.queued() as i64);
     }
     crate::services::snapshots::disk::refresh_gauge(state.snapshots());

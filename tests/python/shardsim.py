@@ -58,3 +58,31 @@ def push_ranks(
         assert r.status_code == 200, r.text
         out.append(r.json())
     return out
+
+
+def check_rank_emas(
+    client: httpx.Client,
+    run: str,
+    world: int,
+    want: dict[str, dict[str, torch.Tensor]],
+    online: dict[str, torch.Tensor],
+    rtol: float = 1e-6,
+) -> None:
+    """Every rank's live EMA of every profile in ``want`` (full reference
+    state dicts) equals its chunk of the reference; tensors that are not
+    averaged equal the rank's chunk of ``online``."""
+    from refs import rel_err
+
+    for rank in range(world):
+        copied, _ = rank_chunks(online, world, rank)
+        for profile, full in want.items():
+            r = client.get(f"/v1/runs/{run}/ranks/{rank}/ema", params={"profile": profile})
+            assert r.status_code == 200, r.text
+            got = safetensors.torch.load(r.content)
+            chunk, _ = rank_chunks(full, world, rank)
+            for k, w in chunk.items():
+                if not w.is_floating_point():
+                    assert torch.equal(got[k], copied[k]), (rank, profile, k)
+                elif w.numel():
+                    err = rel_err(got[k].float(), w)
+                    assert err <= rtol, (rank, profile, k, err)

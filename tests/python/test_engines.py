@@ -19,7 +19,7 @@ import torch
 from polyak import Client
 from polyak.testing import PolyakServer
 from refs import SmallNet, averaged_state, rel_err
-from shardsim import push_ranks, rank_chunks
+from shardsim import check_rank_emas, push_ranks, rank_chunks
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 WORLD = 8
@@ -71,18 +71,7 @@ def check_full(got: dict, want: dict, online: dict) -> None:
 
 def check_live(client: httpx.Client, run: str, want: dict, online: dict) -> None:
     """Every rank's live EMA, from its engine, equals its chunk of the reference."""
-    for rank in range(WORLD):
-        for profile in BETAS:
-            r = client.get(f"/v1/runs/{run}/ranks/{rank}/ema", params={"profile": profile})
-            assert r.status_code == 200, r.text
-            got = safetensors.torch.load(r.content)
-            chunk, _ = rank_chunks(want[profile], WORLD, rank)
-            for k, w in chunk.items():
-                if w.is_floating_point():
-                    if w.numel():
-                        assert rel_err(got[k], w) <= 1e-6, (rank, profile, k)
-                else:
-                    assert torch.equal(got[k], rank_chunks(online, WORLD, rank)[0][k])
+    check_rank_emas(client, run, WORLD, want, online)
 
 
 def test_eight_ranks_over_two_cpu_engines(tmp_path):
@@ -119,6 +108,9 @@ def test_eight_ranks_over_two_cpu_engines(tmp_path):
             assert [v["engine"] for v in ranks] == engines
             with Client(srv.url) as pc:
                 assert pc.run(run).placement() == {int(r): p for r, p in place.items()}
+            metrics = c.get("/metrics").text
+            for engine in ("cpu#0", "cpu#1"):
+                assert f'polyak_engine_queue_depth{{device="{engine}"}}' in metrics
 
             tr = Trainer(seed=11)
             cut = c.post(f"/v1/runs/{run}/snapshots", json={"step": 7})
