@@ -34,6 +34,17 @@ pub fn resolve(args: &mut ServeArgs, bound: SocketAddr) -> io::Result<()> {
     Ok(())
 }
 
+/// This node's id and URL, as [`resolve`] filled them in (`polyak serve`
+/// always does; `local` and the bind address otherwise).
+pub fn identity(args: &ServeArgs) -> (String, String) {
+    let id = args.node_id.clone().unwrap_or_else(|| "local".into());
+    let url = args
+        .advertise_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", args.bind));
+    (id, url)
+}
+
 fn kept_id(data_dir: &Path) -> io::Result<String> {
     let path = data_dir.join(NODE_ID_FILE);
     match std::fs::read_to_string(&path) {

@@ -356,9 +356,6 @@ impl Engine {
             .get(run)
             .and_then(|e| e.ranks[rank as usize].as_ref());
         shared.settle(rank, state.and_then(|s| s.last_step));
-        if let Ok(o) = &outcome {
-            shared.set_resident(rank, o.resident_bytes);
-        }
         outcome
     }
 
@@ -417,6 +414,11 @@ impl Engine {
         let mirror_mismatch = mirror_mismatch(&push, state, &order)?;
         let logical_bytes = logical_bytes(&push, &state.layout, &order);
         let report = state.apply_push(&config, &push, &order, step, device)?;
+        // Before `after_apply`: a periodic cut decided there sizes its
+        // backlog from every rank's bytes, this one's included.
+        entry
+            .shared
+            .set_resident(rank, state.resident_bytes(&config));
         entry.dirty += 1;
         self.after_apply(run, rank, step);
         let state = self.runs[run].ranks[rank as usize]
@@ -589,11 +591,6 @@ impl Engine {
         Ok(())
     }
 
-    /// The run's shared state (finish, periodic cuts), for the services.
-    pub fn shared(&self, run: &str) -> Option<Arc<RunShared>> {
-        self.runs.get(run).map(|e| e.shared.clone())
-    }
-
     /// Applied pushes not yet covered by a state snapshot.
     pub fn dirty(&self, run: &str) -> u64 {
         self.runs.get(run).map_or(0, |e| e.dirty)
@@ -716,11 +713,6 @@ fn open_periodic(
         return;
     }
     let shared = entry.shared.clone();
-    // This engine's ranks as they are now (the step just applied included);
-    // the other engines' as of their last push.
-    for (rank, state) in entry.owned_ranks() {
-        shared.set_resident(rank, state.map_or(0, |s| s.resident_bytes(&config)));
-    }
     let decision = shared.periodic(step, entry.last_periodic, || {
         // Every profile, copied tensor and mirror of every rank.
         let bytes = shared.resident_bytes();

@@ -50,13 +50,13 @@ pub async fn list(
     caller: Caller,
 ) -> Result<Json<NodeList>, ApiError> {
     caller.require_admin()?;
-    let this = state.args().node_id.clone();
+    let (this, _) = crate::node::identity(state.args());
     let rows = nodes::list(state.shared()).await?;
     Ok(Json(NodeList {
         nodes: rows
             .into_iter()
             .map(|r| NodeView {
-                this: this.as_deref() == Some(r.info.node_id.as_str()),
+                this: r.info.node_id == this,
                 node: r.info.node_id,
                 url: r.info.url,
                 engines: r.info.engines,

@@ -436,12 +436,7 @@ pub async fn placement(
 ) -> Result<Json<BTreeMap<String, RankPlacement>>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let args = state.args();
-    let node = args.node_id.clone().unwrap_or_else(|| "local".into());
-    let url = args
-        .advertise_url
-        .clone()
-        .unwrap_or_else(|| format!("http://{}", args.bind));
+    let (node, url) = crate::node::identity(state.args());
     let out = (0..run.config.world_size)
         .map(|rank| {
             let engine = run.engines.of(rank);

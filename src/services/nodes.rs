@@ -15,12 +15,10 @@ use crate::store::nodes::{NodeInfo, NodeRow};
 /// This node as it registers.
 pub fn info(ctx: &Context) -> NodeInfo {
     let args = &ctx.args;
+    let (node_id, url) = crate::node::identity(args);
     NodeInfo {
-        node_id: args.node_id.clone().unwrap_or_else(|| "local".into()),
-        url: args
-            .advertise_url
-            .clone()
-            .unwrap_or_else(|| format!("http://{}", args.bind)),
+        node_id,
+        url,
         engines: ctx.registry.engine_labels(),
         memory_budget: args
             .memory_budget

@@ -56,6 +56,60 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
+class EmaTrainer:
+    """A real optimizer loop beside one ``AveragedModel`` EMA per profile
+    (``betas``: name -> beta) of what it pushes. ``step()`` trains once and
+    returns the state dict to push; with ``cast`` the floating point
+    tensors are pushed (and averaged) rounded to that dtype, as a bf16
+    trainer sends them. ``want()``: every profile's reference state now."""
+
+    def __init__(
+        self,
+        seed: int,
+        betas: dict[str, float],
+        *,
+        cast: torch.dtype | None = None,
+        vocab: int = 40,
+        **net: int,
+    ):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        torch.manual_seed(seed)
+        self.vocab = vocab
+        self.model = SmallNet(vocab=vocab, **net)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
+        self.gen = torch.Generator().manual_seed(seed + 7)
+        self.cast = cast
+        # The model as pushed (cast and back), which the references average.
+        self.pushed = copy.deepcopy(self.model)
+        self.refs = {
+            name: AveragedModel(
+                self.pushed, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True
+            )
+            for name, beta in betas.items()
+        }
+
+    def step(self) -> dict[str, torch.Tensor]:
+        idx = torch.randint(0, self.vocab, (16, 6), generator=self.gen)
+        target = torch.randint(0, 5, (16,), generator=self.gen)
+        loss = nn.functional.cross_entropy(self.model(idx), target)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.cast is not None:
+            state = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in state.items()}
+        self.pushed.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        )
+        for ref in self.refs.values():
+            ref.update_parameters(self.pushed)
+        return state
+
+    def want(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: averaged_state(ref) for name, ref in self.refs.items()}
+
+
 def std_to_exp(std: float) -> float:
     """EDM2 ``phema.std_to_exp``."""
     tmp = np.float64(std) ** -2

@@ -18,40 +18,11 @@ import safetensors.torch
 import torch
 from polyak import Client
 from polyak.testing import PolyakServer
-from refs import SmallNet, averaged_state, rel_err
+from refs import EmaTrainer, rel_err
 from shardsim import check_rank_emas, push_ranks, rank_chunks
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 WORLD = 8
 BETAS = {"ema": 0.8, "slow": 0.95}
-
-
-class Trainer:
-    def __init__(self, seed: int = 0):
-        torch.manual_seed(seed)
-        self.model = SmallNet(vocab=64, dim=32, hidden=48)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
-        self.gen = torch.Generator().manual_seed(seed + 7)
-        self.refs = {
-            name: AveragedModel(
-                self.model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True
-            )
-            for name, beta in BETAS.items()
-        }
-
-    def step(self) -> dict[str, torch.Tensor]:
-        idx = torch.randint(0, 64, (16, 6), generator=self.gen)
-        target = torch.randint(0, 5, (16,), generator=self.gen)
-        loss = torch.nn.functional.cross_entropy(self.model(idx), target)
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-        for ref in self.refs.values():
-            ref.update_parameters(self.model)
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def want(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {name: averaged_state(ref) for name, ref in self.refs.items()}
 
 
 def wait_done(url: str, run: str, sid: str) -> dict:
@@ -112,7 +83,7 @@ def test_eight_ranks_over_two_cpu_engines(tmp_path):
             for engine in ("cpu#0", "cpu#1"):
                 assert f'polyak_engine_queue_depth{{device="{engine}"}}' in metrics
 
-            tr = Trainer(seed=11)
+            tr = EmaTrainer(11, BETAS, vocab=64, dim=32, hidden=48)
             cut = c.post(f"/v1/runs/{run}/snapshots", json={"step": 7})
             assert cut.status_code == 202, cut.text
             seen = {}

@@ -15,9 +15,8 @@ import pytest
 import torch
 from polyak import Client
 from polyak.testing import PolyakServer
-from refs import SmallNet, averaged_state, rel_err
+from refs import EmaTrainer, rel_err
 from shardsim import check_rank_emas, push_ranks
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -28,43 +27,6 @@ WORLD = 2
 BETAS = {"ema": 0.8, "slow": 0.95}
 # The device's lerp may round differently from the CPU's in the last place.
 RTOL = 1e-5
-
-
-class Trainer:
-    """A real optimizer loop; ``cast`` pushes (and averages) the weights
-    rounded to that dtype, as a bf16 trainer would send them."""
-
-    def __init__(self, seed: int, cast: torch.dtype | None = None):
-        torch.manual_seed(seed)
-        self.model = SmallNet()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-        self.cast = cast
-        self.shadow = SmallNet()
-        self.refs = {
-            n: AveragedModel(self.shadow, multi_avg_fn=get_ema_multi_avg_fn(b), use_buffers=True)
-            for n, b in BETAS.items()
-        }
-
-    def step(self) -> dict[str, torch.Tensor]:
-        idx = torch.randint(0, 40, (32, 6), generator=self.gen)
-        target = torch.randint(0, 5, (32,), generator=self.gen)
-        loss = torch.nn.functional.cross_entropy(self.model(idx), target)
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if self.cast is not None:
-            state = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in state.items()}
-        self.shadow.load_state_dict(
-            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-        )
-        for ref in self.refs.values():
-            ref.update_parameters(self.shadow)
-        return state
-
-    def want(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {n: averaged_state(r) for n, r in self.refs.items()}
 
 
 def check_live(client: httpx.Client, run: str, want: dict, online: dict) -> None:
@@ -90,7 +52,7 @@ def test_ema_on_the_gpu_from_fp32_and_bf16_bodies_snapshot_and_restore(tmp_path)
     srv = PolyakServer(tmp_path / "data", "--device", "cuda")
     srv.start()
     try:
-        trainers = {"fp32": Trainer(1), "bf16": Trainer(2, torch.bfloat16)}
+        trainers = {"fp32": EmaTrainer(1, BETAS), "bf16": EmaTrainer(2, BETAS, cast=torch.bfloat16)}
         last = {}
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             for name in trainers:
@@ -136,7 +98,7 @@ def test_runs_are_placed_on_each_gpu(tmp_path):
                 create(c, name, f"cuda:{i}")
                 place = c.get(f"/v1/runs/{name}/placement").json()
                 assert {p["device"] for p in place.values()} == {f"cuda:{i}"}
-                trainers[name] = Trainer(10 + i)
+                trainers[name] = EmaTrainer(10 + i, BETAS)
             for step in range(1, 5):
                 for name, tr in trainers.items():
                     last[name] = tr.step()

@@ -7,12 +7,11 @@ snapshot."""
 from __future__ import annotations
 
 import hashlib
-import time
 
 import httpx
 import safetensors.torch
 import torch
-from polyak.testing import Backends
+from polyak.testing import Backends, wait_settled
 
 
 def state(step: int, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -68,16 +67,6 @@ def snapshot_at(c: httpx.Client, run: str, step: int) -> str:
     return r.json()["id"]
 
 
-def wait_status(c: httpx.Client, run: str, sid: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = c.get(f"/v1/runs/{run}/snapshots/{sid}").json()
-        if row["status"] != "pending":
-            return row
-        time.sleep(0.2)
-    raise AssertionError(f"snapshot {sid} still pending")
-
-
 def download(c: httpx.Client, run: str, sid: str) -> dict[str, torch.Tensor]:
     r = c.get(f"/v1/runs/{run}/snapshots/{sid}/download", params={"profile": "ema"})
     assert r.status_code == 200, r.text
@@ -110,7 +99,7 @@ def test_store_outage_fails_the_snapshot_and_spares_pushes(tmp_path, backends: B
             assert "store" in ready.json()["detail"], ready.text
             sid = snapshot_at(c, run, 3)
             push(c, run, 3)
-            failed = wait_status(c, run, sid)
+            failed = wait_settled(c, run, sid, timeout=120)
             assert failed["status"] == "failed", failed
             assert failed["reason"], failed
             # Pushes went on untouched: the live EMA is the exact EMA.
@@ -124,7 +113,7 @@ def test_store_outage_fails_the_snapshot_and_spares_pushes(tmp_path, backends: B
             s3.start()
             sid = snapshot_at(c, run, 6)
             push(c, run, 6)
-            done = wait_status(c, run, sid)
+            done = wait_settled(c, run, sid, timeout=120)
             assert done["status"] == "complete", done
             assert_equal(download(c, run, sid), exact_ema(list(range(7)), 0.9))
             assert c.get("/readyz").json()["status"] == "ok"
@@ -157,7 +146,7 @@ def test_an_empty_data_dir_restores_every_run_and_serves_every_snapshot(
                     for rank in range(world):
                         push(c, run, step, rank)
                 for sid, _ in snaps[run]:
-                    assert wait_status(c, run, sid)["status"] == "complete"
+                    assert wait_settled(c, run, sid, timeout=120)["status"] == "complete"
             shas = {
                 (run, sid): c.get(f"/v1/runs/{run}/snapshots/{sid}").json()["files"]
                 for run in runs

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from polyak.testing import check_compare
+from polyak.testing import check_compare, wait_settled
 from refs import SmallNet, averaged_state, rel_err
 from shardsim import push_ranks
 from torch import nn
@@ -98,16 +98,6 @@ def create(client, name, **extra):
     assert r.status_code == 201, r.text
 
 
-def wait_done(client, run, sid, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = client.get(f"/v1/runs/{run}/snapshots/{sid}").json()
-        if s["status"] != "pending":
-            return s
-        time.sleep(0.05)
-    raise AssertionError(f"snapshot {sid} still pending")
-
-
 def snapshot(client, run, **body):
     r = client.post(f"/v1/runs/{run}/snapshots", json=body)
     assert r.status_code == 202, r.text
@@ -182,7 +172,7 @@ def test_snapshot_downloads_full_sharded_and_hf(client, tmp_path):
     assert r.status_code == 202 and r.json()["step"] == 12 and r.json()["status"] == "pending"
     sid = r.json()["id"]
     seen = train_and_push(client, run, range(20), tr, refs, snap_at={12})
-    s = wait_done(client, run, sid)
+    s = wait_settled(client, run, sid)
     assert s["status"] == "complete", s
     assert s["label"] == "mid" and s["kind"] == "manual" and s["bytes"] > 0
     assert {(f["rank"], f["part"]) for f in s["files"]} == {
@@ -271,7 +261,7 @@ def test_consistent_cut_with_a_rank_ahead(client):
     for step in range(12, 15):
         tr.step()
         push_ranks(client, run, step, tr.state(), WORLD, dims=DIMS)
-    s = wait_done(client, run, snap["id"])
+    s = wait_settled(client, run, snap["id"])
     assert s["status"] == "complete", s
     assert {f["step"] for f in s["files"]} == {11}
     full = safetensors.torch.load(download(client, run, snap["id"], profile="slow").content)
@@ -279,7 +269,7 @@ def test_consistent_cut_with_a_rank_ahead(client):
 
     # A rank that never reaches the step fails the snapshot with a reason.
     late = snapshot(client, run, step=100)
-    s = wait_done(client, run, late["id"], timeout=15)
+    s = wait_settled(client, run, late["id"], timeout=15)
     assert s["status"] == "failed" and "did not reach" in s["reason"], s
     r = client.get(f"/v1/runs/{run}/snapshots/{late['id']}/download")
     assert r.status_code == 409 and r.json()["error"]["code"] == "snapshot_not_complete"
@@ -294,7 +284,7 @@ def test_compare_matches_torch(client):
     b = snapshot(client, run, step=14)
     train_and_push(client, run, range(20), tr, refs)
     for s in (a, b):
-        assert wait_done(client, run, s["id"])["status"] == "complete"
+        assert wait_settled(client, run, s["id"])["status"] == "complete"
     full = {
         (sid, p): safetensors.torch.load(download(client, run, sid, profile=p).content)
         for sid in (a["id"], b["id"])
@@ -333,7 +323,7 @@ def test_range_etag_and_dtype(client):
     refs = make_refs(tr.model)
     s = snapshot(client, run, step=4)
     train_and_push(client, run, range(6), tr, refs)
-    assert wait_done(client, run, s["id"])["status"] == "complete"
+    assert wait_settled(client, run, s["id"])["status"] == "complete"
     url = f"/v1/runs/{run}/snapshots/{s['id']}/download"
     whole = client.get(url, params={"profile": "ema"})
     body = whole.content
@@ -403,7 +393,7 @@ def test_resume_after_a_trainer_crash_is_exact(client):
         if step == 20:
             ckpt20 = straight.checkpoint()
     for s in (s20, s40):
-        assert wait_done(client, run, s["id"])["status"] == "complete"
+        assert wait_settled(client, run, s["id"])["status"] == "complete"
     want = {p: averaged_state(r) for p, r in refs.items()}
     online40 = straight.state()
     # The trainer crashes and restarts from its own checkpoint at step 20.

@@ -181,6 +181,32 @@ def compare_stats(a: dict, b: dict) -> dict[str, dict]:
     return out
 
 
+def wait_settled(client: Any, run: str, sid: str, timeout: float = 30.0) -> dict:
+    """The catalog row of snapshot ``sid`` once it is no longer ``pending``
+    (complete or failed: tests look at either), polled through an
+    ``httpx.Client`` on the server."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = client.get(f"/v1/runs/{run}/snapshots/{sid}").json()
+        if row["status"] != "pending":
+            return row
+        time.sleep(0.05)
+    raise AssertionError(f"snapshot {sid} still pending after {timeout:g} s")
+
+
+def check_wire_totals(wire: dict, ranks: list[dict]) -> None:
+    """Asserts that a run's ``wire`` figures are its ranks' summed (bytes
+    and mismatches exactly, seconds to rounding) and that its ratio is
+    logical over wire bytes."""
+    import pytest
+
+    for key in ("wire_bytes", "logical_bytes", "mirror_mismatches"):
+        assert wire[key] == sum(r[key] for r in ranks), key
+    for key in ("encode_seconds", "decode_seconds"):
+        assert wire[key] == pytest.approx(sum(r[key] for r in ranks), rel=1e-9, abs=1e-12)
+    assert wire["ratio"] == pytest.approx(wire["logical_bytes"] / wire["wire_bytes"])
+
+
 def check_compare(result: dict, a: dict, b: dict) -> None:
     """Asserts that a ``GET .../compare`` answer matches :func:`compare_stats`
     of the same tensors to 1e-6 relative, tensor by tensor (shapes too),

@@ -19,6 +19,7 @@ from polyak._push.mirror import (
     encode_bgz,
     quantise,
 )
+from polyak.testing import check_wire_totals
 from polyak.wire import HostBody, TensorSpec, WireLayout, read_safetensors
 
 pytest.importorskip("zstandard")
@@ -168,11 +169,7 @@ def test_the_run_view_sums_the_ranks_wire_figures(client, run_name):
     assert len(ranks) == 3 and ranks[2]["wire_bytes"] == 0
     assert ranks[0]["wire_bytes"] > 0 and ranks[1]["wire_bytes"] > 0
     wire = view["wire"]
-    for key in ("wire_bytes", "logical_bytes", "mirror_mismatches"):
-        assert wire[key] == sum(r[key] for r in ranks), key
-    for key in ("encode_seconds", "decode_seconds"):
-        assert wire[key] == pytest.approx(sum(r[key] for r in ranks), rel=1e-9, abs=1e-12)
-    assert wire["ratio"] == pytest.approx(wire["logical_bytes"] / wire["wire_bytes"])
+    check_wire_totals(wire, ranks)
     assert wire["decode_seconds"] > 0 and wire["encode_seconds"] > 0
     # The runs list carries the same object; a run with no push has ratio null.
     listed = {r["name"]: r for r in client.runs()}
