@@ -60,7 +60,8 @@ fn config(name: &str) -> RunConfig {
 async fn rate(engines: usize, numel: usize, rounds: u64, reps: usize) -> f64 {
     let (captures, _rx) = tokio::sync::mpsc::unbounded_channel();
     let gauge = prometheus::IntGauge::new("runs", "runs").unwrap();
-    let registry = Registry::new(Device::Cpu, engines, 64, 1 << 30, captures, gauge);
+    let me = ("bench".to_string(), "http://127.0.0.1:0".to_string());
+    let registry = Registry::new(Device::Cpu, engines, 64, 1 << 30, captures, gauge, me);
     let limits = WireLimits {
         header_limit: 1 << 20,
     };
@@ -69,7 +70,13 @@ async fn rate(engines: usize, numel: usize, rounds: u64, reps: usize) -> f64 {
     for rep in 0..reps {
         let name = format!("bench-{rep}");
         let run = registry
-            .install_run(Arc::new(config(&name)), 0, None, Vec::new())
+            .install_run(
+                Arc::new(config(&name)),
+                0,
+                None,
+                Vec::new(),
+                vec![registry.me(1); RANKS as usize],
+            )
             .await
             .unwrap();
         let mut seconds = 0f64;
@@ -85,6 +92,7 @@ async fn rate(engines: usize, numel: usize, rounds: u64, reps: usize) -> f64 {
                 let n = name.clone();
                 run.engines
                     .of(rank)
+                    .expect("every rank is held here")
                     .call(move |e| e.push(&n, rank, step, push).map(|o| o.applied))
             }))
             .await;

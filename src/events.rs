@@ -4,7 +4,6 @@
 //! each with its payload, serialised to the event's `detail`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;
@@ -14,12 +13,13 @@ use serde::Serialize;
 use crate::clock::now_ms;
 use crate::contract::{CutKind, EventKind, SnapshotEventStatus, SnapshotKind};
 use crate::store::writer::{CatalogUpdate, CatalogWriter};
-use crate::store::StoredEvent;
+use crate::store::{Store, StoredEvent};
 
 /// Events: numbered, broadcast to live subscribers (SSE), kept in a
 /// recent-events ring (for replay before the catalog has them), and stored.
 pub struct EventBus {
-    next_id: AtomicI64,
+    ids: Arc<Mutex<EventIds>>,
+    store: Option<Store>,
     tx: broadcast::Sender<Arc<StoredEvent>>,
     recent: Mutex<std::collections::VecDeque<Arc<StoredEvent>>>,
     catalog: CatalogWriter,
@@ -28,15 +28,71 @@ pub struct EventBus {
 /// Events kept in memory for replay.
 const RECENT_EVENTS: usize = 8192;
 
+/// Event ids a node reserves at a time (see [`Store::reserve_event_ids`]).
+pub const EVENT_ID_BLOCK: i64 = 1 << 20;
+
+/// The ids this node may number events with: the current block, and the
+/// next one, reserved once half of the current is used.
+struct EventIds {
+    next: i64,
+    end: i64,
+    spare: Option<(i64, i64)>,
+    asking: bool,
+}
+
 impl EventBus {
-    pub fn new(last_id: i64, catalog: CatalogWriter) -> Self {
+    /// A bus numbering events from `block` (ids reserved in the catalog);
+    /// with `store`, it reserves the next block before this one runs out.
+    pub fn new(block: (i64, i64), catalog: CatalogWriter, store: Option<Store>) -> Self {
         let (tx, _) = broadcast::channel(4096);
         EventBus {
-            next_id: AtomicI64::new(last_id + 1),
+            ids: Arc::new(Mutex::new(EventIds {
+                next: block.0,
+                end: block.1,
+                spare: None,
+                asking: false,
+            })),
+            store,
             tx,
             recent: Mutex::new(std::collections::VecDeque::with_capacity(RECENT_EVENTS)),
             catalog,
         }
+    }
+
+    /// The next event id: from this node's block, moving to the spare block
+    /// when it is used up, and asking for a new spare halfway through.
+    fn next_id(&self) -> i64 {
+        let mut ids = self.ids.lock().expect("event ids lock");
+        if ids.next >= ids.end {
+            match ids.spare.take() {
+                Some((start, end)) => (ids.next, ids.end) = (start, end),
+                None => {
+                    // Not reserved in time: numbered on past the block (a
+                    // node sharing the catalog may reuse these ids).
+                    tracing::error!(id = ids.next, "event ids ran past the reserved block");
+                    ids.end = ids.next + 1;
+                }
+            }
+        }
+        let half_used = ids.end - ids.next < EVENT_ID_BLOCK / 2;
+        if half_used && ids.spare.is_none() && !ids.asking {
+            if let (Some(store), Ok(rt)) = (&self.store, tokio::runtime::Handle::try_current()) {
+                ids.asking = true;
+                let (store, shared) = (store.clone(), self.ids.clone());
+                rt.spawn(async move {
+                    let block = store.reserve_event_ids(EVENT_ID_BLOCK).await;
+                    let mut ids = shared.lock().expect("event ids lock");
+                    ids.asking = false;
+                    match block {
+                        Ok(block) => ids.spare = Some(block),
+                        Err(e) => tracing::warn!(error = %e, "reserving event ids failed; retried"),
+                    }
+                });
+            }
+        }
+        let id = ids.next;
+        ids.next += 1;
+        id
     }
 
     /// Numbers `event`, publishes it to live subscribers and, unless it is
@@ -55,7 +111,7 @@ impl EventBus {
         // every subscriber.
         let mut recent = self.recent.lock().expect("events lock");
         let event = Arc::new(StoredEvent {
-            id: self.next_id.fetch_add(1, Ordering::SeqCst),
+            id: self.next_id(),
             run: run.to_string(),
             at_ms: now_ms(),
             kind,

@@ -70,9 +70,86 @@ fn kept_id(data_dir: &Path) -> io::Result<String> {
     Ok(id)
 }
 
+/// Who holds a rank: a node of the service, the URL it is reached at, and
+/// the placement epoch it holds the rank in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub node_id: String,
+    pub url: String,
+    pub epoch: u64,
+    /// Its engine for the rank (`cpu#1`), when known.
+    pub engine: Option<String>,
+}
+
+/// A node new ranks may be placed on: its memory budget and the ranks it
+/// already holds.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub node_id: String,
+    pub budget: u64,
+    pub held: u64,
+}
+
+/// Places `world_size` new ranks over `nodes` (in the order given, which
+/// breaks ties): each rank to the node whose load, ranks held over memory
+/// budget, would be lowest with it; nodes of equal budget take turns. A
+/// node that reports no budget counts as the smallest one given.
+pub fn assign(world_size: u32, nodes: &[Candidate]) -> Vec<String> {
+    if nodes.is_empty() {
+        return Vec::new();
+    }
+    let floor = nodes
+        .iter()
+        .map(|n| n.budget)
+        .filter(|&b| b > 0)
+        .min()
+        .unwrap_or(1);
+    let budget = |n: &Candidate| if n.budget == 0 { floor } else { n.budget } as f64;
+    let mut held: Vec<u64> = nodes.iter().map(|n| n.held).collect();
+    (0..world_size)
+        .map(|_| {
+            let best = (0..nodes.len())
+                .min_by(|&a, &b| {
+                    let la = (held[a] + 1) as f64 / budget(&nodes[a]);
+                    let lb = (held[b] + 1) as f64 / budget(&nodes[b]);
+                    la.total_cmp(&lb)
+                })
+                .expect("at least one node");
+            held[best] += 1;
+            nodes[best].node_id.clone()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn node(id: &str, budget: u64, held: u64) -> Candidate {
+        Candidate {
+            node_id: id.into(),
+            budget,
+            held,
+        }
+    }
+
+    #[test]
+    fn ranks_are_balanced_by_count_and_budget() {
+        // Equal budgets, nothing held: turns, in the order given.
+        let even = [node("a", 8, 0), node("b", 8, 0), node("c", 8, 0)];
+        assert_eq!(assign(4, &even), ["a", "b", "c", "a"]);
+        // Ranks already held count: `a` holds three, so the others fill first.
+        let busy = [node("a", 8, 3), node("b", 8, 0), node("c", 8, 1)];
+        assert_eq!(assign(4, &busy), ["b", "b", "c", "b"]);
+        // Twice the budget takes about twice the ranks.
+        let big = [node("a", 16, 0), node("b", 8, 0)];
+        let placed = assign(6, &big);
+        assert_eq!(placed.iter().filter(|n| *n == "a").count(), 4);
+        // No budget reported: counted as the smallest budget given.
+        let unknown = [node("a", 0, 0), node("b", 8, 0)];
+        assert_eq!(assign(2, &unknown), ["a", "b"]);
+        assert!(assign(3, &[]).is_empty());
+    }
 
     #[test]
     fn a_generated_id_is_kept_and_a_given_one_wins() {

@@ -14,9 +14,12 @@ use crate::engine::rank::RankLayout;
 use crate::engine::shared::RunShared;
 use crate::engine::spread::RunEngines;
 use crate::engine::{device, EngineError, EngineHandle, FinishedAt};
+pub use crate::node::Owner;
 use crate::run::RunConfig;
 use crate::snapshot::meta;
-use crate::store::{RunFinish, Store, StoreError, StoredRank};
+use crate::store::nodes::NodeRow;
+use crate::store::placement::Placed;
+use crate::store::{RunFinish, Store, StoreError, StoredRank, StoredRun};
 
 /// sha256 hex of a token; only hashes are stored.
 pub fn token_hash(token: &str) -> String {
@@ -172,8 +175,10 @@ pub struct IngestWindow {
 pub struct RunHandle {
     pub config: Arc<RunConfig>,
     pub created_at_ms: i64,
-    /// The engines holding the run's ranks.
+    /// The engines holding the ranks this node owns.
     pub engines: RunEngines,
+    /// Per rank, the node that owns it (this one or another).
+    pub placement: RwLock<Vec<Owner>>,
     pub tokens: Option<RunTokens>,
     pub ranks: Vec<Mutex<RankSummary>>,
     /// Ingest since the last sample (see `monitor`).
@@ -200,14 +205,44 @@ impl RunHandle {
         guard.clone()
     }
 
+    /// Who owns `rank`.
+    pub fn owner(&self, rank: u32) -> Option<Owner> {
+        self.placement
+            .read()
+            .expect("placement lock")
+            .get(rank as usize)
+            .cloned()
+    }
+
+    /// Every rank's owner.
+    pub fn owners(&self) -> Vec<Owner> {
+        self.placement.read().expect("placement lock").clone()
+    }
+
+    /// Whether this node holds `rank` (its EMA lives on an engine here).
+    pub fn holds(&self, rank: u32) -> bool {
+        self.engines.holds(rank)
+    }
+
+    /// The ranks this node holds.
+    pub fn held_ranks(&self) -> Vec<u32> {
+        (0..self.config.world_size)
+            .filter(|&r| self.holds(r))
+            .collect()
+    }
+
     pub fn finished(&self) -> Option<RunFinish> {
         self.finished.lock().expect("run finish lock").clone()
     }
 
+    /// Bytes the ranks this node holds keep resident (what its cuts and
+    /// state snapshots write).
     pub fn resident_bytes(&self) -> u64 {
         self.ranks
             .iter()
-            .map(|r| r.lock().expect("rank summary lock").resident_bytes)
+            .enumerate()
+            .filter(|(r, _)| self.holds(*r as u32))
+            .map(|(_, s)| s.lock().expect("rank summary lock").resident_bytes)
             .sum()
     }
 }
@@ -228,6 +263,9 @@ pub struct Registry {
     captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
     /// The `polyak_runs` gauge, kept equal to the number of runs.
     runs_gauge: IntGauge,
+    /// This node's id and URL, as placement names them.
+    node_id: String,
+    node_url: String,
 }
 
 impl Registry {
@@ -238,6 +276,7 @@ impl Registry {
         periodic_backlog: u64,
         captures: tokio::sync::mpsc::UnboundedSender<CaptureEvent>,
         runs_gauge: IntGauge,
+        (node_id, node_url): (String, String),
     ) -> Self {
         Registry {
             runs: RwLock::new(BTreeMap::new()),
@@ -248,6 +287,23 @@ impl Registry {
             periodic_backlog,
             captures,
             runs_gauge,
+            node_id,
+            node_url,
+        }
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// This node as the owner of a rank it takes at `epoch`.
+    pub fn me(&self, epoch: u64) -> Owner {
+        Owner {
+            node_id: self.node_id.clone(),
+            url: self.node_url.clone(),
+            epoch,
+            engine: None,
         }
     }
 
@@ -256,35 +312,13 @@ impl Registry {
         &self.default_device
     }
 
-    /// Loads every run of the catalog and starts its engine.
+    /// Loads every run of the catalog, with the ranks this node owns on its
+    /// engines (taking those never placed, or placed on a node that is
+    /// gone: see [`Self::settle_placement`]).
     pub async fn load(&self, store: &Store) -> Result<(), StoreError> {
+        let nodes = store.list_nodes().await?;
         for stored in store.list_runs().await? {
-            let ranks = store.list_ranks(&stored.config.name).await?;
-            let name = stored.config.name.clone();
-            let tokens = stored.write_token_hash.zip(stored.read_token_hash).map(
-                |(write_hash, read_hash)| RunTokens {
-                    write_hash,
-                    read_hash,
-                },
-            );
-            let mut config = stored.config;
-            if let Err(e) = device::resolve(&config.device) {
-                tracing::error!(run = %name, device = %config.device, "{e}; the run moves to the CPU");
-                config.device = "cpu".into();
-            }
-            let handle = self
-                .install_run(Arc::new(config), stored.created_at_ms, tokens, ranks)
-                .await;
-            match handle {
-                Ok(handle) => {
-                    if let Some(finish) = stored.finished {
-                        let at = FinishedAt(finish.step);
-                        handle.engines.shared().set_finished(Some(at));
-                        *handle.finished.lock().expect("run finish lock") = Some(finish);
-                    }
-                }
-                Err(_) => tracing::error!(run = %name, "the engine refused the run"),
-            }
+            self.load_run(store, &nodes, stored).await?;
         }
         for (name, meta) in store.run_metas().await? {
             if let Some(run) = self.run(&name) {
@@ -292,6 +326,156 @@ impl Registry {
             }
         }
         Ok(())
+    }
+
+    /// Installs one stored run; `None` when its engine refused it.
+    pub async fn load_run(
+        &self,
+        store: &Store,
+        nodes: &[NodeRow],
+        stored: StoredRun,
+    ) -> Result<Option<Arc<RunHandle>>, StoreError> {
+        let ranks = store.list_ranks(&stored.config.name).await?;
+        let name = stored.config.name.clone();
+        let owners = self
+            .settle_placement(store, nodes, &name, stored.config.world_size)
+            .await?;
+        let tokens =
+            stored
+                .write_token_hash
+                .zip(stored.read_token_hash)
+                .map(|(write_hash, read_hash)| RunTokens {
+                    write_hash,
+                    read_hash,
+                });
+        let mut config = stored.config;
+        if let Err(e) = device::resolve(&config.device) {
+            tracing::error!(run = %name, device = %config.device, "{e}; the run moves to the CPU");
+            config.device = "cpu".into();
+        }
+        let handle = self
+            .install_run(
+                Arc::new(config),
+                stored.created_at_ms,
+                tokens,
+                ranks,
+                owners,
+            )
+            .await;
+        match handle {
+            Ok(handle) => {
+                if let Some(finish) = stored.finished {
+                    let at = FinishedAt(finish.step);
+                    handle.engines.shared().set_finished(Some(at));
+                    *handle.finished.lock().expect("run finish lock") = Some(finish);
+                }
+                self.record_engines(store, &handle).await;
+                Ok(Some(handle))
+            }
+            Err(_) => {
+                tracing::error!(run = %name, "the engine refused the run");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Records in the catalog which engine holds each of this node's ranks
+    /// of `run` (what placement answers on every node).
+    pub async fn record_engines(&self, store: &Store, run: &RunHandle) {
+        let labels = run.engines.labels();
+        let engines: Vec<(u32, String)> = labels
+            .iter()
+            .enumerate()
+            .filter_map(|(r, l)| l.map(|l| (r as u32, l.to_string())))
+            .collect();
+        if engines.is_empty() {
+            return;
+        }
+        if let Err(e) = store
+            .set_rank_engines(&run.config.name, &self.node_id, &engines)
+            .await
+        {
+            tracing::warn!(run = %run.config.name, error = %e, "recording the ranks' engines failed");
+        }
+    }
+
+    /// The owner of every rank of `run`, as the catalog records them, after
+    /// this node took the ranks nobody may hold: ranks never placed (a run
+    /// from before placement), and ranks of a node that left or whose lease
+    /// expired. Each is taken at its epoch plus one, only if no other node
+    /// took it first.
+    pub async fn settle_placement(
+        &self,
+        store: &Store,
+        nodes: &[NodeRow],
+        run: &str,
+        world_size: u32,
+    ) -> Result<Vec<Owner>, StoreError> {
+        let mut placed: Vec<Option<Placed>> = vec![None; world_size as usize];
+        for p in store.placement(run).await? {
+            if let Some(slot) = placed.get_mut(p.rank as usize) {
+                *slot = Some(p);
+            }
+        }
+        let live = |id: &str| {
+            id == self.node_id
+                || nodes
+                    .iter()
+                    .any(|n| n.info.node_id == id && n.status == "live")
+        };
+        let orphans: Vec<(u32, Option<u64>)> = placed
+            .iter()
+            .enumerate()
+            .filter_map(|(r, p)| match p {
+                None => Some((r as u32, None)),
+                Some(p) if !live(&p.node_id) => Some((r as u32, Some(p.epoch))),
+                Some(_) => None,
+            })
+            .collect();
+        if !orphans.is_empty() {
+            let won = store
+                .claim_ranks(run, &self.node_id, &orphans, now_ms())
+                .await?;
+            if !won.is_empty() {
+                tracing::info!(run, ranks = ?won.iter().map(|p| p.rank).collect::<Vec<_>>(),
+                    "took the ranks of a node that is gone");
+            }
+            // Whoever won, the catalog says who holds them now.
+            placed = vec![None; world_size as usize];
+            for p in store.placement(run).await? {
+                if let Some(slot) = placed.get_mut(p.rank as usize) {
+                    *slot = Some(p);
+                }
+            }
+        }
+        Ok(placed
+            .into_iter()
+            .map(|p| match p {
+                Some(p) => self.owner_of(nodes, p),
+                // Placed by nobody even now (the catalog refused the claim):
+                // held here, so the rank is served.
+                None => self.me(1),
+            })
+            .collect())
+    }
+
+    /// A placement row as an owner, with the node's URL.
+    fn owner_of(&self, nodes: &[NodeRow], p: Placed) -> Owner {
+        let url = if p.node_id == self.node_id {
+            self.node_url.clone()
+        } else {
+            nodes
+                .iter()
+                .find(|n| n.info.node_id == p.node_id)
+                .map(|n| n.info.url.clone())
+                .unwrap_or_default()
+        };
+        Owner {
+            node_id: p.node_id,
+            url,
+            epoch: p.epoch,
+            engine: p.engine,
+        }
     }
 
     /// The labels of a device's engines: one per GPU, `--engines` on the CPU.
@@ -313,7 +497,8 @@ impl Registry {
         &self,
         device_name: &str,
         world_size: u32,
-    ) -> std::io::Result<(Vec<EngineHandle>, Vec<usize>)> {
+        owned: &[bool],
+    ) -> std::io::Result<(Vec<EngineHandle>, Vec<Option<usize>>)> {
         let device = device::parse(device_name)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let labels = self.labels_of(device);
@@ -341,7 +526,11 @@ impl Registry {
         }
         let mut used: Vec<String> = Vec::new();
         let mut by_rank = Vec::with_capacity(world_size as usize);
-        for _ in 0..world_size {
+        for rank in 0..world_size as usize {
+            if !owned.get(rank).copied().unwrap_or(false) {
+                by_rank.push(None);
+                continue;
+            }
             let label = labels
                 .iter()
                 .min_by_key(|l| engines[l.as_str()].1)
@@ -354,7 +543,7 @@ impl Registry {
                     used.len() - 1
                 }
             };
-            by_rank.push(i);
+            by_rank.push(Some(i));
         }
         let handles = used.iter().map(|l| engines[l.as_str()].0.clone()).collect();
         Ok((handles, by_rank))
@@ -363,7 +552,7 @@ impl Registry {
     /// Gives back the ranks a run held on its engines (the run is gone).
     fn unplace(&self, run: &RunHandle) {
         let mut engines = self.engines.lock().expect("engines lock");
-        for label in run.engines.labels() {
+        for label in run.engines.labels().into_iter().flatten() {
             if let Some((_, held)) = engines.get_mut(label) {
                 *held = held.saturating_sub(1);
             }
@@ -392,16 +581,19 @@ impl Registry {
         out
     }
 
-    /// Registers a run with its engine and in the registry.
+    /// Registers a run in the registry, with the ranks `owners` gives this
+    /// node on its engines.
     pub async fn install_run(
         &self,
         config: Arc<RunConfig>,
         created_at_ms: i64,
         tokens: Option<RunTokens>,
         stored_ranks: Vec<StoredRank>,
+        owners: Vec<Owner>,
     ) -> Result<Arc<RunHandle>, EngineError> {
+        let owned: Vec<bool> = owners.iter().map(|o| o.node_id == self.node_id).collect();
         let (handles, by_rank) = self
-            .place(&config.device, config.world_size)
+            .place(&config.device, config.world_size, &owned)
             .map_err(|_| EngineError::Stopped)?;
         let engines = RunEngines::new(handles, by_rank, RunShared::new(config.world_size));
         for (i, engine) in engines.all().iter().enumerate() {
@@ -419,10 +611,17 @@ impl Registry {
                 *slot = RankSummary::from_stored(row);
             }
         }
+        let mut owners = owners;
+        for (rank, label) in engines.labels().iter().enumerate() {
+            if let (Some(owner), Some(label)) = (owners.get_mut(rank), label) {
+                owner.engine = Some(label.to_string());
+            }
+        }
         let handle = Arc::new(RunHandle {
             config: config.clone(),
             created_at_ms,
             engines,
+            placement: RwLock::new(owners),
             tokens,
             ranks: ranks.into_iter().map(Mutex::new).collect(),
             ingest: Mutex::new(IngestWindow::default()),

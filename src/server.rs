@@ -129,6 +129,7 @@ impl Tasks {
             crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone()),
             state.ingest().spawn_trim(stop_rx.clone()),
             crate::services::nodes::spawn(state.shared().clone(), stop_rx.clone()),
+            crate::services::cluster::spawn(state.shared().clone(), stop_rx.clone()),
         ];
         let snapshots =
             crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);

@@ -38,7 +38,9 @@ impl AppInner {
         store: Store,
         objects: ObjectStore,
     ) -> Result<(AppState, tokio::sync::mpsc::UnboundedReceiver<CaptureEvent>), StoreError> {
-        let last_event = store.max_event_id().await?;
+        let event_ids = store
+            .reserve_event_ids(crate::events::EVENT_ID_BLOCK)
+            .await?;
         let (captures, captures_rx) = tokio::sync::mpsc::unbounded_channel();
         let metrics = Arc::new(Metrics::new());
         if let Err(e) = metrics.register_store(objects.metrics()) {
@@ -51,10 +53,15 @@ impl AppInner {
             args.periodic_backlog.0,
             captures,
             metrics.runs.clone(),
+            crate::node::identity(&args),
         );
         registry.load(&store).await?;
         let shared = Arc::new(Shared {
-            events: Arc::new(EventBus::new(last_event, catalog.clone())),
+            events: Arc::new(EventBus::new(
+                event_ids,
+                catalog.clone(),
+                Some(store.clone()),
+            )),
             catalog,
             store,
             objects,

@@ -1,8 +1,8 @@
 //! Logging set-up and the Prometheus metrics (all prefixed `polyak_`).
 
 use prometheus::{
-    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -47,6 +47,10 @@ pub struct Metrics {
     pub resident_bytes: IntGaugeVec,
     /// Jobs waiting in each engine's queue.
     pub engine_queue: IntGaugeVec,
+    /// Catalog queries, by where they were made (`push`: while answering
+    /// a push; `other`), and the batched writer's flushes.
+    pub catalog_queries: IntCounterVec,
+    pub catalog_flushes: IntCounter,
     /// Runs in the catalog.
     pub runs: IntGauge,
     /// Push body bytes currently held in memory (received, not yet applied).
@@ -140,6 +144,19 @@ impl Metrics {
                 &["device"],
             ),
             runs: int_gauge(&r, "polyak_runs", "Runs in the catalog"),
+            catalog_queries: int_counters(
+                &r,
+                "polyak_catalog_queries_total",
+                "Catalog queries and transactions (path: `push` while answering a push, none by design; `other`)",
+                &["path"],
+            ),
+            catalog_flushes: register(
+                &r,
+                IntCounter::new(
+                    "polyak_catalog_writer_flushes_total",
+                    "Batches of rank rows and events the catalog writer flushed (one transaction each)",
+                ),
+            ),
             inflight_bytes: int_gauge(
                 &r,
                 "polyak_inflight_push_bytes",
@@ -217,6 +234,16 @@ impl Metrics {
     /// Adds the object store's series to this registry.
     pub fn register_store(&self, store: &crate::objstore::StoreMetrics) -> prometheus::Result<()> {
         store.register(&self.registry)
+    }
+
+    /// Brings the catalog counters up to the counts the store keeps.
+    pub fn sync_catalog_counts(&self, (on_push, elsewhere): (u64, u64), flushes: u64) {
+        for (path, count) in [("push", on_push), ("other", elsewhere)] {
+            let c = self.catalog_queries.with_label_values(&[path]);
+            c.inc_by(count.saturating_sub(c.get()));
+        }
+        self.catalog_flushes
+            .inc_by(flushes.saturating_sub(self.catalog_flushes.get()));
     }
 
     pub fn render(&self) -> String {

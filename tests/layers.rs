@@ -40,6 +40,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("services::error", 6),
     ("services::monitor", 7),
     ("services::nodes", 7),
+    ("services::cluster", 7),
     ("services::alerts", 7),
     ("services::pipeline", 7),
     ("services::snapshots", 8),

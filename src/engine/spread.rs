@@ -14,19 +14,24 @@ use super::capture::{RankCapture, RestoredRank};
 use super::shared::RunShared;
 use super::{CutScheduled, EmaExport, Engine, EngineError, EngineHandle};
 
-/// The engines of one run, and which holds each rank.
+/// The engines of one run on this node, and which holds each rank (ranks
+/// another node holds have none here).
 #[derive(Clone)]
 pub struct RunEngines {
     handles: Vec<EngineHandle>,
-    /// Per rank: its engine's index in `handles`.
-    by_rank: Vec<usize>,
+    /// Per rank: its engine's index in `handles`; `None` off this node.
+    by_rank: Vec<Option<usize>>,
     shared: Arc<RunShared>,
 }
 
 impl RunEngines {
     /// `by_rank[r]` indexes `handles`; every handle holds at least one rank.
-    pub fn new(handles: Vec<EngineHandle>, by_rank: Vec<usize>, shared: Arc<RunShared>) -> Self {
-        debug_assert!(by_rank.iter().all(|&i| i < handles.len()));
+    pub fn new(
+        handles: Vec<EngineHandle>,
+        by_rank: Vec<Option<usize>>,
+        shared: Arc<RunShared>,
+    ) -> Self {
+        debug_assert!(by_rank.iter().flatten().all(|&i| i < handles.len()));
         RunEngines {
             handles,
             by_rank,
@@ -34,9 +39,15 @@ impl RunEngines {
         }
     }
 
-    /// The engine holding `rank`.
-    pub fn of(&self, rank: u32) -> &EngineHandle {
-        &self.handles[self.by_rank[rank as usize]]
+    /// The engine holding `rank`; `None` when another node holds it.
+    pub fn of(&self, rank: u32) -> Option<&EngineHandle> {
+        let i = (*self.by_rank.get(rank as usize)?)?;
+        self.handles.get(i)
+    }
+
+    /// Whether an engine here holds `rank`.
+    pub fn holds(&self, rank: u32) -> bool {
+        self.of(rank).is_some()
     }
 
     pub fn all(&self) -> &[EngineHandle] {
@@ -46,15 +57,16 @@ impl RunEngines {
     /// The ranks the `i`-th engine holds.
     pub fn ranks_of(&self, i: usize) -> Vec<u32> {
         (0..self.by_rank.len() as u32)
-            .filter(|&r| self.by_rank[r as usize] == i)
+            .filter(|&r| self.by_rank[r as usize] == Some(i))
             .collect()
     }
 
-    /// Per rank, the label of its engine (`cpu#0`, `cuda:1`).
-    pub fn labels(&self) -> Vec<&str> {
+    /// Per rank, the label of its engine (`cpu#0`, `cuda:1`); `None` for
+    /// ranks another node holds.
+    pub fn labels(&self) -> Vec<Option<&str>> {
         self.by_rank
             .iter()
-            .map(|&i| self.handles[i].label())
+            .map(|i| i.map(|i| self.handles[i].label()))
             .collect()
     }
 
@@ -193,8 +205,8 @@ impl RunEngines {
         let mut per_engine: Vec<Vec<(u32, RestoredRank)>> =
             (0..self.handles.len()).map(|_| Vec::new()).collect();
         for (rank, restored) in ranks {
-            if let Some(&i) = self.by_rank.get(rank as usize) {
-                per_engine[i].push((rank, restored));
+            if let Some(Some(i)) = self.by_rank.get(rank as usize) {
+                per_engine[*i].push((rank, restored));
             }
         }
         self.shared.reset_periodic(furthest);

@@ -27,6 +27,7 @@ pub mod nodes;
 pub mod openapi;
 pub mod ops;
 pub mod push;
+pub mod route;
 pub mod runs;
 pub mod snapshots;
 
@@ -44,7 +45,7 @@ use openapi::Contract;
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
     modifiers(&Contract),
     paths(
-        ops::livez, ops::readyz, ops::metrics, nodes::list,
+        ops::livez, ops::readyz, ops::metrics, nodes::list, route::sync,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
         runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run, runs::placement,
         push::push,
@@ -61,7 +62,7 @@ use openapi::Contract;
         crate::run::EmaDtype, crate::run::NonfinitePolicy, crate::run::Retention,
         runs::RunView, runs::CreatedRun, runs::RunList, runs::FinishRequest,
         runs::FinishResponse, crate::store::RunFinish,
-        runs::RankView, runs::RankPlacement, nodes::NodeView, nodes::NodeList, crate::services::ingest::PushResponse, crate::engine::rank::PushOutcome,
+        runs::RankView, runs::RankPlacement, nodes::NodeView, nodes::NodeList, crate::services::cluster::Synced, crate::services::ingest::PushResponse, crate::engine::rank::PushOutcome,
         crate::store::StoredEvent, ops::Health,
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
@@ -104,6 +105,10 @@ pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/v1/runs", get(runs::list_runs).post(runs::create_run))
         .route("/v1/nodes", get(nodes::list))
+        .route(
+            crate::services::cluster::SYNC_PATH,
+            axum::routing::post(route::sync),
+        )
         .route(
             "/v1/runs/{run}",
             get(runs::get_run)

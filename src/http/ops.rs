@@ -128,6 +128,10 @@ async fn exposition(state: &AppState) -> Response {
             .set(engine.queued() as i64);
     }
     crate::services::snapshots::disk::refresh_gauge(state.snapshots());
+    state.metrics().sync_catalog_counts(
+        crate::store::query_counts(),
+        crate::store::writer::flushes(),
+    );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics().render(),

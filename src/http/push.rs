@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap};
+use axum::http::{header, HeaderMap, Uri};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http_body_util::BodyExt;
 
@@ -29,6 +30,7 @@ use crate::state::AppState;
            ("polyak-encode-seconds" = Option<f64>, Header, description = "seconds the client spent encoding the body (reported in the rank's wire figures)")),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = PushResponse),
+              (status = 307, description = "rank_elsewhere: another node of the service holds this rank; `Location` is the same request on that node"),
               (status = 400, body = ErrorBody, description = "malformed safetensors"),
               (status = 404, body = ErrorBody, description = "no such run or rank"),
               (status = 409, body = ErrorBody, description = "step_conflict, layout_mismatch, needs_keyframe, predecessor_timeout, pipeline_reset (the run was deleted or resumed while the push waited for its predecessor)"),
@@ -41,10 +43,34 @@ pub async fn push(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, rank, step)): Path<(String, String, String)>,
+    uri: Uri,
     headers: HeaderMap,
     body: Body,
-) -> Result<Json<PushResponse>, ApiError> {
+) -> Result<Response, ApiError> {
     let started = Instant::now();
+    // Catalog queries made while answering are counted apart (there are
+    // none: `polyak_catalog_queries_total{path="push"}` stays 0).
+    crate::store::on_push_path(answer(
+        state,
+        caller,
+        (name, rank, step),
+        uri,
+        headers,
+        body,
+        started,
+    ))
+    .await
+}
+
+async fn answer(
+    state: AppState,
+    caller: Caller,
+    (name, rank, step): (String, String, String),
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+    started: Instant,
+) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     let declared = headers
@@ -67,6 +93,13 @@ pub async fn push(
         Ok(r) => r,
         Err(e) => return early(e, body).await,
     };
+    // Another node holds this rank: the client resends it there.
+    if !run.holds(rank) {
+        let owner = run.owner(rank).unwrap_or_else(|| state.registry().me(0));
+        let answer = super::route::redirect(&owner, &uri, rank);
+        drain(body, declared).await;
+        return answer;
+    }
     let step = match step_of(&step) {
         Ok(s) => s,
         Err(e) => return early(e, body).await,
@@ -82,7 +115,7 @@ pub async fn push(
         body: body.map_err(body_fault),
         started,
     };
-    Ok(Json(state.ingest().push(request).await?))
+    Ok(Json(state.ingest().push(request).await?).into_response())
 }
 
 /// How the connection tells a body that came too slowly.

@@ -19,7 +19,7 @@ use crate::engine::device;
 use crate::events::{Event, RunCreated};
 use crate::registry::{token_hash, RankSummary, RunHandle, RunTokens};
 use crate::run::{RunConfig, RunSpec};
-use crate::services::runs;
+use crate::services::{cluster, runs};
 use crate::snapshot::format::profile_part;
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
@@ -82,12 +82,12 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         .collect();
     let furthest = summaries.iter().filter_map(|s| s.last_step).max();
     let finished = run.finished();
-    let engines = run.engines.labels();
+    let owners = run.owners();
     let ranks: Vec<RankView> = summaries
         .iter()
         .enumerate()
         .map(|(r, s)| {
-            let mut view = RankView::new(r as u32, s, furthest, false, engines[r]);
+            let mut view = RankView::new(r as u32, s, furthest, false, owners.get(r));
             // A finished run's ranks stopped on purpose: not stale.
             if finished.is_some() && matches!(view.status.as_str(), "live" | "stale") {
                 view.status = "finished".into();
@@ -191,9 +191,11 @@ pub async fn create_run(
     });
     let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
     let created = now_ms();
+    let owners = cluster::place_new_run(state.shared(), config.world_size).await?;
+    let owner_ids: Vec<String> = owners.iter().map(|o| o.node_id.clone()).collect();
     state
         .store()
-        .insert_run(&config, created, hashes.clone())
+        .insert_run(&config, created, hashes.clone(), &owner_ids)
         .await?;
     let config = Arc::new(config);
     let handle = state
@@ -206,9 +208,17 @@ pub async fn create_run(
                 read_hash,
             }),
             Vec::new(),
+            owners,
         )
         .await?;
+    state
+        .registry()
+        .record_engines(state.store(), &handle)
+        .await;
     super::insight::store_meta(&state, &handle, meta).await?;
+    // The nodes holding its other ranks install it before the client
+    // pushes to them.
+    cluster::tell_peers(state.shared()).await;
     state.events().emit(
         &config.name,
         None,
@@ -361,6 +371,7 @@ pub async fn delete_run(
     caller.require_admin()?;
     runs::delete(state.shared(), state.snapshots(), state.alerts(), &run).await?;
     state.ingest().forget_run(&run.config.name);
+    cluster::tell_peers(state.shared()).await;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -402,9 +413,12 @@ pub async fn get_rank(
     let furthest = (0..run.config.world_size)
         .filter_map(|r| run.rank(r).and_then(|s| s.last_step))
         .max();
-    let engine = run.engines.of(rank).label().to_string();
     Ok(Json(RankView::new(
-        rank, &summary, furthest, q.layout, &engine,
+        rank,
+        &summary,
+        furthest,
+        q.layout,
+        run.owner(rank).as_ref(),
     )))
 }
 
@@ -417,15 +431,16 @@ pub struct RankPlacement {
     pub url: String,
     /// `cpu` or `cuda:N`.
     pub device: String,
-    /// The engine on that device (`cpu#1` with several CPU engines).
+    /// The engine on that device (`cpu#1` with several CPU engines); empty
+    /// until the owner installed the run.
     pub engine: String,
     /// Incremented each time the rank moves to another node.
     pub epoch: u64,
 }
 
 /// Where each rank of the run is held, by rank (`{"0": {...}, ...}`). A
-/// client pushes each rank to its `url`. On one server every rank names
-/// this node, at epoch 1.
+/// client pushes each rank to its `url`; a push sent elsewhere is answered
+/// `307` to it. On one server every rank names this node, at epoch 1.
 #[utoipa::path(get, path = "/v1/runs/{run}/placement", tag = "runs",
     params(("run" = String, Path)),
     responses((status = 200, body = BTreeMap<String, RankPlacement>), (status = 404, body = ErrorBody)))]
@@ -436,16 +451,21 @@ pub async fn placement(
 ) -> Result<Json<BTreeMap<String, RankPlacement>>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let (node, url) = crate::node::identity(state.args());
-    let out = (0..run.config.world_size)
-        .map(|rank| {
-            let engine = run.engines.of(rank);
+    let out = run
+        .owners()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, owner)| {
+            let device = match run.engines.of(rank as u32) {
+                Some(engine) => device::name(engine.device()),
+                None => run.config.device.clone(),
+            };
             let place = RankPlacement {
-                node: node.clone(),
-                url: url.clone(),
-                device: device::name(engine.device()),
-                engine: engine.label().to_string(),
-                epoch: 1,
+                node: owner.node_id,
+                url: owner.url,
+                device,
+                engine: owner.engine.unwrap_or_default(),
+                epoch: owner.epoch,
             };
             (rank.to_string(), place)
         })
@@ -472,10 +492,16 @@ pub async fn get_rank_ema(
     caller: Caller,
     Path((name, rank)): Path<(String, String)>,
     ApiQuery(q): ApiQuery<EmaQuery>,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
     let rank = rank_of(&run, &rank)?;
+    if !run.holds(rank) {
+        let owner = run.owner(rank).unwrap_or_else(|| state.registry().me(0));
+        return super::route::forward(&owner, &uri, &headers).await;
+    }
     let profile = q
         .profile
         .unwrap_or_else(|| run.config.profiles[0].name().to_string());
@@ -515,6 +541,8 @@ pub async fn get_rank_ema(
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct RankView {
     pub rank: u32,
+    /// The node holding the rank.
+    pub node: String,
     /// The engine holding the rank: its device, with an index when several
     /// engines share it (`cpu#1`, `cuda:0`).
     pub engine: String,
@@ -560,7 +588,7 @@ impl RankView {
         s: &RankSummary,
         furthest: Option<u64>,
         with_layout: bool,
-        engine: &str,
+        owner: Option<&crate::registry::Owner>,
     ) -> Self {
         let status = if s.pushes == 0 && s.last_step.is_none() {
             "never_seen"
@@ -576,7 +604,8 @@ impl RankView {
         };
         RankView {
             rank,
-            engine: engine.to_string(),
+            node: owner.map(|o| o.node_id.clone()).unwrap_or_default(),
+            engine: owner.and_then(|o| o.engine.clone()).unwrap_or_default(),
             status: status.into(),
             last_step: s.last_step,
             pushes: s.pushes,

@@ -495,9 +495,14 @@ impl Ingest {
         let run_name = run.config.name.clone();
         let queued = Instant::now();
         let retry_after = self.ctx.args.retry_after_secs;
-        let outcome = run
-            .engines
-            .of(rank)
+        let Some(engine) = run.engines.of(rank) else {
+            return Err(EngineError::NotHere {
+                run: run.config.name.clone(),
+                rank,
+            }
+            .into());
+        };
+        let outcome = engine
             .try_call(move |engine| {
                 let outcome = engine.push(&run_name, rank, step, parsed);
                 drop(budget);

@@ -12,6 +12,8 @@
 //!   rate) and their retention.
 //! - [`nodes`]: this server's registration and lease in the catalog, and
 //!   the list of the service's nodes.
+//! - [`cluster`]: where a new run's ranks go among the nodes, and each
+//!   node keeping up with the runs the others create, delete and hold.
 //! - [`alerts`]: per-run alert rules evaluated from events and a tick;
 //!   webhooks.
 //! - [`runs`]: deleting a run, exporting its live EMA, engine liveness.
@@ -20,6 +22,7 @@
 //!   snapshots (post-hoc, merge).
 
 pub mod alerts;
+pub mod cluster;
 pub mod error;
 pub mod ingest;
 pub mod monitor;

@@ -72,7 +72,7 @@ pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
 
 async fn renew(ctx: &Context, node: &str) {
     let runs = ctx.registry.all_runs();
-    let ranks = runs.iter().map(|r| r.config.world_size as u64).sum();
+    let ranks = runs.iter().map(|r| r.held_ranks().len() as u64).sum();
     let resident = runs.iter().map(|r| r.resident_bytes()).sum();
     if let Err(e) = ctx.store.renew_node(node, ranks, resident).await {
         tracing::warn!(error = %e, "renewing the node lease failed");

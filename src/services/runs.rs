@@ -10,7 +10,7 @@ use super::alerts::AlertsSvc;
 use super::snapshots::{self, Snaps};
 use super::{Context, ServiceError};
 use crate::engine::rank::RankLayout;
-use crate::engine::EmaExport;
+use crate::engine::{EmaExport, EngineError};
 use crate::registry::RunHandle;
 use crate::snapshot::compare::RankTensors;
 use crate::wire::DType;
@@ -46,9 +46,11 @@ pub async fn rank_ema(
     cast: Option<DType>,
 ) -> Result<EmaExport, ServiceError> {
     let (run_name, p) = (run.config.name.clone(), profile.to_string());
-    let export = run
-        .engines
-        .of(rank)
+    let engine = run.engines.of(rank).ok_or_else(|| EngineError::NotHere {
+        run: run.config.name.clone(),
+        rank,
+    })?;
+    let export = engine
         .try_call(move |e| e.export_ema(&run_name, rank, &p))
         .await??;
     Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)

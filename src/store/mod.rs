@@ -13,12 +13,14 @@
 
 pub mod meta;
 pub mod nodes;
+pub mod placement;
 pub mod snapshots;
 pub mod uploads;
 pub mod writer;
 
 use std::borrow::Cow;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::any::AnyPoolOptions;
@@ -125,6 +127,40 @@ pub struct StoredEvent {
     pub detail: serde_json::Value,
 }
 
+tokio::task_local! {
+    /// Set while a push is answered (see [`on_push_path`]).
+    static ON_PUSH: ();
+}
+
+/// Catalog queries made while answering pushes, and elsewhere.
+static QUERIES_ON_PUSH: AtomicU64 = AtomicU64::new(0);
+static QUERIES_ELSEWHERE: AtomicU64 = AtomicU64::new(0);
+
+/// Runs `f`, the answer to a push: catalog queries it makes (none, by
+/// design: a push's rank row and events go through the batched writer) are
+/// counted apart, as `polyak_catalog_queries_total{path="push"}`.
+pub async fn on_push_path<F: std::future::Future>(f: F) -> F::Output {
+    ON_PUSH.scope((), f).await
+}
+
+fn count_query() {
+    let counter = if ON_PUSH.try_with(|_| ()).is_ok() {
+        &QUERIES_ON_PUSH
+    } else {
+        &QUERIES_ELSEWHERE
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Catalog queries (and transactions) this process made: while answering
+/// pushes, and elsewhere (the batched writer, services, other requests).
+pub fn query_counts() -> (u64, u64) {
+    (
+        QUERIES_ON_PUSH.load(Ordering::Relaxed),
+        QUERIES_ELSEWHERE.load(Ordering::Relaxed),
+    )
+}
+
 #[derive(Clone)]
 pub struct Store {
     pool: AnyPool,
@@ -202,26 +238,32 @@ impl Store {
         }
     }
 
+    /// The connection pool; every query goes through here (and is counted:
+    /// see [`query_counts`]).
     pub fn pool(&self) -> &AnyPool {
+        count_query();
         &self.pool
     }
 
     /// A trivial query: the catalog answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query(&self.sql("SELECT 1"))
-            .execute(&self.pool)
+            .execute(self.pool())
             .await?;
         Ok(())
     }
 
+    /// Records a new run, its ranks, and where each rank is placed
+    /// (`owners[rank]`, epoch 1), in one transaction.
     pub async fn insert_run(
         &self,
         config: &RunConfig,
         created_at_ms: i64,
         token_hashes: Option<(String, String)>,
+        owners: &[String],
     ) -> Result<(), StoreError> {
         let (write, read) = token_hashes.unzip();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let result = sqlx::query(&self.sql("INSERT INTO runs (name, config, created_at_ms, write_token_hash, read_token_hash) VALUES (?, ?, ?, ?, ?)"))
         .bind(&config.name)
         .bind(serde_json::to_string(config)?)
@@ -245,6 +287,25 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
         }
+        for (rank, node) in owners.iter().enumerate() {
+            sqlx::query(
+                &self.sql("INSERT INTO placements (run, rank, node_id, epoch) VALUES (?, ?, ?, 1)"),
+            )
+            .bind(&config.name)
+            .bind(rank as i64)
+            .bind(node)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(&self.sql(
+                "INSERT INTO placement_log (run, rank, epoch, node_id, at_ms) VALUES (?, ?, 1, ?, ?)",
+            ))
+            .bind(&config.name)
+            .bind(rank as i64)
+            .bind(node)
+            .bind(created_at_ms)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         Ok(())
     }
@@ -254,7 +315,7 @@ impl Store {
             "SELECT config, created_at_ms, write_token_hash, read_token_hash, finished_at_ms, \
              finished_step, finished_snapshot FROM runs ORDER BY created_at_ms, name",
         ))
-        .fetch_all(&self.pool)
+        .fetch_all(self.pool())
         .await?;
         rows.into_iter()
             .map(|row| {
@@ -282,7 +343,7 @@ impl Store {
         .bind(finish.step.map(|s| s as i64))
         .bind(finish.snapshot.as_deref())
         .bind(name)
-        .execute(&self.pool)
+        .execute(self.pool())
         .await?;
         Ok(())
     }
@@ -291,7 +352,7 @@ impl Store {
     pub async fn delete_run(&self, name: &str) -> Result<bool, StoreError> {
         let done = sqlx::query(&self.sql("DELETE FROM runs WHERE name = ?"))
             .bind(name)
-            .execute(&self.pool)
+            .execute(self.pool())
             .await?;
         Ok(done.rows_affected() > 0)
     }
@@ -300,7 +361,7 @@ impl Store {
         let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms \
              FROM ranks WHERE run = ? ORDER BY rank"))
         .bind(run)
-        .fetch_all(&self.pool)
+        .fetch_all(self.pool())
         .await?;
         rows.into_iter()
             .map(|row| {
@@ -348,7 +409,7 @@ impl Store {
         for k in kinds.unwrap_or(&[]) {
             q = q.bind(k);
         }
-        let rows = q.bind(limit).fetch_all(&self.pool).await?;
+        let rows = q.bind(limit).fetch_all(self.pool()).await?;
         let mut out = rows
             .into_iter()
             .map(|row| {
@@ -370,11 +431,16 @@ impl Store {
     }
 
     /// The highest event id stored (event ids continue from it).
-    pub async fn max_event_id(&self) -> Result<i64, StoreError> {
-        let id: Option<i64> = sqlx::query_scalar(&self.sql("SELECT MAX(id) FROM events"))
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(id.unwrap_or(0))
+    /// Reserves `count` event ids for this node: the range `start..end`,
+    /// which no other node sharing the catalog is given.
+    pub async fn reserve_event_ids(&self, count: i64) -> Result<(i64, i64), StoreError> {
+        let end: i64 = sqlx::query_scalar(
+            &self.sql("UPDATE event_ids SET next_id = next_id + ? RETURNING next_id"),
+        )
+        .bind(count)
+        .fetch_one(self.pool())
+        .await?;
+        Ok((end - count, end))
     }
 }
 
@@ -395,7 +461,7 @@ impl Store {
         run: &str,
         points: &[MetricPoint],
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         for p in points {
             sqlx::query(&self.sql(
                 "INSERT INTO metrics (run, name, step, rank, value, at_ms) \
@@ -454,7 +520,7 @@ impl Store {
         if let Some(Some(r)) = rank {
             q = q.bind(r as i64);
         }
-        let rows = q.bind(limit).fetch_all(&self.pool).await?;
+        let rows = q.bind(limit).fetch_all(self.pool()).await?;
         Ok(rows
             .into_iter()
             .map(|row| MetricPoint {
@@ -472,7 +538,7 @@ impl Store {
         let rows =
             sqlx::query(&self.sql("SELECT DISTINCT name FROM metrics WHERE run = ? ORDER BY name"))
                 .bind(run)
-                .fetch_all(&self.pool)
+                .fetch_all(self.pool())
                 .await?;
         Ok(rows.into_iter().map(|r| r.get("name")).collect())
     }
@@ -484,7 +550,7 @@ impl Store {
              (PARTITION BY run ORDER BY id DESC) AS n FROM events) AS numbered WHERE n > ?)",
         ))
         .bind(retained as i64)
-        .execute(&self.pool)
+        .execute(self.pool())
         .await?;
         Ok(done.rows_affected())
     }
@@ -494,7 +560,7 @@ impl Store {
         let done = sqlx::query(&self.sql("DELETE FROM metrics WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER \
              (PARTITION BY run, name, rank ORDER BY step DESC, id DESC) AS n FROM metrics) AS numbered WHERE n > ?)"))
         .bind(retained as i64)
-        .execute(&self.pool)
+        .execute(self.pool())
         .await?;
         Ok(done.rows_affected())
     }

@@ -61,7 +61,16 @@ async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>
     }
 }
 
+/// Batches the writer flushed (one transaction each).
+static FLUSHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Batches the writer has flushed in this process.
+pub fn flushes() -> u64 {
+    FLUSHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreError> {
+    FLUSHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut ranks: HashMap<(String, u32), (StoredRank, Option<String>)> = HashMap::new();
     let mut events = Vec::new();
     for update in batch {

@@ -155,6 +155,7 @@ function ranksPanel(worldSize) {
         field('wire', 'wire ratio'),
         field('codec', 'encode / decode'),
         field('engine', 'engine'),
+        field('node', 'node'),
       ),
     );
     return { node, fields };
@@ -179,7 +180,7 @@ function ranksPanel(worldSize) {
         if (r.lag > 0) behind += 1;
         if (compact) {
           t.node.className = `rank-square ${rankTone(status)}${r.lag > 0 ? ' behind' : ''}`;
-          t.node.title = `rank ${r.rank}: ${rankStatusText(status)} · step ${fmtStep(r.last_step)} · lag ${fmtInt(r.lag)} · ${fmtAge(r.age)}${r.engine ? ` · ${r.engine}` : ''}`;
+          t.node.title = `rank ${r.rank}: ${rankStatusText(status)} · step ${fmtStep(r.last_step)} · lag ${fmtInt(r.lag)} · ${fmtAge(r.age)}${r.engine ? ` · ${r.engine}` : ''}${r.node ? ` on ${r.node}` : ''}`;
           return;
         }
         const f = t.fields;
@@ -206,6 +207,7 @@ function ranksPanel(worldSize) {
           : '—';
         f.codec.classList.toggle('bad-text', (w.mirror_mismatches || 0) > 0);
         f.engine.textContent = r.engine || '—';
+        f.node.textContent = r.node || '—';
       });
       summary.textContent = [
         counts.finished ? `${counts.finished} finished` : `${counts.live} live`,
@@ -683,11 +685,13 @@ export function render(root, { run }, ctx) {
     ranks = next.ranks || [];
     const skews = ranks.filter((r) => r.last_push_at_ms && r.age_seconds !== null).map((r) => Date.now() - (r.last_push_at_ms + r.age_seconds * 1000));
     if (skews.length) skewMs = skews.sort((a, b) => a - b)[skews.length >> 1];
-    header.badges.replaceChildren(
+    const badges = [
       healthBadge(next.health),
       badge(`${next.config.world_size} rank${next.config.world_size === 1 ? '' : 's'}`, 'muted'),
-      next.finished ? badge(next.finished.step === null ? 'finished before any push' : `finished at step ${fmtStep(next.finished.step)}`, 'muted', { dataset: { testid: 'finished' } }) : null,
-    );
+    ];
+    // replaceChildren(null) would show the text "null".
+    if (next.finished) badges.push(badge(next.finished.step === null ? 'finished before any push' : `finished at step ${fmtStep(next.finished.step)}`, 'muted', { dataset: { testid: 'finished' } }));
+    header.badges.replaceChildren(...badges);
   }
 
   async function refreshRun() {

@@ -29,6 +29,7 @@ def test_rank_tile_shows_wire_ratio_and_codec(page: Page, dash_server):
                 p.push(model, step)
         wire = run.rank(0)["wire"]
         engine = run.placement()[0]["engine"]
+        node = run.placement()[0]["node"]
     assert wire["last_kind"] == "delta" and wire["last_quant"] == "fp8_e4m3/128"
     page.goto(f"{dash_server.url}/#/runs/{RUN}")
     tile = page.locator('.rank-tile[data-rank="0"]')
@@ -40,6 +41,9 @@ def test_rank_tile_shows_wire_ratio_and_codec(page: Page, dash_server):
     expect(tile.locator('[data-field="codec"]')).to_have_text(re.compile(r"^\S.* / \S.*$"))
     # The engine holding the rank (the placement's), e.g. `cpu` or `cpu#1`.
     expect(tile.locator('[data-field="engine"]')).to_have_text(engine)
+    # And the node holding it (this server, the only node).
+    expect(tile.locator('[data-field="node"]')).to_have_text(node)
+    assert node
 
 
 def test_run_stats_show_the_ranks_wire_figures_summed(page: Page, dash_server):

@@ -137,3 +137,19 @@ def test_wire_quick_prints_every_figure_with_a_verdict():
     reported = [line for line in table if line.split()[-2:] == ["reported", "-"]]
     assert any("client encode CPU time per push" in line for line in reported), table
     assert len(table) == len(WIRE_JUDGED) + len(reported), table
+
+
+@pytest.mark.slow
+def test_cluster_quick_prints_its_figures_and_no_push_asks_the_catalog():
+    """`benches/cluster.py --quick` runs a one-node and a three-node service
+    (its own PostgreSQL and SeaweedFS); a push asks the catalog nothing on
+    either, and every judged figure has its target and a verdict."""
+    proc = run_script("cluster.py", "--quick")
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("figure "))
+    table = [line for line in lines[start + 1 :] if line.strip()]
+    latency = next(line for line in table if line.startswith("push latency p50, 3 nodes / 1"))
+    assert latency.split()[-1] in ("PASS", "MISS"), latency
+    queries = next(line for line in table if line.startswith("catalog queries while answering"))
+    assert "0.000; 0.000" in queries and queries.split()[-1] == "PASS", queries
+    assert "node-a, node-b, node-c" in proc.stdout

@@ -62,15 +62,18 @@ def test_nodes_share_a_catalog_and_keep_leases(tmp_path, backends: Backends):
         time.sleep(3 * float(LEASE))
         assert all(n["status"] == "live" for n in nodes_of(a).values())
 
-        # A run held by b shows in b's renewals (ranks it holds).
+        # A run created on b is placed over the three nodes, b first (the
+        # creating node wins ties); each shows its rank in its renewals.
         with httpx.Client(base_url=b.url) as hb:
-            assert hb.post("/v1/runs", json={"name": "on-b", "world_size": 3}).status_code == 201
+            assert hb.post("/v1/runs", json={"name": "on-b", "world_size": 4}).status_code == 201
             place = hb.get("/v1/runs/on-b/placement").json()
-        assert {p["node"] for p in place.values()} == {"node-b"}
-        assert {p["url"] for p in place.values()} == {b.url}
+        urls = {"node-a": a.url, "node-b": b.url, c_id: c.url}
+        assert place["0"]["node"] == "node-b" and place["3"]["node"] == "node-b"
+        assert {p["node"] for p in place.values()} == set(urls)
+        assert all(p["url"] == urls[p["node"]] for p in place.values())
         deadline = time.monotonic() + 10
-        while nodes_of(a)["node-b"]["ranks"] != 3:
-            assert time.monotonic() < deadline, nodes_of(a)["node-b"]
+        while [nodes_of(a)[n]["ranks"] for n in ("node-a", "node-b", c_id)] != [1, 2, 1]:
+            assert time.monotonic() < deadline, nodes_of(a)
             time.sleep(0.1)
 
         # A graceful stop gives the lease up at once.

@@ -188,6 +188,8 @@ class Connection:
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
         self.conn: http.client.HTTPConnection | None = None
+        #: ``Location`` of the last answer (a redirect's target), if any.
+        self.location: str | None = None
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.conn is None:
@@ -234,6 +236,7 @@ class Connection:
             raise
         if resp.will_close:
             self.close()
+        self.location = resp.getheader("Location")
         return resp.status, data, resp.getheader("Retry-After")
 
 

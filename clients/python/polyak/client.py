@@ -13,6 +13,7 @@ endpoints; downloads stream (:mod:`polyak.downloads`).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -209,6 +210,8 @@ class Run:
         self.write_token = write_token
         self.read_token = read_token
         self._system: tuple[SystemSampler, int | None] | None = None
+        self._placement: dict[int, dict[str, Any]] | None = None
+        self._placement_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Run({self.name!r}, world_size={self.world_size}, update_every={self.update_every}, profiles={self.profiles})"
@@ -264,6 +267,45 @@ class Run:
     def placement(self) -> dict[int, dict[str, Any]]:
         """Where each rank is held: ``{rank: {node, url, device, engine, epoch}}``."""
         return {int(r): dict(p) for r, p in self._get("/placement").items()}
+
+    def owner_url(self, rank: int, *, refresh: bool = False) -> str:
+        """The URL of the node holding ``rank``, where its pushes go: from the
+        run's placement, read once and again with ``refresh`` (through any
+        node of the last placement that answers, when this client's own
+        server does not). A run held by one node is reached at this
+        client's URL: the URL a node advertises may not be reachable from
+        here (a port mapping, a proxy), and a push that reaches the wrong
+        node is redirected anyway."""
+        with self._placement_lock:
+            if refresh or self._placement is None:
+                self._placement = self._read_placement(self._placement)
+            placement = self._placement
+        if len({p.get("node") for p in placement.values()}) <= 1:
+            return self.client.url
+        url = placement.get(int(rank), {}).get("url")
+        return str(url).rstrip("/") if url else self.client.url
+
+    def _read_placement(self, last: dict[int, dict[str, Any]] | None) -> dict[int, dict[str, Any]]:
+        try:
+            return self.placement()
+        except PolyakError as e:
+            if e.code != "unavailable" or not last:
+                raise
+            failure = e
+        others = sorted({str(p["url"]) for p in last.values() if p.get("url")} - {self.client.url})
+        headers = self.transport.auth(self.read_token)
+        for url in others:
+            try:
+                r = httpx.get(
+                    f"{url.rstrip('/')}{self.path}/placement",
+                    headers=headers,
+                    timeout=self.client.timeout,
+                )
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                return {int(k): dict(v) for k, v in r.json().items()}
+        raise failure
 
     def rank(self, rank: int, *, layout: bool = False) -> dict[str, Any]:
         return dict(

@@ -61,7 +61,7 @@ from ._push.encoding import Mirrored, encoding_for
 from ._push.layout import LayoutKeeper
 from ._push.mirror import DEFAULT_CODEC_LEVEL, MirrorEncoder
 from ._push.queue import Job, PushQueue
-from ._push.sender import Sender
+from ._push.sender import Route, Sender
 from ._push.stats import Counters, PushStats
 from ._transport import RETRY_STATUSES, RetryPolicy, Transport
 from .errors import PolyakError
@@ -212,6 +212,7 @@ class Pusher:
             rank=self.rank,
             name=f"polyak-push-{run.name}-{self.rank}",
             slots=self.pipeline,
+            route=_route_of(run, self.rank, transport),
         )
         self._layouts = LayoutKeeper(
             dtype=dtype,
@@ -630,6 +631,20 @@ class _ParamStorages:
             self._keys = frozenset(_storage_key(t) for t in locals_ if t.numel() > 0)
             self._key = key
         return self._keys
+
+
+def _route_of(run: PushTarget, rank: int, transport: Transport) -> Route:
+    """Where ``rank``'s pushes go: the node holding it, when the target
+    knows its placement (a :class:`~polyak.client.Run` does)."""
+    owner_url = getattr(run, "owner_url", None)
+    if owner_url is None:
+        return Route(transport.url)
+    try:
+        url = owner_url(rank)
+    except PolyakError as e:  # a server without placement: push to it
+        log.debug("polyak: no placement for rank %d (%s); pushing to %s", rank, e, transport.url)
+        url = transport.url
+    return Route(url, lookup=lambda: owner_url(rank, refresh=True))
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:

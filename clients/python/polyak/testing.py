@@ -741,6 +741,35 @@ class Backends:
             env=self.server_env(pair),
         )
 
+    def cluster(
+        self,
+        data_root: str | os.PathLike[str],
+        count: int = 3,
+        *args: str,
+        binary: str | None = None,
+    ) -> tuple[str, list[PolyakServer]]:
+        """``count`` nodes of one service (not started): servers sharing a
+        fresh PostgreSQL catalog and S3 prefix, named ``node-a``, ``node-b``,
+        ...; their data under ``data_root/<letter>``. Returns the catalog's
+        database URL with them."""
+        catalog = self.postgres().new_database()
+        s3 = self.s3()
+        common = ["--catalog", catalog, "--store", s3.new_prefix(), "--s3-endpoint", s3.endpoint]
+        root = Path(data_root)
+        servers = [
+            PolyakServer(
+                root / letter,
+                *common,
+                "--node-id",
+                f"node-{letter}",
+                *args,
+                binary=binary,
+                env=s3.env(),
+            )
+            for letter in "abcdefgh"[:count]
+        ]
+        return catalog, servers
+
     def store_of(self, server: PolyakServer) -> StoreView:
         """The object store ``server`` keeps its snapshot parts in."""
         return StoreView(server, self._s3)

@@ -90,7 +90,14 @@ pub async fn restore_from(
     run: &RunHandle,
     row: &SnapshotRow,
 ) -> Result<BTreeMap<u32, u64>, SnapshotError> {
-    let files = state.store.snapshot_files(&row.id).await?;
+    // Only the ranks this node holds (the other nodes restore theirs).
+    let files: Vec<FileRow> = state
+        .store
+        .snapshot_files(&row.id)
+        .await?
+        .into_iter()
+        .filter(|f| run.holds(f.rank))
+        .collect();
     let config = run.config.clone();
     let objects = state.objects.clone();
     let ranks = tokio::task::spawn_blocking(move || load_restorable(&objects, &config, files))
@@ -101,7 +108,7 @@ pub async fn restore_from(
         .map(|(r, rr)| (*r, rr.meta.last_step.unwrap_or(0)))
         .collect();
     run.engines.restore(&run.config.name, ranks).await?;
-    for rank in 0..run.config.world_size {
+    for rank in run.held_ranks() {
         let summary = run.update_rank(rank, |s| match steps.get(&rank) {
             Some(&step) => {
                 s.last_step = Some(step);
@@ -276,17 +283,37 @@ async fn remove_unlisted(
 
 /// At start: fails snapshots a stop interrupted, removes files the catalog
 /// does not list as complete, and restores every run from its newest
-/// restorable snapshot.
+/// restorable snapshot. A node joining a service whose other nodes are
+/// live leaves the clean-up alone: what looks interrupted may be theirs,
+/// being written now.
 pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
-    let interrupted = state.store.fail_interrupted(now_ms()).await?;
-    for (run, id) in &interrupted {
-        tracing::warn!(run = %run, snapshot = %id, "snapshot interrupted by the last stop; marked failed");
+    let me = state.registry.node_id().to_string();
+    let others = state
+        .store
+        .list_nodes()
+        .await?
+        .into_iter()
+        .filter(|n| n.status == "live" && n.info.node_id != me)
+        .count();
+    if others == 0 {
+        let interrupted = state.store.fail_interrupted(now_ms()).await?;
+        for (run, id) in &interrupted {
+            tracing::warn!(run = %run, snapshot = %id, "snapshot interrupted by the last stop; marked failed");
+        }
+        abort_open_uploads(state).await?;
+        let keep = state.store.complete_snapshot_ids().await?;
+        remove_unlisted(state, keep).await?;
+    } else {
+        tracing::info!(
+            nodes = others,
+            "other nodes are live: their pending snapshots are left to them"
+        );
     }
-    abort_open_uploads(state).await?;
-    let keep = state.store.complete_snapshot_ids().await?;
-    remove_unlisted(state, keep).await?;
     let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
+        if run.held_ranks().is_empty() {
+            continue;
+        }
         let rows = state.store.snapshots(&run.config.name).await?;
         let newest = rows
             .iter()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .._transport import Connection, FailedAttempt, RetryPolicy, Transport, send_with_retries
@@ -42,6 +43,83 @@ from .queue import Job, PushQueue
 __all__ = ["Sender"]
 
 log = logging.getLogger("polyak")
+
+
+#: Redirects followed for one attempt before it counts as failed.
+MAX_REDIRECTS = 3
+#: Failed attempts in a row after which the rank's owner is looked up again.
+REFRESH_AFTER = 2
+
+
+class Route:
+    """Where one rank's pushes go: the node holding it, as the run's
+    placement says. A ``307`` from the server moves it to the redirect's
+    node; failed attempts in a row look the owner up again (``lookup``:
+    the placement read anew, through any node that answers), so a rank
+    whose node died follows it to the node that took it over."""
+
+    def __init__(self, url: str, lookup: Callable[[], str | None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self.url = url.rstrip("/")
+        #: Raised at every move: a slot whose connection is older reconnects.
+        self.version = 0
+        self._lookup = lookup
+        self._failures = 0
+
+    def _move(self, url: str) -> None:
+        url = url.rstrip("/")
+        with self._lock:
+            if url != self.url:
+                log.info("polyak: pushes of this rank now go to %s (was %s)", url, self.url)
+                self.url = url
+                self.version += 1
+            self._failures = 0
+
+    def redirected(self, location: str, path: str) -> None:
+        """A ``307`` to ``location`` (the pushed path on the owner)."""
+        cut = location.find("/v1/runs/")
+        self._move(location[:cut] if cut > 0 else location.removesuffix(path))
+
+    def delivered(self) -> None:
+        with self._lock:
+            self._failures = 0
+
+    def failed(self) -> None:
+        """An attempt failed to connect or was refused for a while: after a
+        few in a row, the owner is looked up again."""
+        with self._lock:
+            self._failures += 1
+            due = self._failures >= REFRESH_AFTER and self._lookup is not None
+            if due:
+                self._failures = 0
+        if due and self._lookup is not None:
+            try:
+                url = self._lookup()
+            except Exception as e:  # no node answered: retried later
+                log.warning("polyak: looking up the rank's node failed: %s", e)
+                return
+            if url:
+                self._move(url)
+
+
+class _Slot:
+    """One sending thread's connection, renewed when the route moves."""
+
+    def __init__(self, route: Route, timeout: float) -> None:
+        self.route = route
+        self.timeout = timeout
+        self.version = route.version
+        self.conn = Connection(route.url, timeout)
+
+    def current(self) -> Connection:
+        if self.version != self.route.version:
+            self.conn.close()
+            self.version = self.route.version
+            self.conn = Connection(self.route.url, self.timeout)
+        return self.conn
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 class Sender:
@@ -59,6 +137,7 @@ class Sender:
         rank: int,
         name: str,
         slots: int = 1,
+        route: Route | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
@@ -66,6 +145,8 @@ class Sender:
         self.slots = int(slots)
         self.queue = queue
         self.transport = transport
+        #: The node this rank's pushes go to.
+        self.route = route or Route(transport.url)
         #: ``/v1/runs/{run}/ranks/{rank}/steps/`` (the step is appended).
         self.path = path
         self.token = token
@@ -102,7 +183,7 @@ class Sender:
             t.join(timeout=timeout)
 
     def _loop(self) -> None:
-        conn = self.transport.connection(self.retry.request_timeout)
+        conn = _Slot(self.route, self.retry.request_timeout)
         try:
             while (taken := self._next()) is not None:
                 job, prev, wire = taken
@@ -173,7 +254,7 @@ class Sender:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def deliver(self, conn: Connection, job: Job, prev: int | None, wire: Wire) -> dict[str, Any]:
+    def deliver(self, slot: _Slot, job: Job, prev: int | None, wire: Wire) -> dict[str, Any]:
         """PUTs ``job``'s encoded body (``wire``) until the server answers
         200; its answer. ``prev``: the step dispatched before it."""
         payload = wire.payload
@@ -184,10 +265,18 @@ class Sender:
 
         def retrying(failed: FailedAttempt) -> None:
             self._failed_attempt(job, failed)
+            self.route.failed()
 
         def attempt() -> tuple[int, bytes, str | None]:
             self._wait_turn(job.step)
-            return conn.put(path, payload, headers)
+            for _ in range(MAX_REDIRECTS):
+                conn = slot.current()
+                answer = conn.put(path, payload, headers)
+                if answer[0] != 307 or not conn.location:
+                    break
+                # Another node holds the rank: send it there.
+                self.route.redirected(conn.location, path)
+            return answer
 
         try:
             data = send_with_retries(
@@ -204,6 +293,7 @@ class Sender:
                 if job.step in self._retrying:
                     self._retrying.discard(job.step)
                     self.queue.cond.notify_all()
+        self.route.delivered()
         with self.queue.cond:
             self.queue.counters.bytes_sent += len(payload)
             self.last_transient = ""
@@ -230,7 +320,7 @@ class Sender:
                 pending = len(queue.jobs) + len(queue.in_flight)
                 queue.report(
                     PolyakError(
-                        f"could not deliver to {self.transport.url} for {failed.failing_for:.1f}s "
+                        f"could not deliver to {self.route.url} for {failed.failing_for:.1f}s "
                         f"({failed.attempt + 1} attempts; last: {failed.problem}); {pending} "
                         f"push(es) kept and still retried, {queue.counters.dropped} dropped so far",
                         code="unavailable",

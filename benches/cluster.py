@@ -1,0 +1,219 @@
+"""Cluster benchmark: push latency on a service of three nodes against one
+node, in the same process, and the catalog queries a push makes.
+
+Both services run on a throwaway PostgreSQL and SeaweedFS (started here,
+as the tests do). Each gets one run of ``--ranks`` ranks (placed over all
+three nodes on the three-node service); one thread per rank pushes fp32
+bodies to the node holding its rank (the run's placement, as the client
+does) and times each push from request to answer. The figures:
+
+- push latency p50, three nodes over one (target <= 1.1): routing costs
+  nothing on the push path, a push goes straight to its owner;
+- catalog queries made while answering pushes, per push (target 0): read
+  from each node's ``polyak_catalog_queries_total{path="push"}``; the rank
+  rows and events a push changes reach the catalog through the batched
+  writer, whose flushes per push are shown beside it.
+
+Reported, never asserted. All nodes share this machine's cores, so the
+three-node figure also pays for two more idle servers.
+
+``python benches/cluster.py --bin target/release/polyak`` (``--quick``:
+few small pushes, checks the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "clients" / "python"))
+
+from polyak.testing import Backends, PolyakServer  # noqa: E402
+from polyak.wire import HostBody, TensorSpec, WireLayout  # noqa: E402
+
+
+def body_of(t: torch.Tensor) -> bytes:
+    body = HostBody(WireLayout([TensorSpec("w", t.dtype, tuple(t.shape))]))
+    body.fill([t])
+    return bytes(body.memory)
+
+
+def counter(url: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus counter's samples matching ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if m and labels in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+def latencies(nodes: list[PolyakServer], name: str, ranks: int, bodies, pushes: int) -> dict:
+    """Pushes ``pushes`` steps of every rank (one thread per rank, each to
+    its owner); per-push seconds, and the catalog counters' increase."""
+    entry = nodes[0].url
+    with httpx.Client(base_url=entry, timeout=600) as c:
+        r = c.post(
+            "/v1/runs",
+            json={
+                "name": name,
+                "world_size": ranks,
+                "profiles": [{"name": "e", "kind": "constant", "beta": 0.99}],
+                "drift_every": 0,
+            },
+        )
+        r.raise_for_status()
+        placement = c.get(f"/v1/runs/{name}/placement").json()
+    owners = {int(rank): p["url"] for rank, p in placement.items()}
+
+    def totals() -> tuple[float, float]:
+        queries = sum(counter(n.url, "polyak_catalog_queries_total", 'path="push"') for n in nodes)
+        flushes = sum(counter(n.url, "polyak_catalog_writer_flushes_total") for n in nodes)
+        return queries, flushes
+
+    before = totals()
+    times: list[float] = []
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def rank_loop(rank: int) -> None:
+        parts = urlsplit(owners[rank])
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+        mine = []
+        try:
+            for step in range(pushes + 1):
+                body = bodies[step % len(bodies)]
+                started = time.perf_counter()
+                conn.request(
+                    "PUT",
+                    f"/v1/runs/{name}/ranks/{rank}/steps/{step}",
+                    body=body,
+                    headers={"Content-Type": "application/octet-stream"},
+                )
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    errors.append(f"rank {rank} step {step}: {resp.status}")
+                    return
+                if step > 0:  # step 0 registers the layout
+                    mine.append(time.perf_counter() - started)
+        finally:
+            conn.close()
+        with lock:
+            times.extend(mine)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    time.sleep(1.5)  # the batched writer flushes what the pushes changed
+    after = totals()
+    n = ranks * (pushes + 1)
+    return {
+        "p50": statistics.median(times),
+        "p90": statistics.quantiles(times, n=10)[-1],
+        "queries_per_push": (after[0] - before[0]) / n,
+        "flushes_per_push": (after[1] - before[1]) / n,
+        "nodes": sorted({p["node"] for p in placement.values()}),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "polyak"))
+    ap.add_argument("--ranks", type=int, default=6)
+    ap.add_argument("--numel", type=float, default=2.5e5, help="fp32 values per rank")
+    ap.add_argument("--pushes", type=int, default=60, help="pushes per rank and round")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians taken")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.numel, args.pushes, args.repeats = 1e4, 5, 1
+    g = torch.Generator().manual_seed(0)
+    bodies = [body_of(torch.randn(int(args.numel), generator=g)) for _ in range(2)]
+    tmp = Path(tempfile.mkdtemp(prefix="polyak-cluster-"))
+    backends = Backends()
+    services: dict[int, list[PolyakServer]] = {}
+    results: dict[int, list[dict]] = {1: [], 3: []}
+    try:
+        for count in (1, 3):
+            _, services[count] = backends.cluster(
+                tmp / f"service-{count}", count, "--engines", "1", binary=args.bin
+            )
+            for node in services[count]:
+                node.start()
+        for rep in range(args.repeats):
+            for count, nodes in services.items():
+                out = latencies(nodes, f"b{rep}", args.ranks, bodies, args.pushes)
+                results[count].append(out)
+    finally:
+        for nodes in services.values():
+            for node in nodes:
+                node.stop()
+        backends.close()
+
+    def med(count: int, key: str) -> float:
+        return statistics.median(r[key] for r in results[count])
+
+    mib = len(bodies[0]) / 2**20
+    print(
+        f"{args.ranks} ranks pushing at once, fp32 bodies of {mib:.2f} MiB, {args.pushes} pushes "
+        f"per rank, {os.cpu_count()} CPUs, medians of {args.repeats} alternating rounds; "
+        f"the three-node run is placed on {', '.join(results[3][0]['nodes'])}"
+    )
+    rows = [
+        (
+            "push latency p50, 3 nodes / 1 node",
+            f"{med(3, 'p50') / med(1, 'p50'):.2f}",
+            "<= 1.1",
+            "PASS" if med(3, "p50") / med(1, "p50") <= 1.1 else "MISS",
+        ),
+        (
+            "catalog queries while answering a push, per push (3 nodes; 1 node)",
+            f"{med(3, 'queries_per_push'):.3f}; {med(1, 'queries_per_push'):.3f}",
+            "0",
+            "PASS" if max(med(3, "queries_per_push"), med(1, "queries_per_push")) == 0 else "MISS",
+        ),
+        (
+            "batched catalog writer flushes per push (3 nodes; 1 node)",
+            f"{med(3, 'flushes_per_push'):.3f}; {med(1, 'flushes_per_push'):.3f}",
+            "reported",
+            "-",
+        ),
+    ]
+    for count in (1, 3):
+        rows.append(
+            (
+                f"{count} node(s): push latency p50; p90 (ms)",
+                f"{1e3 * med(count, 'p50'):.2f}; {1e3 * med(count, 'p90'):.2f}",
+                "reported",
+                "-",
+            )
+        )
+    width = max(len(r[0]) for r in rows)
+    print(f"{'figure':<{width}}  {'measured':>14}  target    result")
+    for figure, value, target, result in rows:
+        print(f"{figure:<{width}}  {value:>14}  {target:<8}  {result}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

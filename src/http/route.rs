@@ -1,0 +1,115 @@
+//! Requests among the nodes of one service: a push for a rank another node
+//! holds is redirected there (`307`, so clients and `curl --location`
+//! resend it to the owner), a read of such a rank's live EMA is forwarded
+//! to the owner and its answer streamed back, and `POST /v1/internal/sync`
+//! is how a node that changed a run tells the others.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use super::auth::Caller;
+use super::error::ApiError;
+use crate::registry::Owner;
+use crate::services::cluster::{self, Synced, FORWARDED};
+use crate::state::AppState;
+
+/// The owner's URL for this request (same path and query), or why there is
+/// none: an owner whose URL is unknown (a node not registered any more) is
+/// `503 owner_unknown`, to be retried once placement moves on.
+fn target(owner: &Owner, uri: &Uri) -> Result<String, ApiError> {
+    if owner.url.is_empty() {
+        return Err(ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "owner_unknown",
+                format!(
+                    "the rank is placed on node `{}`, whose URL is not known; retry",
+                    owner.node_id
+                ),
+            )
+        });
+    }
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    Ok(format!("{}{}", owner.url.trim_end_matches('/'), path))
+}
+
+/// `307 Temporary Redirect` to the owner of a rank (the client resends the
+/// same request there, body included), with a JSON body saying so.
+pub fn redirect(owner: &Owner, uri: &Uri, rank: u32) -> Result<Response, ApiError> {
+    let location = target(owner, uri)?;
+    let body = serde_json::json!({
+        "error": {
+            "code": "rank_elsewhere",
+            "message": format!(
+                "rank {rank} is held by node `{}` (epoch {}): {location}",
+                owner.node_id, owner.epoch
+            ),
+        },
+        "node": owner.node_id,
+        "url": owner.url,
+        "epoch": owner.epoch,
+    });
+    let mut response = (StatusCode::TEMPORARY_REDIRECT, Json(body)).into_response();
+    let value = HeaderValue::from_str(&location).map_err(ApiError::internal)?;
+    response.headers_mut().insert(header::LOCATION, value);
+    Ok(response)
+}
+
+/// Forwards a GET to the owner of a rank and streams its answer back. A
+/// request that was itself forwarded is not forwarded again (placement
+/// moved meanwhile): `503 placement_moved`, to be retried.
+pub async fn forward(owner: &Owner, uri: &Uri, headers: &HeaderMap) -> Result<Response, ApiError> {
+    if headers.contains_key(FORWARDED) {
+        return Err(ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "placement_moved",
+                "the rank moved while the request was forwarded; retry",
+            )
+        });
+    }
+    let url = target(owner, uri)?;
+    let mut req = cluster::peer_client().get(&url).header(FORWARDED, "1");
+    if let Some(auth) = headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, auth.clone());
+    }
+    let answer = req.send().await.map_err(|e| ApiError {
+        retry_after: Some(1),
+        ..ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "owner_unreachable",
+            format!(
+                "node `{}` holding the rank did not answer: {e}",
+                owner.node_id
+            ),
+        )
+    })?;
+    let status = answer.status();
+    let mut response = Response::builder().status(status.as_u16());
+    for name in [
+        header::CONTENT_TYPE,
+        header::CONTENT_LENGTH,
+        header::RETRY_AFTER,
+    ] {
+        if let Some(v) = answer.headers().get(&name) {
+            response = response.header(name, v.clone());
+        }
+    }
+    response
+        .body(Body::from_stream(answer.bytes_stream()))
+        .map_err(ApiError::internal)
+}
+
+/// Syncs this node with the catalog now (another node created or deleted a
+/// run). Admin only.
+#[utoipa::path(post, path = "/v1/internal/sync", tag = "nodes",
+    responses((status = 200, body = Synced)))]
+pub async fn sync(State(state): State<AppState>, caller: Caller) -> Result<Json<Synced>, ApiError> {
+    caller.require_admin()?;
+    Ok(Json(cluster::sync(state.shared()).await?))
+}
