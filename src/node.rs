@@ -177,3 +177,96 @@ mod tests {
         assert!(resolve(&mut d, bound).is_err());
     }
 }
+
+/// Part of the lease after its last renewal was sent past which this node
+/// stops acknowledging pushes (when another node could take its ranks):
+/// the others see the lease expire only a whole lease after the catalog
+/// recorded that renewal, which is after it was sent.
+const FENCE_AT: f64 = 5.0 / 6.0;
+
+/// This node's hold on its ranks. Pushes are acknowledged only while the
+/// last lease renewal the catalog took was sent less than [`FENCE_AT`] of
+/// a lease ago, when the service has other nodes (that could take the
+/// ranks over once the lease expires): a node cut off from the catalog
+/// stops before any other may start, so no rank ever has two nodes
+/// applying its pushes. A node alone keeps going through a catalog outage.
+pub struct Lease {
+    origin: std::time::Instant,
+    lease: std::time::Duration,
+    /// Milliseconds after `origin` at which the last renewal the catalog
+    /// took was sent.
+    sent_ms: std::sync::atomic::AtomicU64,
+    /// Whether the service had other live nodes at the last renewal.
+    shared: std::sync::atomic::AtomicBool,
+}
+
+impl Lease {
+    /// A lease of `lease_secs`, taken now (at registration).
+    pub fn new(lease_secs: f64) -> Self {
+        Lease {
+            origin: std::time::Instant::now(),
+            lease: std::time::Duration::from_secs_f64(lease_secs),
+            sent_ms: 0.into(),
+            shared: false.into(),
+        }
+    }
+
+    /// The catalog took the renewal sent at `sent`; `others`: whether it
+    /// lists other live nodes.
+    pub fn renewed(&self, sent: std::time::Instant, others: bool) {
+        use std::sync::atomic::Ordering;
+        let ms = sent.saturating_duration_since(self.origin).as_millis() as u64;
+        self.sent_ms.fetch_max(ms, Ordering::AcqRel);
+        self.shared.store(others, Ordering::Release);
+    }
+
+    /// How long ago the last renewal the catalog took was sent.
+    pub fn age(&self) -> std::time::Duration {
+        let sent = self.sent_ms.load(std::sync::atomic::Ordering::Acquire);
+        self.origin
+            .elapsed()
+            .saturating_sub(std::time::Duration::from_millis(sent))
+    }
+
+    /// `Some(age)` when this node must not acknowledge a push: the service
+    /// has other nodes and the lease is too old to be sure it still holds.
+    pub fn fenced(&self) -> Option<std::time::Duration> {
+        if !self.shared.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        let age = self.age();
+        (age.as_secs_f64() >= self.lease.as_secs_f64() * FENCE_AT).then_some(age)
+    }
+
+    /// The lease's length.
+    pub fn length(&self) -> std::time::Duration {
+        self.lease
+    }
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_lease_fences_before_it_runs_out_only_when_shared() {
+        let lease = Lease::new(0.6);
+        assert!(lease.fenced().is_none());
+        std::thread::sleep(Duration::from_millis(550));
+        // Alone: never fenced, however old the lease.
+        assert!(lease.fenced().is_none());
+        // Renewed (sent 520 ms ago), with other nodes: fenced at 500 ms.
+        let sent = Instant::now() - Duration::from_millis(520);
+        lease.renewed(sent, true);
+        let age = lease.fenced().expect("fenced past 5/6 of the lease");
+        assert!(age >= Duration::from_millis(500) && age < Duration::from_millis(600));
+        // A fresh renewal lifts it; an older one arriving late does not undo it.
+        lease.renewed(Instant::now(), true);
+        assert!(lease.fenced().is_none());
+        lease.renewed(sent, true);
+        assert!(lease.fenced().is_none());
+        std::thread::sleep(Duration::from_millis(520));
+        assert!(lease.fenced().is_some());
+    }
+}

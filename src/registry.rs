@@ -595,7 +595,12 @@ impl Registry {
         let (handles, by_rank) = self
             .place(&config.device, config.world_size, &owned)
             .map_err(|_| EngineError::Stopped)?;
-        let engines = RunEngines::new(handles, by_rank, RunShared::new(config.world_size));
+        let shared = if owned.iter().all(|&o| o) {
+            RunShared::new(config.world_size)
+        } else {
+            RunShared::spread(config.world_size, &config.name, created_at_ms)
+        };
+        let engines = RunEngines::new(handles, by_rank, shared);
         for (i, engine) in engines.all().iter().enumerate() {
             let (for_engine, owned) = (config.clone(), engines.ranks_of(i));
             let shared = engines.shared().clone();

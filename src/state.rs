@@ -68,6 +68,7 @@ impl AppInner {
             registry: Arc::new(registry),
             metrics,
             started: Instant::now(),
+            lease: Arc::new(crate::node::Lease::new(args.lease_secs)),
             args,
         });
         let state = Arc::new(AppInner {

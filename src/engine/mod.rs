@@ -718,7 +718,7 @@ fn open_periodic(
         let bytes = shared.resident_bytes();
         match Backlog::take(&shared.periodic_backlog, bytes, limit) {
             Ok(backlog) => {
-                let snapshot = snapshot_id(SnapshotKind::Periodic, step);
+                let snapshot = shared.periodic_id(step);
                 let _ = captures.send(CaptureEvent::PeriodicOpened {
                     snapshot: snapshot.clone(),
                     run: run.to_string(),

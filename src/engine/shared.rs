@@ -70,10 +70,26 @@ pub struct RunShared {
     /// Per rank: the bytes its buffers hold (for the backlog's estimate of
     /// a whole cut).
     resident: Vec<AtomicU64>,
+    /// What a periodic cut's id is made from when the run's ranks are
+    /// spread over several nodes: the run's creation time and a hash of its
+    /// name and that time (see [`Self::periodic_id`]).
+    cut_seed: Option<(u64, u64)>,
 }
 
 impl RunShared {
     pub fn new(world_size: u32) -> Arc<Self> {
+        Self::build(world_size, None)
+    }
+
+    /// The shared state of run `name` created at `created_at_ms`, whose
+    /// ranks other nodes hold too: its periodic cuts get ids every node
+    /// agrees on.
+    pub fn spread(world_size: u32, name: &str, created_at_ms: i64) -> Arc<Self> {
+        let hash = xxhash_rust::xxh3::xxh3_64(format!("{name}\0{created_at_ms}").as_bytes());
+        Self::build(world_size, Some((created_at_ms.max(0) as u64, hash)))
+    }
+
+    fn build(world_size: u32, cut_seed: Option<(u64, u64)>) -> Arc<Self> {
         Arc::new(RunShared {
             inner: Mutex::new(Inner {
                 claimed: vec![None; world_size as usize],
@@ -81,7 +97,25 @@ impl RunShared {
             }),
             periodic_backlog: Arc::new(AtomicU64::new(0)),
             resident: (0..world_size).map(|_| AtomicU64::new(0)).collect(),
+            cut_seed,
         })
+    }
+
+    /// The id of the run's periodic cut at `step`. A run on one node gets
+    /// a fresh id. A run spread over nodes gets the same id on every node
+    /// (each opens the cut for its own ranks, and they meet in one catalog
+    /// row): a ULID whose time is the run's creation plus `step`
+    /// milliseconds, so its periodic cuts sort by step.
+    pub fn periodic_id(&self, step: u64) -> String {
+        let Some((created, hash)) = self.cut_seed else {
+            return super::snapshot_id(crate::contract::SnapshotKind::Periodic, step);
+        };
+        let time = created.wrapping_add(step) & ((1 << 48) - 1);
+        // The time already tells the steps apart; the hash, the runs.
+        let random = (hash as u128) << 16 | (step as u128 & 0xffff);
+        ulid::Ulid::from_parts(time, random)
+            .to_string()
+            .to_ascii_lowercase()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -194,6 +228,32 @@ impl RunShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn periodic_ids_are_the_same_on_every_node_and_sort_by_step() {
+        let a = RunShared::spread(2, "run", 1_700_000_000_000);
+        let b = RunShared::spread(4, "run", 1_700_000_000_000);
+        assert_eq!(a.periodic_id(10), b.periodic_id(10));
+        assert_ne!(a.periodic_id(10), a.periodic_id(20));
+        assert!(a.periodic_id(10) < a.periodic_id(20));
+        // Another run (or the same name created again) gets other ids.
+        let other = RunShared::spread(2, "run", 1_700_000_000_001);
+        assert_ne!(a.periodic_id(10), other.periodic_id(9));
+        assert_ne!(
+            a.periodic_id(10),
+            RunShared::spread(2, "r2", 1_700_000_000_000).periodic_id(10)
+        );
+        let id = a.periodic_id(10);
+        assert_eq!(id.len(), 26);
+        assert_eq!(id, id.to_ascii_lowercase());
+        assert_eq!(
+            ulid::Ulid::from_string(&id).unwrap().timestamp_ms(),
+            1_700_000_000_010
+        );
+        // A run on one node: a fresh id each time.
+        let alone = RunShared::new(2);
+        assert_ne!(alone.periodic_id(10), alone.periodic_id(10));
+    }
 
     #[test]
     fn finish_takes_the_highest_claim_and_refuses_later_steps() {

@@ -45,7 +45,7 @@ use openapi::Contract;
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
     modifiers(&Contract),
     paths(
-        ops::livez, ops::readyz, ops::metrics, nodes::list, route::sync,
+        ops::livez, ops::readyz, ops::metrics, nodes::list, route::sync, route::held_steps, route::take_cut, route::withdraw_cut,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
         runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run, runs::placement,
         push::push,
@@ -108,6 +108,15 @@ pub fn router(state: AppState) -> Router {
         .route(
             crate::services::cluster::SYNC_PATH,
             axum::routing::post(route::sync),
+        )
+        .route("/v1/internal/runs/{run}/steps", get(route::held_steps))
+        .route(
+            "/v1/internal/runs/{run}/cuts",
+            axum::routing::post(route::take_cut),
+        )
+        .route(
+            "/v1/internal/runs/{run}/cuts/{id}",
+            axum::routing::delete(route::withdraw_cut),
         )
         .route(
             "/v1/runs/{run}",

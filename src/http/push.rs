@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, Uri};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http_body_util::BodyExt;
@@ -38,6 +38,7 @@ use crate::state::AppState;
               (status = 413, body = ErrorBody, description = "body or header over the limit"),
               (status = 415, body = ErrorBody, description = "a Content-Encoding other than zstd or polyak-bgz"),
               (status = 422, body = ErrorBody, description = "nonfinite, unsupported_dtype, invalid_shards"),
+              (status = 503, body = ErrorBody, description = "lease_lost: this node could not renew its lease in time and another node may hold the rank; see Retry-After"),
               (status = 429, body = ErrorBody, description = "busy, or predecessor_retry (the predecessor step was answered with a retry; send this one again after it); see Retry-After")))]
 pub async fn push(
     State(state): State<AppState>,
@@ -100,6 +101,9 @@ async fn answer(
         drain(body, declared).await;
         return answer;
     }
+    if let Err(e) = fence(&state) {
+        return early(e, body).await;
+    }
     let step = match step_of(&step) {
         Ok(s) => s,
         Err(e) => return early(e, body).await,
@@ -115,7 +119,35 @@ async fn answer(
         body: body.map_err(body_fault),
         started,
     };
-    Ok(Json(state.ingest().push(request).await?).into_response())
+    let answer = state.ingest().push(request).await?;
+    // Not acknowledged when the lease may have run out meanwhile: another
+    // node may hold the rank now, and the client resends it there.
+    fence(&state)?;
+    Ok(Json(answer).into_response())
+}
+
+/// `503 lease_lost` while this node cannot be sure it still holds its
+/// ranks: its lease was not renewed for most of its length and another
+/// node could take them (see [`crate::node::Lease`]).
+fn fence(state: &AppState) -> Result<(), ApiError> {
+    let lease = &state.shared().lease;
+    match lease.fenced() {
+        None => Ok(()),
+        Some(age) => Err(ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "lease_lost",
+                format!(
+                    "this node's lease was last renewed {:.1} s ago (lease {:.1} s): it may no \
+                     longer hold the rank and acknowledges no push until it renews; retry, or \
+                     read the placement again",
+                    age.as_secs_f64(),
+                    lease.length().as_secs_f64()
+                ),
+            )
+        }),
+    }
 }
 
 /// How the connection tells a body that came too slowly.

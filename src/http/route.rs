@@ -5,15 +5,18 @@
 //! is how a node that changed a run tells the others.
 
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::auth::Caller;
 use super::error::ApiError;
+use super::extract::{run_named, ApiJson};
 use crate::registry::Owner;
 use crate::services::cluster::{self, Synced, FORWARDED};
+use crate::services::snapshots::spread::{HeldSteps, PeerCut};
+use crate::services::snapshots::{self as snap, SnapshotError};
 use crate::state::AppState;
 
 /// The owner's URL for this request (same path and query), or why there is
@@ -112,4 +115,60 @@ pub async fn forward(owner: &Owner, uri: &Uri, headers: &HeaderMap) -> Result<Re
 pub async fn sync(State(state): State<AppState>, caller: Caller) -> Result<Json<Synced>, ApiError> {
     caller.require_admin()?;
     Ok(Json(cluster::sync(state.shared()).await?))
+}
+
+/// This node's ranks' last steps (for a cut of a run spread over nodes).
+/// Admin only.
+#[utoipa::path(get, path = "/v1/internal/runs/{run}/steps", tag = "nodes",
+    params(("run" = String, Path)),
+    responses((status = 200, body = HeldSteps), (status = 400, body = super::error::ErrorBody), (status = 404, body = super::error::ErrorBody)))]
+pub async fn held_steps(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Json<HeldSteps>, ApiError> {
+    caller.require_admin()?;
+    let run = run_named(&state, &name)?;
+    let steps = run
+        .engines
+        .rank_steps(&name)
+        .await
+        .map_err(SnapshotError::from)?;
+    Ok(Json(HeldSteps { steps }))
+}
+
+/// Takes this node's part of a cut another node scheduled (409 when one of
+/// its ranks is past the step). Admin only.
+#[utoipa::path(post, path = "/v1/internal/runs/{run}/cuts", tag = "nodes",
+    params(("run" = String, Path)), request_body = PeerCut,
+    responses((status = 204), (status = 400, body = super::error::ErrorBody),
+              (status = 404, body = super::error::ErrorBody), (status = 409, body = super::error::ErrorBody),
+              (status = 422, body = super::error::ErrorBody), (status = 507, body = super::error::ErrorBody)))]
+pub async fn take_cut(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    ApiJson(cut): ApiJson<PeerCut>,
+) -> Result<StatusCode, ApiError> {
+    caller.require_admin()?;
+    let run = run_named(&state, &name)?;
+    let (_, indices) = snap::profile_choice(&run.config, Some(cut.profiles))?;
+    snap::accept(state.snapshots(), &run, &cut.id, cut.step, &indices).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Withdraws this node's part of a cut (another node could not take its
+/// part). Admin only.
+#[utoipa::path(delete, path = "/v1/internal/runs/{run}/cuts/{id}", tag = "nodes",
+    params(("run" = String, Path), ("id" = String, Path)),
+    responses((status = 204), (status = 400, body = super::error::ErrorBody), (status = 404, body = super::error::ErrorBody)))]
+pub async fn withdraw_cut(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    caller.require_admin()?;
+    let run = run_named(&state, &name)?;
+    snap::withdraw(state.snapshots(), &run, &id).await;
+    Ok(StatusCode::NO_CONTENT)
 }

@@ -215,14 +215,12 @@ pub async fn tell_peers(ctx: &Context) {
     if peers.is_empty() {
         return;
     }
-    let client = peer_client();
     let calls = peers.iter().map(|url| {
-        let mut req = client
-            .post(format!("{url}{SYNC_PATH}"))
-            .header(FORWARDED, "1");
-        if let Some(token) = &ctx.args.token {
-            req = req.bearer_auth(token);
-        }
+        let req = peer_request(
+            ctx.args.token.as_deref(),
+            reqwest::Method::POST,
+            &format!("{url}{SYNC_PATH}"),
+        );
         async move { (url, req.send().await) }
     });
     for (url, answer) in futures::future::join_all(calls).await {
@@ -233,6 +231,20 @@ pub async fn tell_peers(ctx: &Context) {
                 tracing::warn!(peer = %url, error = %e, "a node did not answer; it syncs on its own")
             }
         }
+    }
+}
+
+/// A request from this node to a peer: marked forwarded (never forwarded
+/// again), with the service's admin token when it has one.
+pub fn peer_request(
+    token: Option<&str>,
+    method: reqwest::Method,
+    url: &str,
+) -> reqwest::RequestBuilder {
+    let req = peer_client().request(method, url).header(FORWARDED, "1");
+    match token {
+        Some(token) => req.bearer_auth(token),
+        None => req,
     }
 }
 

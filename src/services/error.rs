@@ -248,6 +248,11 @@ impl From<SnapshotError> for ServiceError {
     fn from(e: SnapshotError) -> Self {
         match e {
             SnapshotError::Conflict(m) => Self::conflict("snapshot_conflict", m),
+            SnapshotError::Peer(m) => ServiceError {
+                retry_after: Some(1),
+                ..Self::new(502, "node_unreachable", m)
+            },
+            SnapshotError::Spread(m) => Self::conflict("run_spread", m),
             SnapshotError::NotFound(m) => Self::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => Self::unprocessable("invalid_request", m),
             SnapshotError::Older(m) => Self::conflict("snapshot_older", m),
@@ -303,6 +308,13 @@ pub enum SnapshotError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
+    /// Another node holding ranks of the run did not answer (or answered
+    /// with a fault): 502 `node_unreachable`, worth a retry.
+    #[error("{0}")]
+    Peer(String),
+    /// What a run spread over several nodes cannot do yet: 409 `run_spread`.
+    #[error("{0}")]
+    Spread(String),
     /// `resume` found only a snapshot older than the step asked for.
     #[error("{0}")]
     Older(String),

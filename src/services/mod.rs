@@ -60,6 +60,8 @@ pub struct Shared {
     pub events: Arc<EventBus>,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
+    /// This node's lease, which fences its pushes (see [`crate::node::Lease`]).
+    pub lease: Arc<crate::node::Lease>,
 }
 
 impl Shared {

@@ -74,7 +74,19 @@ async fn renew(ctx: &Context, node: &str) {
     let runs = ctx.registry.all_runs();
     let ranks = runs.iter().map(|r| r.held_ranks().len() as u64).sum();
     let resident = runs.iter().map(|r| r.resident_bytes()).sum();
+    let sent = std::time::Instant::now();
     if let Err(e) = ctx.store.renew_node(node, ranks, resident).await {
-        tracing::warn!(error = %e, "renewing the node lease failed");
+        let age = ctx.lease.age().as_secs_f64();
+        tracing::warn!(error = %e, lease_age_secs = age, "renewing the node lease failed");
+        return;
     }
+    // Whether another node could take this one's ranks when its lease
+    // runs out: only then are pushes fenced by the lease.
+    let others = match ctx.store.list_nodes().await {
+        Ok(nodes) => nodes
+            .iter()
+            .any(|n| n.status == "live" && n.info.node_id != node),
+        Err(_) => true,
+    };
+    ctx.lease.renewed(sent, others);
 }

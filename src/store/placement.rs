@@ -171,11 +171,12 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::run::RunSpec;
 
-    async fn store_with_run(dir: &std::path::Path) -> Store {
+    /// A store holding run `r` of 3 ranks, placed on n1, n2 and n1.
+    pub(crate) async fn store_with_run(dir: &std::path::Path) -> Store {
         let store = Store::connect(&Store::default_url(dir)).await.unwrap();
         let spec: RunSpec = serde_json::from_value(serde_json::json!({
             "name": "r", "world_size": 3, "profiles": [{"name": "a", "kind": "constant", "beta": 0.9}]

@@ -94,27 +94,135 @@ fn row_to_snapshot(row: sqlx::any::AnyRow) -> Result<SnapshotRow, StoreError> {
 
 const COLUMNS: &str = "id, run, step, kind, label, profiles, status, reason, created_at_ms, completed_at_ms, deadline_ms, bytes, detail";
 
+/// What [`Store::add_snapshot_part`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartOutcome {
+    /// This part was the last: the snapshot is complete.
+    Complete { step: u64, bytes: u64 },
+    /// Ranks with files so far; other nodes' parts are still to come.
+    Waiting { ranks: u32 },
+    /// Failed or deleted meanwhile: nothing lists these files.
+    Gone,
+}
+
 impl Store {
     pub async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), StoreError> {
-        sqlx::query(&self.sql("INSERT INTO snapshots (id, run, step, kind, label, profiles, status, reason, created_at_ms, deadline_ms, detail) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"))
-        .bind(&s.id)
-        .bind(&s.run)
-        .bind(s.step as i64)
-        .bind(s.kind.as_str())
-        .bind(&s.label)
-        .bind(serde_json::to_string(&s.profiles)?)
-        .bind(s.status.as_str())
-        .bind(&s.reason)
-        .bind(s.created_at_ms)
-        .bind(s.deadline_ms)
-        .bind(s.detail.to_string())
-        .execute(self.pool())
+        self.insert_snapshot_row(s, "").await.map(|_| ())
+    }
+
+    /// Records a pending snapshot unless a row of that id exists (another
+    /// node of the service opened the same periodic cut first); true when
+    /// this call inserted it.
+    pub async fn insert_snapshot_once(&self, s: &SnapshotRow) -> Result<bool, StoreError> {
+        self.insert_snapshot_row(s, " ON CONFLICT (id) DO NOTHING")
+            .await
+    }
+
+    async fn insert_snapshot_row(&self, s: &SnapshotRow, tail: &str) -> Result<bool, StoreError> {
+        let sql = format!(
+            "INSERT INTO snapshots (id, run, step, kind, label, profiles, status, reason, created_at_ms, deadline_ms, detail) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?){tail}"
+        );
+        let done = sqlx::query(&self.sql(&sql))
+            .bind(&s.id)
+            .bind(&s.run)
+            .bind(s.step as i64)
+            .bind(s.kind.as_str())
+            .bind(&s.label)
+            .bind(serde_json::to_string(&s.profiles)?)
+            .bind(s.status.as_str())
+            .bind(&s.reason)
+            .bind(s.created_at_ms)
+            .bind(s.deadline_ms)
+            .bind(s.detail.to_string())
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Records one node's part of a snapshot (the files of the ranks it
+    /// holds) and, when with them `needed` ranks have files, marks it
+    /// complete: one transaction, whose first statement locks the row, so
+    /// the parts of several nodes are counted one after the other and
+    /// exactly one of them completes it.
+    pub async fn add_snapshot_part(
+        &self,
+        id: &str,
+        files: &[FileRow],
+        needed: u32,
+        completed_at_ms: i64,
+    ) -> Result<PartOutcome, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let bytes: u64 = files.iter().map(|f| f.bytes).sum();
+        let locked = sqlx::query(&self.sql(
+            "UPDATE snapshots SET bytes = COALESCE(bytes, 0) + ? WHERE id = ? AND status = 'pending'",
+        ))
+        .bind(bytes as i64)
+        .bind(id)
+        .execute(&mut *tx)
         .await?;
+        if locked.rows_affected() == 0 {
+            return Ok(PartOutcome::Gone);
+        }
+        self.insert_files(&mut tx, id, files).await?;
+        let row = sqlx::query(&self.sql(
+            "SELECT COUNT(DISTINCT rank) AS ranks, MAX(step) AS step, CAST(SUM(bytes) AS BIGINT) AS bytes \
+             FROM snapshot_files WHERE snapshot = ?",
+        ))
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await?;
+        let ranks = row.get::<i64, _>("ranks").max(0) as u32;
+        let outcome = if ranks >= needed {
+            let step = row.get::<Option<i64>, _>("step").unwrap_or(0);
+            let total = row.get::<Option<i64>, _>("bytes").unwrap_or(0);
+            sqlx::query(&self.sql(
+                "UPDATE snapshots SET status = 'complete', completed_at_ms = ?, bytes = ?, step = ? WHERE id = ?",
+            ))
+            .bind(completed_at_ms)
+            .bind(total)
+            .bind(step)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+            PartOutcome::Complete {
+                step: step.max(0) as u64,
+                bytes: total.max(0) as u64,
+            }
+        } else {
+            PartOutcome::Waiting { ranks }
+        };
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// Records `files` of snapshot `id` in `tx`.
+    async fn insert_files(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: &str,
+        files: &[FileRow],
+    ) -> Result<(), StoreError> {
+        for f in files {
+            sqlx::query(&self.sql("INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)"))
+            .bind(id)
+            .bind(f.rank as i64)
+            .bind(&f.part)
+            .bind(&f.path)
+            .bind(&f.sha256)
+            .bind(f.bytes as i64)
+            .bind(f.step as i64)
+            .bind(&f.state)
+            .execute(&mut **tx)
+            .await?;
+        }
         Ok(())
     }
 
     /// Marks a pending snapshot complete with its files, in one transaction.
+    /// (A snapshot whose ranks several nodes hold completes through
+    /// [`Store::add_snapshot_part`].)
     /// Returns false when it was no longer pending (failed or deleted).
     pub async fn complete_snapshot(
         &self,
@@ -138,20 +246,7 @@ impl Store {
         if done.rows_affected() == 0 {
             return Ok(false);
         }
-        for f in files {
-            sqlx::query(&self.sql("INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)"))
-            .bind(id)
-            .bind(f.rank as i64)
-            .bind(&f.part)
-            .bind(&f.path)
-            .bind(&f.sha256)
-            .bind(f.bytes as i64)
-            .bind(f.step as i64)
-            .bind(&f.state)
-            .execute(&mut *tx)
-            .await?;
-        }
+        self.insert_files(&mut tx, id, files).await?;
         tx.commit().await?;
         Ok(true)
     }
@@ -247,5 +342,73 @@ impl Store {
             .into_iter()
             .map(|r| (r.get("run"), r.get("id")))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::placement::tests::store_with_run;
+
+    fn file(rank: u32, bytes: u64) -> FileRow {
+        FileRow {
+            rank,
+            part: "a".into(),
+            path: format!("r/s/rank-{rank}-a"),
+            sha256: "00".into(),
+            bytes,
+            step: 8,
+            state: "{}".into(),
+        }
+    }
+
+    /// Three nodes record their parts of one cut at once: exactly one of
+    /// them completes it, with every part's bytes; a part recorded after a
+    /// failure finds it gone.
+    #[tokio::test]
+    async fn the_last_part_completes_a_cut_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with_run(dir.path()).await;
+        let row = SnapshotRow::pending("s1", "r", 8, SnapshotKind::Periodic, vec!["a".into()]);
+        assert!(store.insert_snapshot_once(&row).await.unwrap());
+        assert!(!store.insert_snapshot_once(&row).await.unwrap());
+        let parts = [vec![file(0, 10)], vec![file(1, 20)], vec![file(2, 30)]];
+        let outcomes = futures::future::join_all(
+            parts
+                .iter()
+                .map(|p| store.add_snapshot_part("s1", p, 3, 1000)),
+        )
+        .await;
+        let mut complete = 0;
+        for outcome in outcomes {
+            match outcome.unwrap() {
+                PartOutcome::Complete { step, bytes } => {
+                    complete += 1;
+                    assert_eq!((step, bytes), (8, 60));
+                }
+                PartOutcome::Waiting { ranks } => assert!(ranks < 3),
+                PartOutcome::Gone => panic!("the snapshot is pending"),
+            }
+        }
+        assert_eq!(complete, 1);
+        let got = store.snapshot("r", "s1").await.unwrap().unwrap();
+        assert_eq!((got.status, got.bytes), (SnapshotStatus::Complete, 60));
+        assert_eq!(store.snapshot_files("s1").await.unwrap().len(), 3);
+
+        let row = SnapshotRow::pending("s2", "r", 8, SnapshotKind::Manual, vec!["a".into()]);
+        store.insert_snapshot(&row).await.unwrap();
+        let first = store
+            .add_snapshot_part("s2", &[file(0, 5)], 3, 1)
+            .await
+            .unwrap();
+        assert!(matches!(first, PartOutcome::Waiting { ranks: 1 }));
+        store.fail_snapshot("s2", "timed out", 2).await.unwrap();
+        let late = store
+            .add_snapshot_part("s2", &[file(1, 5)], 3, 3)
+            .await
+            .unwrap();
+        assert!(matches!(late, PartOutcome::Gone));
+        let got = store.snapshot("r", "s2").await.unwrap().unwrap();
+        assert_eq!(got.status, SnapshotStatus::Failed);
     }
 }

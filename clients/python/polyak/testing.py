@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -244,6 +245,84 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class TcpProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``target`` (host, port) until
+    :meth:`cut`, which drops every connection and refuses new ones (a link
+    cut between a server and what it reaches), until :meth:`mend`. Setting
+    :attr:`lose_next` loses the next answer: the request is forwarded, the
+    response swallowed and the connection closed (a network failure after
+    the server acted); :attr:`lost` counts them."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._cut = False
+        self._closed = False
+        self.lose_next = threading.Event()
+        self.lost = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._cut:
+                    client.close()
+                    continue
+                try:
+                    upstream = socket.create_connection(self.target, timeout=5)
+                except OSError:
+                    client.close()
+                    continue
+                upstream.settimeout(None)
+                self._open += [client, upstream]
+            for a, b, answers in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(a, b, answers), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if answers and self.lose_next.is_set():
+                    self.lose_next.clear()
+                    self.lost += 1
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        """Drops every connection (reset) and refuses new ones."""
+        with self._lock:
+            self._cut = True
+            for s in self._open:
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.close()
+                except OSError:
+                    pass
+            self._open.clear()
+
+    def mend(self) -> None:
+        with self._lock:
+            self._cut = False
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        self._listener.close()
 
 
 def _wait_for(check, timeout: float, what: str) -> None:

@@ -280,3 +280,24 @@ def dcp_load_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def dcp_loads(shard_dir: Path, want: dict, tmp_path: Path) -> tuple[dict, dict, list[dict]]:
+    """Loads a ``layout=sharded`` download through DCP into world size 1
+    (no process group) and 3 (DTensors ``Shard(0)``, see
+    :func:`dcp_load_worker`): the two state dicts, and each of the three
+    ranks' local shapes."""
+    import torch.distributed.checkpoint as dcp
+
+    one = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(one, storage_reader=dcp.HuggingFaceStorageReader(str(shard_dir)))
+    load_cfg = {
+        "init": f"file://{tmp_path / 'store3'}",
+        "dir": str(shard_dir),
+        "shapes": {k: (tuple(v.shape), v.dtype) for k, v in want.items()},
+        "out": str(tmp_path),
+    }
+    run_ranks(dcp_load_worker, 3, load_cfg)
+    three = torch.load(tmp_path / "dcp-full.pt")["full"]
+    rows = [torch.load(tmp_path / f"dcp-local-{r}.pt") for r in range(3)]
+    return one, three, rows

@@ -8,10 +8,18 @@ placement). Every rank's EMA, read through a node that does not hold it
 for a ``constant`` profile, ``ema_pytorch.EMA`` for a ``warmup`` one. A
 push sent to the wrong node is answered ``307`` to the owner; every node
 shows every run and rank; the catalog records one owner per rank and epoch.
+
+A snapshot of a run spread over two of the nodes is one consistent cut:
+asked for on the third node (which holds none of its ranks), each node
+captures its own ranks at the step and the catalog completes it when the
+last rank is recorded; it downloads from that third node (``full``, and
+``sharded`` through DCP into world sizes 1 and 3) and equals the anchor.
+Periodic cuts meet in one catalog row per step, whichever node opens them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -19,9 +27,12 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import Backends
+from polyak.testing import Backends, TcpProxy
 from polyak.wire import ALIASES_KEY, SHARDS_KEY, read_safetensors
+from polyak_refs import assert_state_close
+from polyak_workers import dcp_loads, run_ranks, snapshot_worker
 from test_client_distributed import _check, _train
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 
 @pytest.fixture()
@@ -208,3 +219,215 @@ def test_a_single_node_holds_every_rank(tmp_path, backends: Backends, polyak_bin
             pusher.push({"w": torch.ones(4)}, 0)
             pusher.flush()
         assert run.rank(0)["last_step"] == 0
+
+
+@pytest.mark.slow
+def test_a_cut_across_nodes_downloads_from_a_node_holding_none(cluster, tmp_path, run_name):
+    """FSDP2 on 2 gloo ranks, the run placed on nodes a and b; the cut is
+    asked for on node c before the ranks reach its step."""
+    _, (a, b, c) = cluster
+    steps, snap_step, beta = 16, 11, 0.9
+    with polyak.Client(a.url) as on_a, polyak.Client(c.url) as on_c:
+        on_a.create_run(
+            run_name, world_size=2, profiles=[{"name": "c", "kind": "constant", "beta": beta}]
+        )
+        run = on_c.run(run_name)
+        placement = run.placement()
+        assert [placement[r]["node"] for r in (0, 1)] == ["node-a", "node-b"]
+        pending = run.snapshot(step=snap_step, label="across", wait=False)
+        assert (pending["status"], pending["step"]) == ("pending", snap_step)
+        cfg = {
+            "init": f"file://{tmp_path / 'store'}",
+            "url": b.url,
+            "run": run_name,
+            "beta": beta,
+            "steps": steps,
+            "snap_step": snap_step,
+            "out": str(tmp_path),
+        }
+        run_ranks(snapshot_worker, 2, cfg)
+        out = torch.load(tmp_path / "snapshot-rank0.pt", weights_only=False)
+        want, online = out["avg"], out["online"]
+
+        snap = run.wait_snapshot(pending, timeout=60)
+        assert snap["status"] == "complete" and snap["label"] == "across"
+        assert {(f["rank"], f["part"], f["step"]) for f in snap["files"]} == {
+            (0, "c", snap_step),
+            (1, "c", snap_step),
+        }
+        # One row, the same on every node.
+        for node in (a, b):
+            with polyak.Client(node.url) as other:
+                row = other.run(run_name).wait_snapshot(snap["id"], timeout=10)
+                assert row["status"] == "complete" and row["bytes"] == snap["bytes"]
+        assert [s["id"] for s in run.snapshots(kind="manual")] == [snap["id"]]
+
+        # full, from node c.
+        full = run.download(snap, "c", progress=False)
+        assert_state_close(full, want, online, label="full across nodes")
+        # sharded, from node c; DCP into world size 1 and 3.
+        shard_dir = run.download_to(snap, tmp_path / "dl", "c", layout="sharded", progress=False)
+        assert sorted(os.listdir(shard_dir)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+        sd, got3, _ = dcp_loads(shard_dir, want, tmp_path)
+        assert_state_close(sd, want, online, label="sharded into world size 1")
+        assert_state_close(got3, want, online, label="sharded into world size 3")
+
+        # A cut of "now", asked on c: every rank (on a and b) is at the last
+        # step, read from the nodes holding them.
+        now = run.snapshot(timeout=60)
+        assert now["status"] == "complete" and now["step"] == steps - 1
+        assert now["detail"]["cut"] == "current"
+        # A step the ranks are past: refused by the nodes holding them, and
+        # nothing is left behind.
+        before = [s["id"] for s in run.snapshots()]
+        with pytest.raises(polyak.PolyakError) as refused:
+            run.snapshot(step=4, wait=False)
+        assert refused.value.status == 409 and "past the snapshot step" in str(refused.value)
+        assert [s["id"] for s in run.snapshots()] == before
+        # Finishing a spread run is refused for now, with its own code.
+        r = httpx.post(f"{c.url}/v1/runs/{run_name}/finish", json={}, timeout=10)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "run_spread", r.text
+
+
+def test_periodic_cuts_meet_in_one_row(cluster, run_name):
+    """snapshot_every = 4 on a run spread over nodes a, b and c: each node
+    opens the cut for its own ranks, under the same id; each periodic
+    snapshot is one row, complete with every rank, and equals the EMA of
+    the pushed values (``AveragedModel``)."""
+    _, (a, b, c) = cluster
+    beta, steps = 0.8, 10
+    gen = torch.Generator().manual_seed(7)
+    # The same (replicated) tensors on every rank: each pushes its part.
+    values = [
+        {"w": torch.randn(7, generator=gen), "v": torch.randn(3, 4, generator=gen)}
+        for _ in range(steps)
+    ]
+    with polyak.Client(a.url) as client:
+        run = client.create_run(
+            run_name,
+            world_size=3,
+            snapshot_every=4,
+            profiles=[{"name": "e", "kind": "constant", "beta": beta}],
+        )
+        assert {p["node"] for p in run.placement().values()} == {"node-a", "node-b", "node-c"}
+        pushers = [run.pusher(rank=r) for r in range(3)]
+        params = torch.nn.ParameterDict({k: torch.zeros_like(v) for k, v in values[0].items()})
+        avg = AveragedModel(params, multi_avg_fn=get_ema_multi_avg_fn(beta))
+        anchors = {}
+        for step in range(steps):
+            for pusher in pushers:
+                pusher.push(values[step], step)
+            with torch.no_grad():
+                for k, v in values[step].items():
+                    params[k].copy_(v)
+            avg.update_parameters(params)
+            if step % 4 == 0:
+                anchors[step] = {
+                    k.removeprefix("module."): v.detach().clone()
+                    for k, v in avg.state_dict().items()
+                    if k != "n_averaged"
+                }
+        for pusher in pushers:
+            pusher.flush()
+            pusher.close()
+
+        def periodic():
+            rows = run.snapshots(kind="periodic")
+            done = [s for s in rows if s["status"] == "complete"]
+            return rows if len(done) == len(anchors) else None
+
+        rows = _wait(periodic, 60, "the periodic snapshots", lambda: run.snapshots())
+        assert [s["step"] for s in rows] == sorted(anchors)
+        for row in rows:
+            full = run.download(run.wait_snapshot(row["id"]), "e", progress=False)
+            want = anchors[row["step"]]
+            assert set(full) == set(want)
+            for k, v in want.items():
+                torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-6)
+        # Every node shows the same rows.
+        for node in (b, c):
+            with polyak.Client(node.url) as other:
+                ids = [s["id"] for s in other.run(run_name).snapshots(kind="periodic")]
+                assert ids == [s["id"] for s in rows]
+
+
+def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
+    tmp_path, backends: Backends, run_name
+):
+    """Node b reaches the catalog through a proxy; cutting it leaves b
+    serving but unable to renew its lease. b stops acknowledging pushes
+    (``503 lease_lost``) before its lease runs out, so a survivor could
+    take its ranks without two nodes ever applying one rank's pushes; once
+    the link is back it renews and acknowledges again. The catalog keeps
+    one owner per rank and epoch throughout."""
+    lease = 3.0
+    catalog, (a, b) = backends.cluster(tmp_path / "nodes", 2, "--lease-secs", str(lease))
+    host, _, rest = catalog.rpartition("@")[2].partition(":")
+    port = rest.partition("/")[0]
+    proxy = TcpProxy((host, int(port)))
+    i = b.args.index("--catalog")
+    b.args[i + 1] = catalog.replace(f"{host}:{port}/", f"127.0.0.1:{proxy.port}/")
+    try:
+        a.start()
+        b.start()
+        with polyak.Client(a.url) as client:
+            client.create_run(
+                run_name, world_size=2, profiles=[{"name": "e", "kind": "constant", "beta": 0.9}]
+            )
+            assert client.run(run_name).placement()[1]["node"] == "node-b"
+        path = f"{b.url}/v1/runs/{run_name}/ranks/1/steps"
+        body = safetensors.torch.save({"w1": torch.ones(8)})
+        step = 0
+
+        def push() -> httpx.Response:
+            nonlocal step
+            r = httpx.put(f"{path}/{step}", content=body, timeout=10)
+            if r.status_code == 200:
+                step += 1
+            return r
+
+        # b knows of a (its renewals list the nodes) and acknowledges.
+        _wait(lambda: push().status_code == 200, 10, "b to acknowledge")
+        time.sleep(lease / 3 + 0.5)
+        assert push().status_code == 200
+
+        cut_at = time.monotonic()
+        proxy.cut()
+        acked, refused = [], []
+        expired_at = None
+        while time.monotonic() - cut_at < lease + 3:
+            r = push()
+            at = time.monotonic() - cut_at
+            if r.status_code == 200:
+                acked.append(at)
+            else:
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "lease_lost", r.text
+                assert r.headers["retry-after"] == "1"
+                refused.append(at)
+            if expired_at is None:
+                nodes = httpx.get(f"{a.url}/v1/nodes", timeout=10).json()["nodes"]
+                if next(n for n in nodes if n["node"] == "node-b")["status"] == "expired":
+                    expired_at = time.monotonic() - cut_at
+            time.sleep(0.05)
+        assert refused, "b never stopped acknowledging"
+        assert expired_at is not None, "a never saw b's lease expire"
+        # Every acknowledgement came before b stopped, and b stopped before
+        # the others could see its lease expire.
+        assert max(acked, default=0.0) < min(refused) < expired_at, (acked, refused, expired_at)
+        assert min(refused) < lease
+        # The link is back: b renews and acknowledges again.
+        proxy.mend()
+        _wait(lambda: push().status_code == 200, 15, "b to acknowledge after the link is back")
+
+        owners = _catalog_rows(
+            backends,
+            catalog,
+            f"SELECT rank, epoch, COUNT(*) FROM placement_log WHERE run = '{run_name}' "
+            "GROUP BY rank, epoch",
+        )
+        assert sorted((r, n) for r, _, n in owners) == [("0", "1"), ("1", "1")]
+    finally:
+        b.stop()
+        a.stop()
+        proxy.close()

@@ -23,6 +23,7 @@ import pytest
 import safetensors.torch
 import torch
 from ema_pytorch import EMA
+from polyak.testing import TcpProxy
 from polyak_refs import (
     TinyTransformer,
     Trainer,
@@ -357,55 +358,11 @@ def test_busy_server_429_retry_after(fresh_server, run_name):
     assert_state_close(run.fetch_ema("c"), averaged_state(avg), tr.state())
 
 
-class _LosingProxy:
-    """A loopback TCP proxy that can lose the server's next answer: it
-    forwards the request, swallows the response and closes the connection,
-    as a network failure after the server applied the push would."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.lose_next = threading.Event()
-        self.lost = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(conn, up, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, conn, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if answers and self.lose_next.is_set():
-                    self.lose_next.clear()
-                    self.lost += 1
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def test_lost_answer_is_retried_as_a_duplicate(server, client, run_name):
     """The server applied the push but its answer never arrived: the retry
     carries the same bytes and the server answers ``duplicate: true``."""
     run = client.create_run(run_name, profiles=constant())
-    proxy = _LosingProxy(int(server.url.rsplit(":", 1)[1]))
+    proxy = TcpProxy(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
     try:
         proxied = polyak.Client(f"http://127.0.0.1:{proxy.port}").run(run_name)
         pusher = proxied.pusher(retry=polyak.RetryPolicy(base_delay=0.01))
@@ -493,6 +450,11 @@ def test_refused_push_is_raised_from_the_next_push_and_from_flush(client, run_na
     with pytest.raises(polyak.PolyakError) as e:
         pusher.flush()
     assert (e.value.code, e.value.step) == ("nonfinite", 4)
+    # flush raises as soon as the refusal is in; step 3 may still be on
+    # its way (the two are sent back to back).
+    deadline = time.monotonic() + 30
+    while pusher.stats().pending and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = pusher.stats()
     assert (stats.rejected, stats.applied, stats.pending) == (2, 3, 0)
 

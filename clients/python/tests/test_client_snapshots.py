@@ -22,7 +22,6 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-import torch.distributed.checkpoint as dcp
 from polyak.testing import check_compare
 from polyak_refs import (
     TinyTransformer,
@@ -32,7 +31,7 @@ from polyak_refs import (
     rel_err,
     train_and_push,
 )
-from polyak_workers import dcp_load_worker, run_ranks, snapshot_worker
+from polyak_workers import dcp_loads, run_ranks, snapshot_worker
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 # Run on every catalog and store pair (see tests/python/conftest.py).
@@ -104,21 +103,11 @@ def test_fsdp2_snapshot_full_and_sharded_downloads(client, server, tmp_path, run
     # sharded: one file per rank; DCP reshards it.
     shard_dir = run.download_to(snap, tmp_path / "dl", "c", layout="sharded", progress=False)
     assert sorted(os.listdir(shard_dir)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
-    # World size 1, no process group.
-    sd = {k: torch.zeros_like(v) for k, v in want.items()}
-    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(str(shard_dir)))
+    # World size 1, no process group; world size 3: DTensors Shard(0) on a
+    # 1-D mesh, then full_tensor().
+    sd, got3, rows = dcp_loads(shard_dir, want, tmp_path)
     assert_state_close(sd, want, online, label="sharded into world size 1")
-    # World size 3: DTensors Shard(0) on a 1-D mesh, then full_tensor().
-    load_cfg = {
-        "init": f"file://{tmp_path / 'store3'}",
-        "dir": str(shard_dir),
-        "shapes": {k: (tuple(v.shape), v.dtype) for k, v in want.items()},
-        "out": str(tmp_path),
-    }
-    run_ranks(dcp_load_worker, 3, load_cfg)
-    got3 = torch.load(tmp_path / "dcp-full.pt")["full"]
     assert_state_close(got3, want, online, label="sharded into world size 3")
-    rows = [torch.load(tmp_path / f"dcp-local-{r}.pt") for r in range(3)]
     # Shard(0) splits as torch.chunk does: 37 rows -> 13, 13, 11.
     assert [r["tok.weight"] for r in rows] == [(13, 12), (13, 12), (11, 12)]
     assert [r["gate"] for r in rows] == [(1,), (0,), (0,)]
@@ -428,7 +417,11 @@ def test_posthoc_sweep_plan_and_merge(client, run_name):
     assert [s["status"] for s in swept] == ["complete", "complete"]
     assert "100%" in bar.getvalue()
     for snap, target in zip(swept, plan["targets"], strict=True):
-        assert [s["weight"] for s in snap["detail"]["sources"]] == target["weights"]
+        # The plan's weights (solved on the request thread; the sweep's on
+        # the job's, whose BLAS may sum in another order: equal to rounding).
+        got = [s["weight"] for s in snap["detail"]["sources"]]
+        assert len(got) == len(target["weights"])
+        assert all(abs(g - w) <= 1e-12 for g, w in zip(got, target["weights"], strict=True))
         single = run.posthoc(target["sigma_rel"], step=15)
         a = run.download(snap, "posthoc", progress=False)
         b = run.download(single, "posthoc", progress=False)

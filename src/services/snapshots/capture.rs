@@ -4,6 +4,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::store::snapshots::PartOutcome;
 use crate::store::uploads::OpenUpload;
 
 pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
@@ -19,11 +20,16 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
                 return;
             };
             let timeout = Duration::from_secs(handle.config.snapshot_timeout_secs.max(1));
+            // This node's ranks; on a run spread over nodes, the others
+            // open the same cut (same id) for theirs.
             state.pending.register(
                 &snapshot,
                 &run,
                 SnapshotKind::Periodic,
-                (0..handle.config.world_size).collect(),
+                (
+                    handle.held_ranks().into_iter().collect(),
+                    handle.config.world_size,
+                ),
                 Some(Instant::now() + timeout),
                 Some(backlog),
             );
@@ -31,8 +37,13 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
                 deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
                 ..SnapshotRow::pending(&snapshot, &run, step, SnapshotKind::Periodic, profiles)
             };
-            if let Err(e) = state.store.insert_snapshot(&row).await {
-                tracing::error!(run = %run, error = %e, "recording a periodic snapshot failed");
+            match state.store.insert_snapshot_once(&row).await {
+                Ok(true) => {}
+                // Another node of the service recorded it first.
+                Ok(false) => return,
+                Err(e) => {
+                    tracing::error!(run = %run, error = %e, "recording a periodic snapshot failed")
+                }
             }
             state.events.emit(
                 &run,
@@ -260,14 +271,12 @@ pub(super) async fn rank_written(state: &Snaps, id: &str, rank: u32, rows: Vec<F
 }
 
 pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
-    let step = p.written.iter().map(|f| f.step).max().unwrap_or(0);
-    let bytes: u64 = p.written.iter().map(|f| f.bytes).sum();
     match state
         .store
-        .complete_snapshot(id, step, &p.written, now_ms())
+        .add_snapshot_part(id, &p.written, p.needed, now_ms())
         .await
     {
-        Ok(true) => {
+        Ok(PartOutcome::Complete { step, bytes }) => {
             tracing::info!(run = %p.run, snapshot = %id, step, bytes, "snapshot complete");
             state.events.emit(
                 &p.run,
@@ -286,7 +295,19 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
                 tracing::warn!(run = %p.run, error = %e, "retention failed");
             }
         }
-        Ok(false) => {
+        Ok(PartOutcome::Waiting { ranks }) => {
+            // Other nodes write the rest: whoever writes the last part
+            // completes it; those waiting here learn it from the catalog.
+            tracing::info!(run = %p.run, snapshot = %id, ranks, needed = p.needed,
+                "this node's part of the snapshot is recorded");
+            if !p.waiters.is_empty() {
+                let (state, id) = (state.clone(), id.to_string());
+                tokio::spawn(
+                    async move { settle_from_catalog(&state, &p.run, &id, p.waiters).await },
+                );
+            }
+        }
+        Ok(PartOutcome::Gone) => {
             // Deleted or failed meanwhile: its files go.
             remove_files(state, &p.run, id).await;
             for w in p.waiters {
@@ -299,6 +320,31 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
                 let _ = w.send(Finished::Failed(e.to_string()));
             }
         }
+    }
+}
+
+/// Tells `waiters` how a snapshot other nodes complete ends, as the catalog
+/// says (polled until it is no longer pending, at most ten minutes).
+async fn settle_from_catalog(
+    state: &Snaps,
+    run: &str,
+    id: &str,
+    waiters: Vec<oneshot::Sender<Finished>>,
+) {
+    let until = Instant::now() + Duration::from_secs(600);
+    let outcome = loop {
+        match state.store.snapshot(run, id).await {
+            Ok(Some(row)) if row.status == SnapshotStatus::Complete => break Finished::Complete,
+            Ok(Some(row)) if row.status == SnapshotStatus::Failed => {
+                break Finished::Failed(row.reason.unwrap_or_default())
+            }
+            Ok(None) => break Finished::Failed("deleted".into()),
+            _ if Instant::now() >= until => break Finished::Failed("no answer in time".into()),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    for w in waiters {
+        let _ = w.send(outcome.clone());
     }
 }
 

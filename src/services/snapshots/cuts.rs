@@ -44,7 +44,7 @@ pub async fn create(
     // scheduled; a cut of "now" then looks again (a bounded number of times).
     let mut attempt = 0;
     loop {
-        let steps = run.engines.rank_steps(&config.name).await?;
+        let steps = spread::all_steps(state, run).await?;
         let (at, cut) = match step {
             Some(s) => (s, CutKind::Requested),
             None => cut_now(&config, &steps),
@@ -57,7 +57,7 @@ pub async fn create(
 }
 
 /// The profile names and indices a snapshot captures (default all).
-pub(super) fn profile_choice(
+pub fn profile_choice(
     config: &RunConfig,
     profiles: Option<Vec<String>>,
 ) -> Result<(Vec<String>, Vec<usize>), SnapshotError> {
@@ -101,9 +101,6 @@ pub(super) async fn schedule_manual(
             config.update_every
         )));
     }
-    // The run's resident bytes bound what the cut writes (every profile,
-    // copied tensors, mirror).
-    disk::check(state, run.resident_bytes())?;
     let id = snapshot_id(SnapshotKind::Manual, step);
     let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
     let row = SnapshotRow {
@@ -119,26 +116,16 @@ pub(super) async fn schedule_manual(
         )
     };
     state.store.insert_snapshot(&row).await?;
-    state.pending.register(
-        &id,
-        &config.name,
-        SnapshotKind::Manual,
-        (0..config.world_size).collect(),
-        Some(Instant::now() + timeout),
-        None,
-    );
-    let scheduled = run
-        .engines
-        .schedule_cut(&config.name, &id, step, indices.to_vec())
-        .await;
-    let scheduled = match scheduled {
-        Err(e @ (EngineError::Stopped | EngineError::QueueFull)) => return Err(e.into()),
-        other => other,
-    };
-    if let Err(e) = scheduled {
-        state.pending.take(&id);
+    if let Err(e) = accept(state, run, &id, step, indices).await {
         state.store.delete_snapshot(&id).await?;
-        return Err(SnapshotError::Conflict(e.to_string()));
+        return Err(e);
+    }
+    // The other nodes holding ranks of the run capture theirs at the same
+    // step; when one cannot, the cut is withdrawn everywhere.
+    if let Err(e) = spread::schedule_on_peers(state, run, &id, step, names).await {
+        withdraw(state, run, &id).await;
+        state.store.delete_snapshot(&id).await?;
+        return Err(e);
     }
     state.events.emit(
         &config.name,
@@ -151,6 +138,58 @@ pub(super) async fn schedule_manual(
         }),
     );
     Ok(row)
+}
+
+/// Registers this node's part of cut `id` at `step` and asks its engines
+/// for it (ranks already at `step` are captured at once); nothing when the
+/// node holds no rank of the run. The part is complete when this node's
+/// ranks are written; the snapshot, when every rank of the run is.
+pub async fn accept(
+    state: &Snaps,
+    run: &RunHandle,
+    id: &str,
+    step: u64,
+    indices: &[usize],
+) -> Result<(), SnapshotError> {
+    let config = &run.config;
+    let held = run.held_ranks();
+    if held.is_empty() {
+        return Ok(());
+    }
+    // The resident bytes of this node's ranks bound what it writes (every
+    // profile, copied tensors, mirror).
+    disk::check(state, run.resident_bytes())?;
+    let timeout = Duration::from_secs(config.snapshot_timeout_secs.max(1));
+    state.pending.register(
+        id,
+        &config.name,
+        SnapshotKind::Manual,
+        (held.into_iter().collect(), config.world_size),
+        Some(Instant::now() + timeout),
+        None,
+    );
+    let scheduled = run
+        .engines
+        .schedule_cut(&config.name, id, step, indices.to_vec())
+        .await;
+    match scheduled {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            state.pending.take(id);
+            Err(match e {
+                EngineError::Stopped | EngineError::QueueFull => e.into(),
+                other => SnapshotError::Conflict(other.to_string()),
+            })
+        }
+    }
+}
+
+/// Withdraws this node's part of cut `id` (another node could not take
+/// its part): the engines forget it, and what was already captured for it
+/// is discarded when written.
+pub async fn withdraw(state: &Snaps, run: &RunHandle, id: &str) {
+    run.engines.cancel_cut(&run.config.name, id).await;
+    state.pending.take(id);
 }
 
 /// `POST /finish`: marks the run finished at its furthest rank's last step
@@ -169,6 +208,13 @@ pub async fn finish(
             None => None,
         };
         return Ok((done, row));
+    }
+    if run.held_ranks().len() < run.config.world_size as usize {
+        return Err(SnapshotError::Spread(
+            "finishing a run whose ranks several nodes hold is not supported yet; \
+             take a snapshot instead"
+                .into(),
+        ));
     }
     let at = run.engines.shared().finish();
     let (names, indices) = profile_choice(&run.config, None)?;

@@ -7,6 +7,7 @@
 //! - `cuts`: manual cuts and the final snapshot of a finished run.
 //! - `capture`: the capture writer; completion and failure.
 //! - `retention`: deletion and the run's retention.
+//! - [`spread`]: a cut of a run whose ranks other nodes hold too.
 //! - `persist`: `state` snapshots, when due and at shutdown.
 //! - `restore`: resume and recovery at start.
 //! - [`disk`]: free space, checked before every snapshot or state write.
@@ -28,10 +29,11 @@ mod pending;
 mod persist;
 mod restore;
 mod retention;
+pub mod spread;
 
 use capture::*;
 pub use capture::{fail, record_failure};
-pub use cuts::{create, cut_now, finish, next_step};
+pub use cuts::{accept, create, cut_now, finish, next_step, profile_choice, withdraw};
 pub use pending::Snapshots;
 use pending::*;
 use persist::*;

@@ -11,8 +11,12 @@ use super::*;
 pub(super) struct Pending {
     pub(super) run: String,
     pub(super) kind: SnapshotKind,
-    /// Ranks whose files must be written before it completes.
+    /// Ranks of this node whose files must be written before its part is
+    /// recorded.
     pub(super) expected: BTreeSet<u32>,
+    /// Ranks with files the snapshot needs in all (other nodes write the
+    /// ranks they hold): it completes when the catalog has that many.
+    pub(super) needed: u32,
     pub(super) written: Vec<FileRow>,
     pub(super) writing: BTreeSet<u32>,
     pub(super) deadline: Option<Instant>,
@@ -68,7 +72,7 @@ impl Snapshots {
         id: &str,
         run: &str,
         kind: SnapshotKind,
-        expected: BTreeSet<u32>,
+        (expected, needed): (BTreeSet<u32>, u32),
         deadline: Option<Instant>,
         backlog: Option<Backlog>,
     ) {
@@ -78,6 +82,7 @@ impl Snapshots {
                 run: run.to_string(),
                 kind,
                 expected,
+                needed,
                 written: Vec::new(),
                 writing: BTreeSet::new(),
                 deadline,

@@ -46,7 +46,10 @@ pub async fn persist_state(
         &id,
         &run.config.name,
         SnapshotKind::State,
-        captures.iter().map(|c| c.rank).collect(),
+        (
+            captures.iter().map(|c| c.rank).collect(),
+            captures.len() as u32,
+        ),
         None,
         None,
     );
