@@ -51,6 +51,10 @@ pub struct Metrics {
     /// a push; `other`), and the batched writer's flushes.
     pub catalog_queries: IntCounterVec,
     pub catalog_flushes: IntCounter,
+    /// Pushes refused because this node's lease was too old to be sure it
+    /// still held the rank (`503 lease_lost`), and the lease's age.
+    pub pushes_fenced: IntCounter,
+    pub lease_age_ms: IntGauge,
     /// Runs in the catalog.
     pub runs: IntGauge,
     /// Push body bytes currently held in memory (received, not yet applied).
@@ -156,6 +160,18 @@ impl Metrics {
                     "polyak_catalog_writer_flushes_total",
                     "Batches of rank rows and events the catalog writer flushed (one transaction each)",
                 ),
+            ),
+            pushes_fenced: register(
+                &r,
+                IntCounter::new(
+                    "polyak_pushes_fenced_total",
+                    "Pushes refused (503 lease_lost) while this node's lease was too old to be sure it held the rank",
+                ),
+            ),
+            lease_age_ms: int_gauge(
+                &r,
+                "polyak_lease_age_milliseconds",
+                "Since the last lease renewal the catalog took was sent",
             ),
             inflight_bytes: int_gauge(
                 &r,

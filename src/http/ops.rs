@@ -128,6 +128,8 @@ async fn exposition(state: &AppState) -> Response {
             .set(engine.queued() as i64);
     }
     crate::services::snapshots::disk::refresh_gauge(state.snapshots());
+    let lease_age = state.shared().lease.age().as_millis();
+    state.metrics().lease_age_ms.set(lease_age as i64);
     state.metrics().sync_catalog_counts(
         crate::store::query_counts(),
         crate::store::writer::flushes(),

@@ -20,6 +20,7 @@ Periodic cuts meet in one catalog row per step, whichever node opens them.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import httpx
@@ -416,6 +417,11 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         # the others could see its lease expire.
         assert max(acked, default=0.0) < min(refused) < expired_at, (acked, refused, expired_at)
         assert min(refused) < lease
+        metrics = httpx.get(f"{b.url}/metrics", timeout=10).text
+        fenced = re.search(r"^polyak_pushes_fenced_total (\d+)", metrics, re.M)
+        assert fenced and int(fenced.group(1)) == len(refused), metrics
+        age = re.search(r"^polyak_lease_age_milliseconds (\d+)", metrics, re.M)
+        assert age and int(age.group(1)) > lease * 1000
         # The link is back: b renews and acknowledges again.
         proxy.mend()
         _wait(lambda: push().status_code == 200, 15, "b to acknowledge after the link is back")
