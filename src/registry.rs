@@ -231,6 +231,11 @@ impl RunHandle {
             .collect()
     }
 
+    /// Whether other nodes hold some of the run's ranks.
+    pub fn is_spread(&self) -> bool {
+        (0..self.config.world_size).any(|r| !self.holds(r))
+    }
+
     pub fn finished(&self) -> Option<RunFinish> {
         self.finished.lock().expect("run finish lock").clone()
     }

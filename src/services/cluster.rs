@@ -147,7 +147,7 @@ pub async fn sync(ctx: &Context) -> Result<Synced, ServiceError> {
         }
     }
     for run in ctx.registry.all_runs() {
-        if run.held_ranks().len() < run.config.world_size as usize {
+        if run.is_spread() {
             refresh(ctx, &nodes, &run).await?;
             out.refreshed += 1;
         }
@@ -285,11 +285,7 @@ pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
 
 /// Whether another node may have changed something this node shows.
 async fn needs_sync(ctx: &Context) -> bool {
-    let spread = ctx
-        .registry
-        .all_runs()
-        .iter()
-        .any(|r| r.held_ranks().len() < r.config.world_size as usize);
+    let spread = ctx.registry.all_runs().iter().any(|r| r.is_spread());
     if spread {
         return true;
     }

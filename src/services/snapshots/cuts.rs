@@ -209,7 +209,7 @@ pub async fn finish(
         };
         return Ok((done, row));
     }
-    if run.held_ranks().len() < run.config.world_size as usize {
+    if run.is_spread() {
         return Err(SnapshotError::Spread(
             "finishing a run whose ranks several nodes hold is not supported yet; \
              take a snapshot instead"
