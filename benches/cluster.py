@@ -12,13 +12,17 @@ does) and times each push from request to answer. The figures:
 - catalog queries made while answering pushes, per push (target 0): read
   from each node's ``polyak_catalog_queries_total{path="push"}``; the rank
   rows and events a push changes reach the catalog through the batched
-  writer, whose flushes per push are shown beside it.
+  writer, whose flushes per push are shown beside it;
+- failover time (target: within the lease plus 5 s): node b of the
+  three-node service is killed once it persisted its rank's state; the
+  seconds until a survivor acknowledges that rank's next push (placement
+  read through node a, retried every 50 ms), and the steps lost.
 
 Reported, never asserted. All nodes share this machine's cores, so the
 three-node figure also pays for two more idle servers.
 
 ``python benches/cluster.py --bin target/release/polyak`` (``--quick``:
-few small pushes, checks the script).
+few small pushes and a 3 s lease, checks the script).
 """
 
 from __future__ import annotations
@@ -136,6 +140,73 @@ def latencies(nodes: list[PolyakServer], name: str, ranks: int, bodies, pushes: 
     }
 
 
+def failover(nodes: list[PolyakServer], name: str, bodies, lease: float) -> dict:
+    """Kills node b (SIGKILL) under a run with a rank on every node, once
+    b persisted its rank's state, and pushes b's rank's next step the way
+    a client does (the placement read through node a, the push sent to
+    the owner, retried every 50 ms) until a survivor acknowledges it: the
+    seconds from the kill to that acknowledgement, and the steps lost."""
+    a, b = nodes[0], nodes[1]
+    with httpx.Client(base_url=a.url, timeout=60) as c:
+        c.post(
+            "/v1/runs",
+            json={
+                "name": name,
+                "world_size": len(nodes),
+                "persist_every_secs": 1,
+                "profiles": [{"name": "e", "kind": "constant", "beta": 0.99}],
+            },
+        ).raise_for_status()
+        placement = c.get(f"/v1/runs/{name}/placement").json()
+        rank = next(
+            int(r)
+            for r, p in placement.items()
+            if p["node"] == b.args[b.args.index("--node-id") + 1]
+        )
+
+        def put(url: str, r: int, step: int) -> httpx.Response:
+            return httpx.put(
+                f"{url}/v1/runs/{name}/ranks/{r}/steps/{step}",
+                content=bodies[step % len(bodies)],
+                timeout=10,
+            )
+
+        for step in range(3):
+            for r, p in placement.items():
+                put(p["url"], int(r), step).raise_for_status()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            snaps = c.get(f"/v1/runs/{name}/snapshots", params={"kind": "state"}).json()
+            if any(
+                s["status"] == "complete" and s["detail"]["rank_steps"].get(str(rank)) == 2
+                for s in snaps["snapshots"]
+            ):
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("b never persisted its rank's state")
+        b.kill()
+        killed = time.monotonic()
+        while True:
+            try:
+                owner = c.get(f"/v1/runs/{name}/placement").json()[str(rank)]
+                if put(owner["url"], rank, 3).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - killed > lease + 60:
+                raise RuntimeError("no survivor took b's rank")
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        lost = None
+        while lost is None and time.monotonic() - killed < lease + 90:
+            lost = (c.get(f"/v1/runs/{name}/ranks/{rank}").json().get("failover") or {}).get(
+                "lost_steps"
+            )
+            time.sleep(0.1)
+    return {"seconds": took, "owner": owner["node"], "lost": lost}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "polyak"))
@@ -143,10 +214,13 @@ def main() -> int:
     ap.add_argument("--numel", type=float, default=2.5e5, help="fp32 values per rank")
     ap.add_argument("--pushes", type=int, default=60, help="pushes per rank and round")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians taken")
+    ap.add_argument(
+        "--lease", type=float, default=10.0, help="the three-node service's --lease-secs"
+    )
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.numel, args.pushes, args.repeats = 1e4, 5, 1
+        args.numel, args.pushes, args.repeats, args.lease = 1e4, 5, 1, 3.0
     g = torch.Generator().manual_seed(0)
     bodies = [body_of(torch.randn(int(args.numel), generator=g)) for _ in range(2)]
     tmp = Path(tempfile.mkdtemp(prefix="polyak-cluster-"))
@@ -156,7 +230,13 @@ def main() -> int:
     try:
         for count in (1, 3):
             _, services[count] = backends.cluster(
-                tmp / f"service-{count}", count, "--engines", "1", binary=args.bin
+                tmp / f"service-{count}",
+                count,
+                "--engines",
+                "1",
+                "--lease-secs",
+                str(args.lease),
+                binary=args.bin,
             )
             for node in services[count]:
                 node.start()
@@ -164,6 +244,8 @@ def main() -> int:
             for count, nodes in services.items():
                 out = latencies(nodes, f"b{rep}", args.ranks, bodies, args.pushes)
                 results[count].append(out)
+        # Last: it kills a node of the three-node service.
+        failed = failover(services[3], "fo", bodies, args.lease)
     finally:
         for nodes in services.values():
             for node in nodes:
@@ -208,6 +290,22 @@ def main() -> int:
                 "-",
             )
         )
+    rows.append(
+        (
+            f"failover: SIGKILL to a survivor's first ack (lease {args.lease:g} s)",
+            f"{failed['seconds']:.2f} s",
+            f"<= {args.lease + 5:g} s",
+            "PASS" if failed["seconds"] <= args.lease + 5 else "MISS",
+        )
+    )
+    rows.append(
+        (
+            "failover: steps lost (after b's last state snapshot)",
+            f"{failed['lost']}",
+            "reported",
+            "-",
+        )
+    )
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'measured':>14}  target    result")
     for figure, value, target, result in rows:

@@ -90,10 +90,12 @@ async fn rate(engines: usize, numel: usize, rounds: u64, reps: usize) -> f64 {
             let started = Instant::now();
             let applied = join_all(pushes.into_iter().map(|(rank, push)| {
                 let n = name.clone();
-                run.engines
-                    .of(rank)
-                    .expect("every rank is held here")
-                    .call(move |e| e.push(&n, rank, step, push).map(|o| o.applied))
+                let engine = run.engines.of(rank).expect("every rank is held here");
+                async move {
+                    engine
+                        .call(move |e| e.push(&n, rank, step, push).map(|o| o.applied))
+                        .await
+                }
             }))
             .await;
             assert!(applied.into_iter().all(|a| a.unwrap().unwrap()));

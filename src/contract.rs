@@ -147,6 +147,9 @@ string_enum! {
         Finished = "finished",
         Resumed = "resumed",
         Restored = "restored",
+        /// A rank was taken over from a node that was gone (and, at its
+        /// next push, the steps its EMA lost).
+        Failover = "failover",
         Annotated = "annotated",
         Alert = "alert",
         /// Metric posts, for live subscribers only (not stored).

@@ -118,6 +118,7 @@ impl EventBus {
             rank,
             step,
             detail,
+            relayed: false,
         });
         if stored {
             if recent.len() == RECENT_EVENTS {
@@ -141,6 +142,12 @@ impl EventBus {
             .collect()
     }
 
+    /// Publishes an event another node emitted (read from the catalog) to
+    /// this node's live subscribers; it is neither numbered nor stored.
+    pub fn relay(&self, event: Arc<StoredEvent>) {
+        let _ = self.tx.send(event);
+    }
+
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<StoredEvent>> {
         self.tx.subscribe()
     }
@@ -159,6 +166,8 @@ pub enum Event {
     Finished(Finished),
     Resumed(Resumed),
     Restored(Restored),
+    /// One rank's failover (the event's rank is set).
+    Failover(crate::node::Failover),
     Annotated(Annotated),
     /// The alert as the alerts service lists it.
     Alert(serde_json::Value),
@@ -177,6 +186,7 @@ impl Event {
             Event::Finished(_) => EventKind::Finished,
             Event::Resumed(_) => EventKind::Resumed,
             Event::Restored(_) => EventKind::Restored,
+            Event::Failover(_) => EventKind::Failover,
             Event::Annotated(_) => EventKind::Annotated,
             Event::Alert(_) => EventKind::Alert,
             Event::Metrics(_) => EventKind::Metrics,
@@ -208,6 +218,7 @@ impl Event {
             Event::Finished(p) => json(p),
             Event::Resumed(p) => json(p),
             Event::Restored(p) => json(p),
+            Event::Failover(p) => json(p),
             Event::Annotated(p) => json(p),
             Event::Alert(v) => v.clone(),
             Event::Metrics(p) => json(p),

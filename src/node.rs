@@ -81,6 +81,46 @@ pub struct Owner {
     pub engine: Option<String>,
 }
 
+/// A rank taken over from a node that was gone: where it was restored from
+/// and, once its trainer pushed again, what was lost in between.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct Failover {
+    /// The node that held the rank, and the epoch its new owner holds it in.
+    pub from_node: String,
+    pub epoch: u64,
+    pub at_ms: i64,
+    /// The snapshot the EMA was restored from and the rank's step in it;
+    /// `None` when no snapshot held the rank (its EMA starts again from
+    /// the next push).
+    pub snapshot: Option<String>,
+    pub restored_step: Option<u64>,
+    /// The last step the catalog had seen the rank at (the lost node may
+    /// have applied later ones before it stopped).
+    pub last_seen_step: Option<u64>,
+    /// The first step the new owner applied; with `lost_steps`, set by the
+    /// first push after the failover.
+    pub resumed_step: Option<u64>,
+    /// Update steps between `restored_step` and `resumed_step` that the EMA
+    /// does not have: applied by the lost node after its last snapshot, or
+    /// never pushed again.
+    pub lost_steps: Option<u64>,
+}
+
+impl Failover {
+    /// The first push after the failover, at `step`: the update steps the
+    /// EMA misses, those after the restored step and before `step` (every
+    /// `update_every`-th step counts; with no restored state, every update
+    /// step before `step`).
+    pub fn resumed_at(&mut self, step: u64, update_every: u64) {
+        let every = update_every.max(1);
+        // Update steps in [from, step): multiples of `every`.
+        let from = self.restored_step.map_or(0, |r| r + 1);
+        let count = |n: u64| n.div_ceil(every);
+        self.resumed_step = Some(step);
+        self.lost_steps = Some(count(step).saturating_sub(count(from)));
+    }
+}
+
 /// A node new ranks may be placed on: its memory budget and the ranks it
 /// already holds.
 #[derive(Debug, Clone)]
@@ -236,6 +276,12 @@ impl Lease {
         }
         let age = self.age();
         (age.as_secs_f64() >= self.lease.as_secs_f64() * FENCE_AT).then_some(age)
+    }
+
+    /// Whether the lease is old enough to fence pushes (were the service
+    /// shared): another node may have taken this one's ranks since.
+    pub fn lapsed(&self) -> bool {
+        self.age().as_secs_f64() >= self.lease.as_secs_f64() * FENCE_AT
     }
 
     /// The lease's length.

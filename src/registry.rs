@@ -9,12 +9,12 @@ use prometheus::IntGauge;
 use sha2::{Digest, Sha256};
 
 use crate::clock::now_ms;
-use crate::engine::capture::CaptureEvent;
+use crate::engine::capture::{CaptureEvent, RestoredRank};
 use crate::engine::rank::RankLayout;
 use crate::engine::shared::RunShared;
 use crate::engine::spread::RunEngines;
 use crate::engine::{device, EngineError, EngineHandle, FinishedAt};
-pub use crate::node::Owner;
+pub use crate::node::{Failover, Owner};
 use crate::run::RunConfig;
 use crate::snapshot::meta;
 use crate::store::nodes::NodeRow;
@@ -55,6 +55,8 @@ pub struct RankSummary {
     pub drift_step: Option<u64>,
     /// Wire bytes against logical bytes, codec time.
     pub wire: crate::wire::stats::WireStats,
+    /// The rank's last failover, when its node was ever lost.
+    pub failover: Option<Failover>,
 }
 
 /// Milliseconds without a push after which a rank counts as stale, at
@@ -129,6 +131,7 @@ impl RankSummary {
             tensors,
             numel,
             live: false,
+            failover: row.failover.and_then(|f| serde_json::from_value(f).ok()),
             ..Default::default()
         }
     }
@@ -143,6 +146,7 @@ impl RankSummary {
             rejections: self.rejections,
             resident_bytes: self.resident_bytes,
             last_push_at_ms: self.last_push_at_ms,
+            failover: None,
         }
     }
 }
@@ -391,7 +395,7 @@ impl Registry {
         let engines: Vec<(u32, String)> = labels
             .iter()
             .enumerate()
-            .filter_map(|(r, l)| l.map(|l| (r as u32, l.to_string())))
+            .filter_map(|(r, l)| l.clone().map(|l| (r as u32, l)))
             .collect();
         if engines.is_empty() {
             return;
@@ -554,11 +558,63 @@ impl Registry {
         Ok((handles, by_rank))
     }
 
+    /// Ranks of `run` this node took over at `epoch` (their node is gone):
+    /// each goes to the least loaded engine of the run's device, restored
+    /// from `ranks`' state (or empty), and this node is their owner from now.
+    pub async fn adopt_ranks(
+        &self,
+        run: &RunHandle,
+        ranks: Vec<(u32, Option<RestoredRank>)>,
+        epoch_of: &BTreeMap<u32, u64>,
+    ) -> Result<(), EngineError> {
+        type Part = Vec<(u32, Option<RestoredRank>)>;
+        let mut per_engine: Vec<(EngineHandle, Part)> = Vec::new();
+        for (rank, restored) in ranks {
+            let (handle, _) = self
+                .place(&run.config.device, 1, &[true])
+                .map_err(|_| EngineError::Stopped)?;
+            let handle = handle.into_iter().next().ok_or(EngineError::Stopped)?;
+            match per_engine
+                .iter_mut()
+                .find(|(h, _)| h.label() == handle.label())
+            {
+                Some((_, part)) => part.push((rank, restored)),
+                None => per_engine.push((handle, vec![(rank, restored)])),
+            }
+        }
+        for (handle, part) in per_engine {
+            let label = handle.label().to_string();
+            let taken: Vec<u32> = part.iter().map(|(r, _)| *r).collect();
+            run.engines.adopt(run.config.clone(), handle, part).await?;
+            let mut owners = run.placement.write().expect("placement lock");
+            for rank in taken {
+                if let Some(slot) = owners.get_mut(rank as usize) {
+                    let mut me = self.me(epoch_of.get(&rank).copied().unwrap_or(1));
+                    me.engine = Some(label.clone());
+                    *slot = me;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ranks of `run` another node holds now (it took them over while this
+    /// node was cut off): freed here, so pushes for them go to the owner.
+    pub async fn release_ranks(&self, run: &RunHandle, ranks: &[u32]) {
+        let freed = run.engines.release(&run.config.name, ranks).await;
+        let mut engines = self.engines.lock().expect("engines lock");
+        for label in freed {
+            if let Some((_, held)) = engines.get_mut(&label) {
+                *held = held.saturating_sub(1);
+            }
+        }
+    }
+
     /// Gives back the ranks a run held on its engines (the run is gone).
     fn unplace(&self, run: &RunHandle) {
         let mut engines = self.engines.lock().expect("engines lock");
         for label in run.engines.labels().into_iter().flatten() {
-            if let Some((_, held)) = engines.get_mut(label) {
+            if let Some((_, held)) = engines.get_mut(&label) {
                 *held = held.saturating_sub(1);
             }
         }
@@ -624,7 +680,7 @@ impl Registry {
         let mut owners = owners;
         for (rank, label) in engines.labels().iter().enumerate() {
             if let (Some(owner), Some(label)) = (owners.get_mut(rank), label) {
-                owner.engine = Some(label.to_string());
+                owner.engine = Some(label.clone());
             }
         }
         let handle = Arc::new(RunHandle {
@@ -705,6 +761,39 @@ mod tests {
             recent: times.iter().map(|&t| (t, 1)).collect(),
             ..RankSummary::default()
         }
+    }
+
+    #[test]
+    fn a_failover_counts_the_update_steps_between_restore_and_resume() {
+        let taken = |restored| Failover {
+            from_node: "b".into(),
+            epoch: 2,
+            at_ms: 0,
+            snapshot: None,
+            restored_step: restored,
+            last_seen_step: None,
+            resumed_step: None,
+            lost_steps: None,
+        };
+        let lost = |restored, step, every| {
+            let mut f = taken(restored);
+            f.resumed_at(step, every);
+            assert_eq!(f.resumed_step, Some(step));
+            f.lost_steps.unwrap()
+        };
+        // Every step updates: 10..=14 lost between 9 and 15.
+        assert_eq!(lost(Some(9), 15, 1), 5);
+        // Nothing lost: the next step is the one after the restored one.
+        assert_eq!(lost(Some(14), 15, 1), 0);
+        // Every 5th step: the update steps after 5 and before the push ...
+        assert_eq!(lost(Some(5), 20, 5), 2); // 10, 15
+        assert_eq!(lost(Some(5), 10, 5), 0);
+        // ... and a resume off the update grid counts those before it.
+        assert_eq!(lost(Some(5), 17, 5), 2); // 10, 15
+                                             // No snapshot held the rank: every update step before the push.
+        assert_eq!(lost(None, 7, 1), 7);
+        assert_eq!(lost(None, 0, 1), 0);
+        assert_eq!(lost(None, 12, 5), 3); // 0, 5, 10
     }
 
     #[test]

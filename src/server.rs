@@ -39,7 +39,8 @@ pub async fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
     let store_kind = store.kind().name();
     let objects = open_objects(&args)?;
     let objects_kind = objects.kind();
-    let (catalog, writer) = CatalogWriter::spawn(store.clone());
+    let node_id = crate::node::identity(&args).0;
+    let (catalog, writer) = CatalogWriter::spawn(store.clone(), node_id);
     let (state, captures) = AppInner::open(args, default_device, catalog, store, objects).await?;
     crate::services::snapshots::recover(state.snapshots())
         .await
@@ -130,6 +131,7 @@ impl Tasks {
             state.ingest().spawn_trim(stop_rx.clone()),
             crate::services::nodes::spawn(state.shared().clone(), stop_rx.clone()),
             crate::services::cluster::spawn(state.shared().clone(), stop_rx.clone()),
+            crate::services::cluster::spawn_event_relay(state.shared().clone(), stop_rx.clone()),
         ];
         let snapshots =
             crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);

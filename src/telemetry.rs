@@ -65,6 +65,10 @@ pub struct Metrics {
     pub metric_points: IntCounterVec,
     /// Periodic snapshots skipped because the run's backlog was full, by run.
     pub snapshots_skipped: IntCounterVec,
+    /// Ranks this node took over from a node that was gone, by run, and the
+    /// update steps their EMA lost (known at each rank's next push).
+    pub failover_ranks: IntCounterVec,
+    pub failover_steps_lost: IntCounterVec,
     /// Alerts firing now, per run and kind (see `alerts`).
     pub alerts_firing: IntGaugeVec,
     /// Client connections being served.
@@ -200,6 +204,18 @@ impl Metrics {
                 "Periodic snapshots skipped while earlier ones were still being written",
                 &["run"],
             ),
+            failover_ranks: int_counters(
+                &r,
+                "polyak_failover_ranks_total",
+                "Ranks this node took over from a node whose lease expired, by run",
+                &["run"],
+            ),
+            failover_steps_lost: int_counters(
+                &r,
+                "polyak_failover_steps_lost_total",
+                "Update steps missing from the EMA of ranks taken over (between the restored snapshot and the next push), by run",
+                &["run"],
+            ),
             alerts_firing: int_gauges(
                 &r,
                 "polyak_alerts_firing",
@@ -241,6 +257,8 @@ impl Metrics {
         let _ = self.resident_bytes.remove_label_values(&[run]);
         let _ = self.metric_points.remove_label_values(&[run]);
         let _ = self.snapshots_skipped.remove_label_values(&[run]);
+        let _ = self.failover_ranks.remove_label_values(&[run]);
+        let _ = self.failover_steps_lost.remove_label_values(&[run]);
         for kind in crate::run::alerts::KINDS {
             let _ = self.alerts_firing.remove_label_values(&[run, kind]);
         }

@@ -39,17 +39,21 @@ const LAYERS: &[(&str, u32)] = &[
     ("services", 6),
     ("services::error", 6),
     ("services::monitor", 7),
-    ("services::nodes", 7),
-    ("services::cluster", 7),
+    ("services::peer", 7),
     ("services::alerts", 7),
     ("services::pipeline", 7),
     ("services::snapshots", 8),
+    // Built on the snapshot lifecycle: ingest, deleting runs, and the
+    // service's nodes keeping up with each other (failover restores ranks
+    // from snapshots); the lease, which lets taken ranks go, last.
     ("services::ingest", 9),
     ("services::runs", 9),
+    ("services::cluster", 9),
+    ("services::nodes", 10),
     // Handles to the services, then the HTTP edge, then the wiring.
-    ("state", 10),
-    ("http", 11),
-    ("server", 12),
+    ("state", 11),
+    ("http", 12),
+    ("server", 13),
 ];
 
 /// The module path of a source file: `src/services/ingest.rs` ->

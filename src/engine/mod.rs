@@ -312,6 +312,63 @@ impl Engine {
         );
     }
 
+    /// Ranks taken over from a node that is gone: this engine holds them
+    /// from now, each restored (or empty, to be registered by its next
+    /// push). The run's other ranks here are left as they are.
+    pub fn adopt(
+        &mut self,
+        config: Arc<RunConfig>,
+        shared: Arc<RunShared>,
+        ranks: Vec<(u32, Option<RestoredRank>)>,
+    ) -> Result<(), EngineError> {
+        let device = self.device;
+        let mut built = Vec::with_capacity(ranks.len());
+        for (rank, restored) in ranks {
+            let state = restored
+                .map(|r| r.into_state(&config, device))
+                .transpose()?;
+            built.push((rank, state));
+        }
+        if !self.runs.contains_key(&config.name) {
+            self.add_run(config.clone(), &[], shared);
+        }
+        let entry = self.runs.get_mut(&config.name).expect("run added");
+        for (rank, state) in built {
+            let r = rank as usize;
+            if r >= entry.ranks.len() {
+                continue;
+            }
+            let step = state.as_ref().and_then(|s| s.last_step);
+            entry.shared.settle(rank, step);
+            entry.shared.set_resident(
+                rank,
+                state.as_ref().map_or(0, |s| s.resident_bytes(&config)),
+            );
+            entry.owned[r] = true;
+            entry.ranks[r] = state;
+            if step > entry.last_periodic {
+                entry.last_periodic = step;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ranks another node took: their tensors are freed and pushes for
+    /// them refused here.
+    pub fn release(&mut self, run: &str, ranks: &[u32]) {
+        let Some(entry) = self.runs.get_mut(run) else {
+            return;
+        };
+        for &rank in ranks {
+            let r = rank as usize;
+            if r < entry.ranks.len() {
+                entry.owned[r] = false;
+                entry.ranks[r] = None;
+                entry.shared.set_resident(rank, 0);
+            }
+        }
+    }
+
     /// Frees every tensor of a run.
     pub fn drop_run(&mut self, name: &str) -> bool {
         self.runs.remove(name).is_some()

@@ -6,7 +6,7 @@
 //! comparison's exports, dropping the run) go to each of the run's engines
 //! at once and their answers are merged here.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use futures::future::join_all;
 
@@ -15,17 +15,24 @@ use super::shared::RunShared;
 use super::{CutScheduled, EmaExport, Engine, EngineError, EngineHandle};
 
 /// The engines of one run on this node, and which holds each rank (ranks
-/// another node holds have none here).
+/// another node holds have none here). Ranks are added when this node
+/// takes them over from a node that is gone, and released when another
+/// node took them; engines are only ever appended, so an index into
+/// [`Self::all`] stays valid.
 #[derive(Clone)]
 pub struct RunEngines {
-    handles: Vec<EngineHandle>,
-    /// Per rank: its engine's index in `handles`; `None` off this node.
-    by_rank: Vec<Option<usize>>,
+    layout: Arc<RwLock<Layout>>,
     shared: Arc<RunShared>,
 }
 
+struct Layout {
+    handles: Vec<EngineHandle>,
+    /// Per rank: its engine's index in `handles`; `None` off this node.
+    by_rank: Vec<Option<usize>>,
+}
+
 impl RunEngines {
-    /// `by_rank[r]` indexes `handles`; every handle holds at least one rank.
+    /// `by_rank[r]` indexes `handles`.
     pub fn new(
         handles: Vec<EngineHandle>,
         by_rank: Vec<Option<usize>>,
@@ -33,41 +40,114 @@ impl RunEngines {
     ) -> Self {
         debug_assert!(by_rank.iter().flatten().all(|&i| i < handles.len()));
         RunEngines {
-            handles,
-            by_rank,
+            layout: Arc::new(RwLock::new(Layout { handles, by_rank })),
             shared,
         }
     }
 
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Layout> {
+        self.layout.read().expect("run engines lock")
+    }
+
     /// The engine holding `rank`; `None` when another node holds it.
-    pub fn of(&self, rank: u32) -> Option<&EngineHandle> {
-        let i = (*self.by_rank.get(rank as usize)?)?;
-        self.handles.get(i)
+    pub fn of(&self, rank: u32) -> Option<EngineHandle> {
+        let layout = self.read();
+        let i = (*layout.by_rank.get(rank as usize)?)?;
+        layout.handles.get(i).cloned()
     }
 
     /// Whether an engine here holds `rank`.
     pub fn holds(&self, rank: u32) -> bool {
-        self.of(rank).is_some()
+        self.read()
+            .by_rank
+            .get(rank as usize)
+            .is_some_and(|i| i.is_some())
     }
 
-    pub fn all(&self) -> &[EngineHandle] {
-        &self.handles
+    /// The run's engines on this node (some may hold no rank any more).
+    pub fn all(&self) -> Vec<EngineHandle> {
+        self.read().handles.clone()
     }
 
     /// The ranks the `i`-th engine holds.
     pub fn ranks_of(&self, i: usize) -> Vec<u32> {
-        (0..self.by_rank.len() as u32)
-            .filter(|&r| self.by_rank[r as usize] == Some(i))
+        let layout = self.read();
+        (0..layout.by_rank.len() as u32)
+            .filter(|&r| layout.by_rank[r as usize] == Some(i))
             .collect()
     }
 
     /// Per rank, the label of its engine (`cpu#0`, `cuda:1`); `None` for
     /// ranks another node holds.
-    pub fn labels(&self) -> Vec<Option<&str>> {
-        self.by_rank
+    pub fn labels(&self) -> Vec<Option<String>> {
+        let layout = self.read();
+        layout
+            .by_rank
             .iter()
-            .map(|i| i.map(|i| self.handles[i].label()))
+            .map(|i| i.map(|i| layout.handles[i].label().to_string()))
             .collect()
+    }
+
+    /// Ranks this node takes over: `engine` holds `ranks` from now, each
+    /// restored from `restored` (or empty, for a rank no snapshot holds).
+    /// `config` adds the run to an engine that did not hold it yet.
+    pub async fn adopt(
+        &self,
+        config: Arc<crate::run::RunConfig>,
+        engine: EngineHandle,
+        ranks: Vec<(u32, Option<RestoredRank>)>,
+    ) -> Result<(), EngineError> {
+        let taken: Vec<u32> = ranks.iter().map(|(r, _)| *r).collect();
+        let shared = self.shared.clone();
+        engine
+            .call(move |e| e.adopt(config, shared, ranks))
+            .await??;
+        let mut layout = self.layout.write().expect("run engines lock");
+        let i = match layout
+            .handles
+            .iter()
+            .position(|h| h.label() == engine.label())
+        {
+            Some(i) => i,
+            None => {
+                layout.handles.push(engine);
+                layout.handles.len() - 1
+            }
+        };
+        for rank in taken {
+            if let Some(slot) = layout.by_rank.get_mut(rank as usize) {
+                *slot = Some(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ranks another node holds now: freed here, and no longer served.
+    /// Returns the labels of the engines that held them.
+    pub async fn release(&self, run: &str, ranks: &[u32]) -> Vec<String> {
+        let mut freed = Vec::new();
+        let per_engine: Vec<(EngineHandle, Vec<u32>)> = {
+            let mut layout = self.layout.write().expect("run engines lock");
+            let mut out: Vec<(EngineHandle, Vec<u32>)> = Vec::new();
+            for &rank in ranks {
+                let Some(slot) = layout.by_rank.get_mut(rank as usize) else {
+                    continue;
+                };
+                let Some(i) = slot.take() else { continue };
+                let handle = layout.handles[i].clone();
+                freed.push(handle.label().to_string());
+                match out.iter_mut().find(|(h, _)| h.label() == handle.label()) {
+                    Some((_, rs)) => rs.push(rank),
+                    None => out.push((handle, vec![rank])),
+                }
+            }
+            out
+        };
+        for (handle, ranks) in per_engine {
+            let name = run.to_string();
+            let _ = handle.call(move |e| e.release(&name, &ranks)).await;
+        }
+        freed
     }
 
     pub fn shared(&self) -> &Arc<RunShared> {
@@ -81,7 +161,7 @@ impl RunEngines {
         R: Send + 'static,
         F: Fn(&mut Engine) -> R + Clone + Send + 'static,
     {
-        join_all(self.handles.iter().map(|h| h.call(f.clone())))
+        join_all(self.all().iter().map(|h| h.call(f.clone())))
             .await
             .into_iter()
             .collect()
@@ -93,7 +173,7 @@ impl RunEngines {
         R: Send + 'static,
         F: Fn(&mut Engine) -> R + Clone + Send + 'static,
     {
-        join_all(self.handles.iter().map(|h| h.try_call(f.clone())))
+        join_all(self.all().iter().map(|h| h.try_call(f.clone())))
             .await
             .into_iter()
             .collect()
@@ -103,7 +183,7 @@ impl RunEngines {
     pub async fn rank_steps(&self, run: &str) -> Result<Vec<Option<u64>>, EngineError> {
         let name = run.to_string();
         let per_engine = self.call_all(move |e| e.rank_steps(&name)).await?;
-        let mut out = vec![None; self.by_rank.len()];
+        let mut out = vec![None; self.read().by_rank.len()];
         for steps in per_engine {
             for (slot, step) in out.iter_mut().zip(steps?) {
                 *slot = (*slot).or(step);
@@ -186,7 +266,9 @@ impl RunEngines {
     /// A state snapshot covering `covered[i]` changes of engine `i` is
     /// complete.
     pub async fn mark_persisted(&self, run: &str, covered: Vec<u64>) -> Result<(), EngineError> {
-        for (h, n) in self.handles.iter().zip(covered) {
+        // Engines are only appended: the first `covered.len()` are the
+        // ones that captured.
+        for (h, n) in self.all().iter().zip(covered) {
             let name = run.to_string();
             h.call(move |e| e.mark_persisted(&name, n)).await?;
         }
@@ -202,15 +284,19 @@ impl RunEngines {
         ranks: Vec<(u32, RestoredRank)>,
     ) -> Result<(), EngineError> {
         let furthest = ranks.iter().filter_map(|(_, r)| r.meta.last_step).max();
+        let (handles, by_rank) = {
+            let layout = self.read();
+            (layout.handles.clone(), layout.by_rank.clone())
+        };
         let mut per_engine: Vec<Vec<(u32, RestoredRank)>> =
-            (0..self.handles.len()).map(|_| Vec::new()).collect();
+            (0..handles.len()).map(|_| Vec::new()).collect();
         for (rank, restored) in ranks {
-            if let Some(Some(i)) = self.by_rank.get(rank as usize) {
+            if let Some(Some(i)) = by_rank.get(rank as usize) {
                 per_engine[*i].push((rank, restored));
             }
         }
         self.shared.reset_periodic(furthest);
-        let calls = self.handles.iter().zip(per_engine).map(|(h, part)| {
+        let calls = handles.iter().zip(per_engine).map(|(h, part)| {
             let name = run.to_string();
             h.call(move |e| e.restore(&name, part))
         });

@@ -81,6 +81,9 @@ pub async fn events(
         return Ok(Json(list).into_response());
     }
     let replayed_to = history.last().map(|e| e.id).unwrap_or(since);
+    // Other nodes' events (relayed from the catalog) carry ids of their
+    // own blocks: those already replayed are known by id.
+    let replayed: std::collections::HashSet<i64> = history.iter().map(|e| e.id).collect();
     let run_name = name.clone();
     // A subscriber that falls behind is ended; EventSource reconnects with
     // `Last-Event-ID` and replays what it missed from the catalog.
@@ -88,7 +91,14 @@ pub async fn events(
         .take_while(|item| futures::future::ready(item.is_ok()))
         .filter_map(move |item| {
             let keep = match item {
-                Ok(e) if e.run == run_name && e.id > replayed_to && filter.wants(&e) => Some(e),
+                Ok(e)
+                    if e.run == run_name
+                        && (e.id > replayed_to || e.relayed)
+                        && !replayed.contains(&e.id)
+                        && filter.wants(&e) =>
+                {
+                    Some(e)
+                }
                 _ => None,
             };
             futures::future::ready(keep)

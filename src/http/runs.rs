@@ -575,6 +575,10 @@ pub struct RankView {
     pub drift: BTreeMap<String, f64>,
     /// Wire bytes against logical bytes, and codec time.
     pub wire: crate::wire::stats::WireStats,
+    /// The rank's last failover: taken over from a node that was gone,
+    /// restored from a snapshot, and (after its next push) the update
+    /// steps its EMA lost. `null` when its node never failed.
+    pub failover: Option<crate::registry::Failover>,
     /// The registered layout (with `?layout=true`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -630,6 +634,7 @@ impl RankView {
                 .map(|(p, (d, o))| (p.clone(), if *o > 0.0 { (d / o).sqrt() } else { d.sqrt() }))
                 .collect(),
             wire: s.wire.clone(),
+            failover: s.failover.clone(),
             layout: if with_layout {
                 s.layout.as_deref().cloned()
             } else {

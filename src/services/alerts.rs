@@ -429,7 +429,8 @@ fn snapshot_status(event: &StoredEvent) -> Option<SnapshotEventStatus> {
 }
 
 fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
-    if event.kind == EventKind::Alert {
+    // Another node's events are its own alerts' to evaluate.
+    if event.kind == EventKind::Alert || event.relayed {
         return;
     }
     let Some(run) = state.run(&event.run) else {

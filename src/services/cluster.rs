@@ -14,23 +14,23 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+pub use super::peer::{peer_client, peer_request, FORWARDED};
 use super::{Context, ServiceError};
+use crate::clock::now_ms;
+use crate::events::Event;
 use crate::node::{assign, Candidate, Owner};
-use crate::registry::{RankSummary, RunHandle};
+use crate::registry::{Failover, RankSummary, RunHandle};
 use crate::store::nodes::NodeRow;
+use crate::store::placement::Placed;
+use crate::store::writer::EVENTS_CHANNEL;
+use crate::store::CatalogKind;
+use sqlx::postgres::PgListener;
 
 /// How often a node of a service with several nodes looks at the catalog.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 
-/// How long a node waits for a peer it tells of a change.
-const PEER_TIMEOUT: Duration = Duration::from_secs(3);
-
 /// The path a node asks a peer to sync on.
 pub const SYNC_PATH: &str = "/v1/internal/sync";
-
-/// Header set on a request one node forwards to another (a forwarded
-/// request is never forwarded again).
-pub const FORWARDED: &str = "polyak-forwarded";
 
 /// Where the ranks of a new run go: over the live nodes, balanced by the
 /// ranks each holds and its memory budget (see [`assign`]); this node
@@ -92,6 +92,8 @@ pub struct Synced {
     pub removed: Vec<String>,
     /// Runs whose ranks held elsewhere were refreshed from the catalog.
     pub refreshed: usize,
+    /// Ranks this node took over from nodes that are gone.
+    pub taken_over: usize,
 }
 
 /// Syncs are one at a time (a told sync and the periodic one must not
@@ -146,6 +148,7 @@ pub async fn sync(ctx: &Context) -> Result<Synced, ServiceError> {
             tracing::info!(run = %name, "run learnt from the catalog");
         }
     }
+    out.taken_over = take_over(ctx, &nodes).await?;
     for run in ctx.registry.all_runs() {
         if run.is_spread() {
             refresh(ctx, &nodes, &run).await?;
@@ -153,6 +156,207 @@ pub async fn sync(ctx: &Context) -> Result<Synced, ServiceError> {
         }
     }
     Ok(out)
+}
+
+/// Failover. For every run: frees the ranks this node holds that the
+/// catalog says another node took (this node was cut off long enough for
+/// its lease to expire); claims, at their epoch plus one, its share of the
+/// ranks whose node is gone (lease expired, or left), balanced over the
+/// live nodes like a new run's; and installs every rank the catalog
+/// places here that no engine holds yet, restored from the newest
+/// snapshot holding it. Returns the ranks installed.
+async fn take_over(ctx: &Context, nodes: &[NodeRow]) -> Result<usize, ServiceError> {
+    let me = ctx.registry.node_id().to_string();
+    let live = |id: &str| {
+        id == me
+            || nodes
+                .iter()
+                .any(|n| n.info.node_id == id && n.status == "live")
+    };
+    let mut candidates: Vec<Candidate> = Vec::new();
+    let mut installed = 0;
+    for run in ctx.registry.all_runs() {
+        let name = run.config.name.clone();
+        let placed = ctx.store.placement(&name).await?;
+        release_lost(ctx, &run, &placed).await;
+        let orphans: Vec<(u32, u64)> = placed
+            .iter()
+            .filter(|p| !live(&p.node_id))
+            .map(|p| (p.rank, p.epoch))
+            .collect();
+        // A node whose own lease is in doubt takes nothing.
+        if !orphans.is_empty() && ctx.lease.fenced().is_none() {
+            if candidates.is_empty() {
+                candidates = live_candidates(ctx, nodes).await?;
+            }
+            let shares = assign(orphans.len() as u32, &candidates);
+            let mine: Vec<(u32, Option<u64>)> = orphans
+                .iter()
+                .zip(&shares)
+                .filter(|(_, node)| **node == me)
+                .map(|(&(rank, epoch), _)| (rank, Some(epoch)))
+                .collect();
+            // The next run's orphans are balanced with these counted.
+            for c in candidates.iter_mut() {
+                c.held += shares.iter().filter(|n| **n == c.node_id).count() as u64;
+            }
+            if !mine.is_empty() {
+                let won = ctx.store.claim_ranks(&name, &me, &mine, now_ms()).await?;
+                if !won.is_empty() {
+                    tracing::warn!(run = %name, ranks = ?won.iter().map(|p| p.rank).collect::<Vec<_>>(),
+                        "took over the ranks of a node whose lease expired");
+                }
+            }
+        }
+        let placed = ctx.store.placement(&name).await?;
+        let to_install: Vec<(u32, u64)> = placed
+            .iter()
+            .filter(|p| p.node_id == me && !run.holds(p.rank))
+            .map(|p| (p.rank, p.epoch))
+            .collect();
+        if !to_install.is_empty() {
+            install_taken(ctx, &run, &to_install).await?;
+            installed += to_install.len();
+        }
+    }
+    if installed > 0 {
+        tell_peers(ctx).await;
+    }
+    Ok(installed)
+}
+
+/// Frees the ranks this node holds of `run` that `placed` (the catalog)
+/// says another node holds now.
+async fn release_lost(ctx: &Context, run: &RunHandle, placed: &[Placed]) {
+    let me = ctx.registry.node_id();
+    let lost: Vec<u32> = placed
+        .iter()
+        .filter(|p| p.node_id != me && run.holds(p.rank))
+        .map(|p| p.rank)
+        .collect();
+    if !lost.is_empty() {
+        ctx.registry.release_ranks(run, &lost).await;
+        tracing::warn!(run = %run.config.name, ranks = ?lost,
+            "another node took these ranks while this one could not renew its lease; released");
+    }
+}
+
+/// Frees every rank another node took over from this one. Called after a
+/// renewal that followed a lapse, before pushes are acknowledged again:
+/// a claim either committed before that renewal (and is seen here) or
+/// found the lease live and failed (see [`crate::store::Store::claim_ranks`]).
+pub async fn release_taken(ctx: &Context) -> Result<(), ServiceError> {
+    for run in ctx.registry.all_runs() {
+        if run.held_ranks().is_empty() {
+            continue;
+        }
+        let placed = ctx.store.placement(&run.config.name).await?;
+        release_lost(ctx, &run, &placed).await;
+    }
+    Ok(())
+}
+
+/// The live nodes as placement candidates, sorted by id so every node
+/// shares the same view of who takes which orphaned rank.
+async fn live_candidates(ctx: &Context, nodes: &[NodeRow]) -> Result<Vec<Candidate>, ServiceError> {
+    let held = ctx.store.ranks_per_node().await?;
+    let mut out: Vec<Candidate> = nodes
+        .iter()
+        .filter(|n| n.status == "live" || n.info.node_id == ctx.registry.node_id())
+        .map(|n| Candidate {
+            node_id: n.info.node_id.clone(),
+            budget: n.info.memory_budget,
+            held: held.get(&n.info.node_id).copied().unwrap_or(0),
+        })
+        .collect();
+    out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    Ok(out)
+}
+
+/// Installs ranks the catalog placed on this node at `(rank, epoch)`,
+/// taken from a node that is gone: each restored from the newest snapshot
+/// holding it, reported (event, metric, rank view) with the steps it may
+/// have lost.
+async fn install_taken(
+    ctx: &Context,
+    run: &RunHandle,
+    ranks: &[(u32, u64)],
+) -> Result<(), ServiceError> {
+    let name = &run.config.name;
+    let wanted: Vec<u32> = ranks.iter().map(|(r, _)| *r).collect();
+    let newest =
+        crate::services::snapshots::newest_states(&ctx.store, &ctx.objects, &run.config, &wanted)
+            .await?;
+    let history = ctx.store.placement_log(name).await?;
+    let seen: std::collections::HashMap<u32, Option<u64>> = ctx
+        .store
+        .list_ranks(name)
+        .await?
+        .into_iter()
+        .map(|r| (r.rank, r.last_step))
+        .collect();
+    let epochs: std::collections::BTreeMap<u32, u64> = ranks.iter().copied().collect();
+    let at_ms = now_ms();
+    let mut reports = Vec::new();
+    let mut states = Vec::new();
+    for (rank, found) in newest {
+        let epoch = epochs[&rank];
+        let from_node = history
+            .iter()
+            .find(|h| h.rank == rank && h.epoch + 1 == epoch)
+            .map(|h| h.node_id.clone())
+            .unwrap_or_default();
+        let (snapshot, restored_step, state) = match found {
+            Some(f) => (Some(f.snapshot), Some(f.step), Some(f.state)),
+            None => (None, None, None),
+        };
+        reports.push((
+            rank,
+            Failover {
+                from_node,
+                epoch,
+                at_ms,
+                snapshot,
+                restored_step,
+                last_seen_step: seen.get(&rank).copied().flatten(),
+                resumed_step: None,
+                lost_steps: None,
+            },
+        ));
+        states.push((rank, state));
+    }
+    ctx.registry.adopt_ranks(run, states, &epochs).await?;
+    ctx.registry.record_engines(&ctx.store, run).await;
+    for (rank, failover) in reports {
+        let summary = run.update_rank(rank, |s| {
+            s.last_step = failover.restored_step;
+            s.live = failover.restored_step.is_some();
+            s.failover = Some(failover.clone());
+        });
+        ctx.record_rank(run, rank, &summary, None);
+        if let Err(e) = ctx
+            .store
+            .set_rank_failover(
+                name,
+                rank,
+                &serde_json::to_value(&failover).unwrap_or_default(),
+            )
+            .await
+        {
+            tracing::warn!(run = %name, rank, error = %e, "recording a failover failed");
+        }
+        ctx.metrics.failover_ranks.with_label_values(&[name]).inc();
+        tracing::warn!(run = %name, rank, from = %failover.from_node, epoch = failover.epoch,
+            snapshot = ?failover.snapshot, restored_step = ?failover.restored_step,
+            last_seen_step = ?failover.last_seen_step, "rank taken over");
+        ctx.events.emit(
+            name,
+            Some(rank),
+            failover.restored_step,
+            Event::Failover(failover),
+        );
+    }
+    Ok(())
 }
 
 /// Drops a run this node learnt was deleted.
@@ -171,7 +375,9 @@ async fn refresh(ctx: &Context, nodes: &[NodeRow], run: &RunHandle) -> Result<()
     {
         let mut owners = run.placement.write().expect("placement lock");
         for p in placed {
-            if run.holds(p.rank) {
+            // This node's own ranks, and those placed here but not yet
+            // installed (see [`take_over`]).
+            if run.holds(p.rank) || p.node_id == ctx.registry.node_id() {
                 continue;
             }
             if let Some(slot) = owners.get_mut(p.rank as usize) {
@@ -234,34 +440,6 @@ pub async fn tell_peers(ctx: &Context) {
     }
 }
 
-/// A request from this node to a peer: marked forwarded (never forwarded
-/// again), with the service's admin token when it has one.
-pub fn peer_request(
-    token: Option<&str>,
-    method: reqwest::Method,
-    url: &str,
-) -> reqwest::RequestBuilder {
-    let req = peer_client().request(method, url).header(FORWARDED, "1");
-    match token {
-        Some(token) => req.bearer_auth(token),
-        None => req,
-    }
-}
-
-/// The HTTP client nodes reach each other with.
-pub fn peer_client() -> reqwest::Client {
-    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    CLIENT
-        .get_or_init(|| {
-            reqwest::Client::builder()
-                .connect_timeout(PEER_TIMEOUT)
-                .timeout(Duration::from_secs(300))
-                .build()
-                .expect("an HTTP client")
-        })
-        .clone()
-}
-
 /// Syncs every second while the service has other live nodes, or this
 /// node knows runs with ranks elsewhere.
 pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
@@ -295,5 +473,96 @@ async fn needs_sync(ctx: &Context) -> bool {
             .iter()
             .any(|n| n.status == "live" && n.info.node_id != me),
         Err(_) => false,
+    }
+}
+
+/// How often a node reads the catalog for other nodes' events when no
+/// notification came (a lost notification, or a listener reconnecting).
+const RELAY_POLL: Duration = Duration::from_secs(1);
+
+/// Events read from the catalog per query.
+const RELAY_BATCH: i64 = 1000;
+
+/// On a PostgreSQL catalog: relays the events every other node stores to
+/// this node's live subscribers, in the catalog's order (`seq`), so an
+/// event stream on any node shows every node's events. Woken by the
+/// writers' `NOTIFY` (LISTEN on [`EVENTS_CHANNEL`]), and every
+/// [`RELAY_POLL`] in case one is missed. Nothing on SQLite (one node).
+pub fn spawn_event_relay(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        if ctx.store.kind() != CatalogKind::Postgres {
+            return;
+        }
+        let Some(url) = ctx.args.catalog.clone() else {
+            return;
+        };
+        let me = ctx.registry.node_id().to_string();
+        let mut last = match ctx.store.last_event_seq().await {
+            Ok(seq) => seq,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the events' order failed; relaying from the start");
+                0
+            }
+        };
+        let mut listener: Option<PgListener> = None;
+        loop {
+            if listener.is_none() {
+                listener = listen(&url).await;
+            }
+            let woken = async {
+                match listener.as_mut() {
+                    // A notification, or the poll's time: read. The
+                    // connection failed: read, and listen again.
+                    Some(l) => {
+                        !matches!(tokio::time::timeout(RELAY_POLL, l.recv()).await, Ok(Err(_)))
+                    }
+                    None => {
+                        tokio::time::sleep(RELAY_POLL).await;
+                        true
+                    }
+                }
+            };
+            tokio::select! {
+                ok = woken => if !ok { listener = None; },
+                _ = stop.changed() => break,
+            }
+            loop {
+                match ctx.store.events_after_seq(last, &me, RELAY_BATCH).await {
+                    Ok((events, read_to)) => {
+                        let more = read_to - last >= RELAY_BATCH;
+                        last = read_to;
+                        for e in events {
+                            ctx.events.relay(std::sync::Arc::new(e));
+                        }
+                        if !more {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading other nodes' events failed");
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// A listener on the events channel, or `None` (logged) when the catalog
+/// cannot be reached now.
+async fn listen(url: &str) -> Option<PgListener> {
+    let mut l = match PgListener::connect(url).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "listening for other nodes' events failed; polling");
+            return None;
+        }
+    };
+    match l.listen(EVENTS_CHANNEL).await {
+        Ok(()) => Some(l),
+        Err(e) => {
+            tracing::warn!(error = %e, "listening for other nodes' events failed; polling");
+            None
+        }
     }
 }

@@ -369,6 +369,16 @@ impl Ingest {
         prev: u64,
     ) -> Result<(), ServiceError> {
         let (run, rank) = (&push.run, push.rank);
+        // A rank taken over from a lost node has no predecessor here until
+        // its first push after the failover: that push goes on at once (the
+        // steps it follows were lost with the node, and are reported).
+        if run
+            .rank(rank)
+            .and_then(|s| s.failover)
+            .is_some_and(|f| f.resumed_step.is_none())
+        {
+            return Ok(());
+        }
         let applied = || run.rank(rank).and_then(|s| s.last_step);
         self.pipeline
             .wait_for(
@@ -557,7 +567,14 @@ impl Ingest {
         if !outcome.duplicate {
             super::monitor::note_ingest(run, wire_len, latency);
         }
+        let mut resumed = None;
         let summary = run.update_rank(rank, |s| {
+            if let Some(f) = s.failover.as_mut().filter(|f| f.resumed_step.is_none()) {
+                if !outcome.duplicate {
+                    f.resumed_at(step, run.config.update_every);
+                    resumed = Some(f.clone());
+                }
+            }
             s.bytes_received += wire_len;
             s.last_push_at_ms = Some(now_ms());
             s.resident_bytes = outcome.resident_bytes;
@@ -580,6 +597,9 @@ impl Ingest {
         let ctx = &self.ctx;
         ctx.record_rank(run, rank, &summary, layout.as_deref());
         let name = &run.config.name;
+        if let Some(failover) = resumed {
+            report_resumed(ctx, name, rank, failover);
+        }
         ctx.metrics
             .resident_bytes
             .with_label_values(&[name])
@@ -883,4 +903,29 @@ fn decompress(raw: &[u8], limit: u64) -> Result<Bytes, ServiceError> {
         return Err(too_large(read as u64, limit));
     }
     Ok(Bytes::from(out))
+}
+
+/// The first push to a rank after its failover: the steps its EMA lost
+/// are known now; reported (event, metric) and recorded in the catalog.
+fn report_resumed(ctx: &Context, run: &str, rank: u32, failover: crate::registry::Failover) {
+    let lost = failover.lost_steps.unwrap_or(0);
+    ctx.metrics
+        .failover_steps_lost
+        .with_label_values(&[run])
+        .inc_by(lost);
+    tracing::warn!(run, rank, restored_step = ?failover.restored_step,
+        resumed_step = ?failover.resumed_step, lost_steps = lost, "rank pushed again after its failover");
+    ctx.events.emit(
+        run,
+        Some(rank),
+        failover.resumed_step,
+        Event::Failover(failover.clone()),
+    );
+    let (ctx, run) = (ctx.clone(), run.to_string());
+    tokio::spawn(async move {
+        let json = serde_json::to_value(&failover).unwrap_or_default();
+        if let Err(e) = ctx.store.set_rank_failover(&run, rank, &json).await {
+            tracing::warn!(run = %run, rank, error = %e, "recording a failover failed");
+        }
+    });
 }

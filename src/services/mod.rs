@@ -27,6 +27,7 @@ pub mod error;
 pub mod ingest;
 pub mod monitor;
 pub mod nodes;
+pub mod peer;
 pub mod pipeline;
 pub mod runs;
 pub mod snapshots;

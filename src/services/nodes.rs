@@ -75,10 +75,19 @@ async fn renew(ctx: &Context, node: &str) {
     let ranks = runs.iter().map(|r| r.held_ranks().len() as u64).sum();
     let resident = runs.iter().map(|r| r.resident_bytes()).sum();
     let sent = std::time::Instant::now();
+    let lapsed = ctx.lease.lapsed();
     if let Err(e) = ctx.store.renew_node(node, ranks, resident).await {
         let age = ctx.lease.age().as_secs_f64();
         tracing::warn!(error = %e, lease_age_secs = age, "renewing the node lease failed");
         return;
+    }
+    // After a lapse another node may have taken ranks over: they are let
+    // go before this node acknowledges pushes again.
+    if lapsed {
+        if let Err(e) = super::cluster::release_taken(ctx).await {
+            tracing::warn!(error = %e, "checking for ranks taken over failed; still fenced");
+            return;
+        }
     }
     // Whether another node could take this one's ranks when its lease
     // runs out: only then are pushes fenced by the lease.

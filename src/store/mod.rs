@@ -112,6 +112,8 @@ pub struct StoredRank {
     pub rejections: u64,
     pub resident_bytes: u64,
     pub last_push_at_ms: Option<i64>,
+    /// The rank's last failover (see [`crate::node::Failover`]).
+    pub failover: Option<serde_json::Value>,
 }
 
 /// An event row.
@@ -125,6 +127,10 @@ pub struct StoredEvent {
     pub step: Option<u64>,
     #[schema(value_type = Object)]
     pub detail: serde_json::Value,
+    /// Emitted by another node of the service and relayed here from the
+    /// catalog (never stored again, nor evaluated by this node's alerts).
+    #[serde(skip)]
+    pub relayed: bool,
 }
 
 tokio::task_local! {
@@ -357,8 +363,24 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
+    /// Records a rank's failover (JSON), for every node to show.
+    pub async fn set_rank_failover(
+        &self,
+        run: &str,
+        rank: u32,
+        failover: &serde_json::Value,
+    ) -> Result<(), StoreError> {
+        sqlx::query(&self.sql("UPDATE ranks SET failover = ? WHERE run = ? AND rank = ?"))
+            .bind(failover.to_string())
+            .bind(run)
+            .bind(rank as i64)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
     pub async fn list_ranks(&self, run: &str) -> Result<Vec<StoredRank>, StoreError> {
-        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms \
+        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms, failover \
              FROM ranks WHERE run = ? ORDER BY rank"))
         .bind(run)
         .fetch_all(self.pool())
@@ -375,6 +397,10 @@ impl Store {
                     rejections: row.get::<i64, _>("rejections") as u64,
                     resident_bytes: row.get::<i64, _>("resident_bytes") as u64,
                     last_push_at_ms: row.get("last_push_at_ms"),
+                    failover: row
+                        .get::<Option<String>, _>("failover")
+                        .map(|f| serde_json::from_str(&f))
+                        .transpose()?,
                 })
             })
             .collect()
@@ -412,22 +438,48 @@ impl Store {
         let rows = q.bind(limit).fetch_all(self.pool()).await?;
         let mut out = rows
             .into_iter()
-            .map(|row| {
-                Ok(StoredEvent {
-                    id: row.get("id"),
-                    run: row.get("run"),
-                    at_ms: row.get("at_ms"),
-                    kind: row.get::<&str, _>("kind").parse()?,
-                    rank: row.get::<Option<i64>, _>("rank").map(|r| r as u32),
-                    step: row.get::<Option<i64>, _>("step").map(|s| s as u64),
-                    detail: serde_json::from_str(row.get::<&str, _>("detail"))?,
-                })
-            })
+            .map(|row| event_of(&row, false))
             .collect::<Result<Vec<_>, StoreError>>()?;
         if newest {
             out.reverse();
         }
         Ok(out)
+    }
+
+    /// The last place in the catalog's order of events (0: none yet).
+    pub async fn last_event_seq(&self) -> Result<i64, StoreError> {
+        let next: i64 = sqlx::query_scalar("SELECT next_seq FROM event_seq")
+            .fetch_one(self.pool())
+            .await?;
+        Ok(next - 1)
+    }
+
+    /// Events stored after place `seq` by nodes other than `node`, in the
+    /// catalog's order, at most `limit`; with the last place read.
+    pub async fn events_after_seq(
+        &self,
+        seq: i64,
+        node: &str,
+        limit: i64,
+    ) -> Result<(Vec<StoredEvent>, i64), StoreError> {
+        let rows = sqlx::query(&self.sql(
+            "SELECT id, run, at_ms, kind, rank, step, detail, seq, node FROM events \
+             WHERE seq > ? ORDER BY seq LIMIT ?",
+        ))
+        .bind(seq)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        let mut last = seq;
+        let mut out = Vec::new();
+        for row in rows {
+            last = last.max(row.get::<i64, _>("seq"));
+            if row.get::<Option<String>, _>("node").as_deref() == Some(node) {
+                continue;
+            }
+            out.push(event_of(&row, true)?);
+        }
+        Ok((out, last))
     }
 
     /// The highest event id stored (event ids continue from it).
@@ -592,6 +644,20 @@ pub fn redact_url(url: &str) -> String {
         }
         _ => url.to_string(),
     }
+}
+
+/// An `events` row as an event (`relayed`: read for another node's).
+fn event_of(row: &sqlx::any::AnyRow, relayed: bool) -> Result<StoredEvent, StoreError> {
+    Ok(StoredEvent {
+        id: row.get("id"),
+        run: row.get("run"),
+        at_ms: row.get("at_ms"),
+        kind: row.get::<&str, _>("kind").parse()?,
+        rank: row.get::<Option<i64>, _>("rank").map(|r| r as u32),
+        step: row.get::<Option<i64>, _>("step").map(|s| s as u64),
+        detail: serde_json::from_str(row.get::<&str, _>("detail"))?,
+        relayed,
+    })
 }
 
 #[cfg(test)]

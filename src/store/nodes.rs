@@ -35,7 +35,7 @@ pub struct NodeRow {
 
 impl Store {
     /// The catalog's clock in milliseconds since the epoch, as SQL.
-    fn now_sql(&self) -> &'static str {
+    pub(crate) fn now_sql(&self) -> &'static str {
         match self.kind() {
             CatalogKind::Sqlite => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS BIGINT)",
             CatalogKind::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",

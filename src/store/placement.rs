@@ -9,7 +9,7 @@
 
 use sqlx::Row;
 
-use super::{Store, StoreError};
+use super::{CatalogKind, Store, StoreError};
 
 /// One rank's owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +100,22 @@ impl Store {
         at_ms: i64,
     ) -> Result<Vec<Placed>, StoreError> {
         let mut tx = self.pool().begin().await?;
+        if self.kind() == CatalogKind::Postgres {
+            // The owners' lease rows stay locked until the claim commits: a
+            // renewal racing it waits, and sees the claim once it is through.
+            sqlx::query(
+                "SELECT node_id FROM nodes WHERE node_id IN \
+                 (SELECT node_id FROM placements WHERE run = $1) FOR UPDATE",
+            )
+            .bind(run)
+            .fetch_all(&mut *tx)
+            .await?;
+        }
+        let live = format!(
+            "NOT EXISTS (SELECT 1 FROM nodes n WHERE n.node_id = placements.node_id \
+             AND n.state = 'live' AND {} - n.renewed_at_ms <= n.lease_ms)",
+            self.now_sql()
+        );
         let mut won = Vec::new();
         for &(rank, epoch) in from {
             let done =
@@ -114,10 +130,11 @@ impl Store {
                     .execute(&mut *tx)
                     .await?,
                     Some(e) => {
-                        sqlx::query(&self.sql(
+                        // Only from a node whose lease has expired (or that left).
+                        sqlx::query(&self.sql(&format!(
                             "UPDATE placements SET node_id = ?, epoch = epoch + 1, engine = NULL \
-                     WHERE run = ? AND rank = ? AND epoch = ?",
-                        ))
+                     WHERE run = ? AND rank = ? AND epoch = ? AND {live}"
+                        )))
                         .bind(node)
                         .bind(run)
                         .bind(rank as i64)
@@ -202,6 +219,21 @@ pub(crate) mod tests {
         assert_eq!(owners, [("n1", 1), ("n2", 1), ("n1", 1)]);
         let counts = store.ranks_per_node().await.unwrap();
         assert_eq!((counts["n1"], counts["n2"]), (2, 1));
+        // n2 holds a live lease: its rank is not taken.
+        let n2 = crate::store::nodes::NodeInfo {
+            node_id: "n2".into(),
+            url: "http://n2".into(),
+            engines: vec!["cpu".into()],
+            memory_budget: 0,
+            lease_ms: 60_000,
+        };
+        store.register_node(&n2).await.unwrap();
+        assert!(store
+            .claim_ranks("r", "n3", &[(1, Some(1))], 4)
+            .await
+            .unwrap()
+            .is_empty());
+        store.leave_node("n2").await.unwrap();
         // Two nodes claim rank 1 from epoch 1: the first wins epoch 2, the
         // second finds the epoch moved and wins nothing.
         let won = store

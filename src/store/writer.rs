@@ -33,10 +33,10 @@ pub struct CatalogWriter {
 }
 
 impl CatalogWriter {
-    /// Starts the writer task.
-    pub fn spawn(store: Store) -> (Self, JoinHandle<()>) {
+    /// Starts the writer task; `node` is recorded with the events.
+    pub fn spawn(store: Store, node: String) -> (Self, JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(write_loop(store, rx));
+        let task = tokio::spawn(write_loop(store, node, rx));
         (CatalogWriter { tx }, task)
     }
 
@@ -46,7 +46,7 @@ impl CatalogWriter {
     }
 }
 
-async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>) {
+async fn write_loop(store: Store, node: String, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>) {
     loop {
         let Some(first) = rx.recv().await else { break };
         let mut batch = vec![first];
@@ -55,11 +55,15 @@ async fn write_loop(store: Store, mut rx: mpsc::UnboundedReceiver<CatalogUpdate>
         while let Ok(update) = rx.try_recv() {
             batch.push(update);
         }
-        if let Err(e) = flush(&store, batch).await {
+        if let Err(e) = flush(&store, &node, batch).await {
             tracing::error!(error = %e, "catalog write failed");
         }
     }
 }
+
+/// The PostgreSQL channel a flush that stored events notifies (the
+/// payload: the last `seq` it stored).
+pub const EVENTS_CHANNEL: &str = "polyak_events";
 
 /// Batches the writer flushed (one transaction each).
 static FLUSHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -69,7 +73,7 @@ pub fn flushes() -> u64 {
     FLUSHES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreError> {
+async fn flush(store: &Store, node: &str, batch: Vec<CatalogUpdate>) -> Result<(), StoreError> {
     FLUSHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut ranks: HashMap<(String, u32), (StoredRank, Option<String>)> = HashMap::new();
     let mut events = Vec::new();
@@ -106,11 +110,27 @@ async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreErro
         .execute(&mut *tx)
         .await?;
     }
+    // The events' places in the catalog's order: the counter's row stays
+    // locked until this transaction commits, so another node's flush takes
+    // the next numbers only after this one is visible.
+    let mut seq = 0;
+    if !events.is_empty() {
+        let n = events.len() as i64;
+        let end: i64 = sqlx::query_scalar(
+            &store.sql("UPDATE event_seq SET next_seq = next_seq + ? RETURNING next_seq"),
+        )
+        .bind(n)
+        .fetch_one(&mut *tx)
+        .await?;
+        seq = end - n;
+    }
+    let stored_to = seq + events.len() as i64 - 1;
+    let any_events = !events.is_empty();
     for e in events {
         // A run deleted meanwhile takes its events with it.
         sqlx::query(&store.sql(
-            "INSERT INTO events (id, run, at_ms, kind, rank, step, detail) \
-             SELECT ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
+            "INSERT INTO events (id, run, at_ms, kind, rank, step, detail, seq, node) \
+             SELECT ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE name = ?)",
         ))
         .bind(e.id)
         .bind(&e.run)
@@ -119,9 +139,20 @@ async fn flush(store: &Store, batch: Vec<CatalogUpdate>) -> Result<(), StoreErro
         .bind(e.rank.map(|r| r as i64))
         .bind(e.step.map(|s| s as i64))
         .bind(e.detail.to_string())
+        .bind(seq)
+        .bind(node)
         .bind(&e.run)
         .execute(&mut *tx)
         .await?;
+        seq += 1;
+    }
+    if any_events && store.kind() == super::CatalogKind::Postgres {
+        // Delivered at commit: the other nodes read the new events.
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(EVENTS_CHANNEL)
+            .bind(stored_to.to_string())
+            .execute(&mut *tx)
+            .await?;
     }
     tx.commit().await?;
     Ok(())

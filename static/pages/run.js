@@ -118,6 +118,23 @@ function statsStrip() {
 
 // --- ranks ---------------------------------------------------------------
 
+/** A rank's failover in a few words: where from, and what was lost. */
+function failoverText(f) {
+  const lost = f.lost_steps === null || f.lost_steps === undefined ? 'loss known at next push' : `${fmtInt(f.lost_steps)} step${f.lost_steps === 1 ? '' : 's'} lost`;
+  return `from ${f.from_node || '?'} @ ${f.restored_step === null ? 'empty' : fmtStep(f.restored_step)} · ${lost}`;
+}
+
+function failoverTitle(f) {
+  return [
+    `taken over from ${f.from_node || 'a lost node'} (epoch ${f.epoch})`,
+    f.snapshot ? `restored from snapshot ${f.snapshot} at step ${f.restored_step}` : 'no snapshot held the rank: its EMA restarted',
+    f.last_seen_step !== null ? `last step the catalog saw: ${f.last_seen_step}` : null,
+    f.resumed_step !== null ? `next push at step ${f.resumed_step}` : null,
+  ]
+    .filter(Boolean)
+    .join('\n');
+}
+
 function ranksPanel(worldSize) {
   const compact = worldSize > COMPACT_RANKS;
   const summary = h('span', { class: 'muted small' });
@@ -156,6 +173,7 @@ function ranksPanel(worldSize) {
         field('codec', 'encode / decode'),
         field('engine', 'engine'),
         field('node', 'node'),
+        field('failover', 'failover'),
       ),
     );
     return { node, fields };
@@ -180,7 +198,7 @@ function ranksPanel(worldSize) {
         if (r.lag > 0) behind += 1;
         if (compact) {
           t.node.className = `rank-square ${rankTone(status)}${r.lag > 0 ? ' behind' : ''}`;
-          t.node.title = `rank ${r.rank}: ${rankStatusText(status)} · step ${fmtStep(r.last_step)} · lag ${fmtInt(r.lag)} · ${fmtAge(r.age)}${r.engine ? ` · ${r.engine}` : ''}${r.node ? ` on ${r.node}` : ''}`;
+          t.node.title = `rank ${r.rank}: ${rankStatusText(status)} · step ${fmtStep(r.last_step)} · lag ${fmtInt(r.lag)} · ${fmtAge(r.age)}${r.engine ? ` · ${r.engine}` : ''}${r.node ? ` on ${r.node}` : ''}${r.failover ? ` · ${failoverText(r.failover)}` : ''}`;
           return;
         }
         const f = t.fields;
@@ -208,13 +226,19 @@ function ranksPanel(worldSize) {
         f.codec.classList.toggle('bad-text', (w.mirror_mismatches || 0) > 0);
         f.engine.textContent = r.engine || '—';
         f.node.textContent = r.node || '—';
+        f.failover.textContent = r.failover ? failoverText(r.failover) : '—';
+        f.failover.classList.toggle('warn-text', Boolean(r.failover && r.failover.lost_steps));
+        f.failover.title = r.failover ? failoverTitle(r.failover) : '';
       });
+      const failedOver = ranks.filter((r) => r.failover);
+      const lost = failedOver.reduce((n, r) => n + (r.failover.lost_steps || 0), 0);
       summary.textContent = [
         counts.finished ? `${counts.finished} finished` : `${counts.live} live`,
         counts.stale ? `${counts.stale} stale` : null,
         counts.never_seen ? `${counts.never_seen} never seen` : null,
         counts.not_restored ? `${counts.not_restored} not restored` : null,
         behind ? `${behind} behind the furthest rank` : null,
+        failedOver.length ? `${failedOver.length} taken over · ${fmtInt(lost)} step${lost === 1 ? '' : 's'} lost` : null,
       ]
         .filter(Boolean)
         .join(' · ');

@@ -143,7 +143,8 @@ def test_wire_quick_prints_every_figure_with_a_verdict():
 def test_cluster_quick_prints_its_figures_and_no_push_asks_the_catalog():
     """`benches/cluster.py --quick` runs a one-node and a three-node service
     (its own PostgreSQL and SeaweedFS); a push asks the catalog nothing on
-    either, and every judged figure has its target and a verdict."""
+    either, every judged figure has its target and a verdict, and a node
+    killed last has its rank served by a survivor."""
     proc = run_script("cluster.py", "--quick")
     lines = proc.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("figure "))
@@ -152,4 +153,10 @@ def test_cluster_quick_prints_its_figures_and_no_push_asks_the_catalog():
     assert latency.split()[-1] in ("PASS", "MISS"), latency
     queries = next(line for line in table if line.startswith("catalog queries while answering"))
     assert "0.000; 0.000" in queries and queries.split()[-1] == "PASS", queries
+    # The failover figure: a killed node's rank is acknowledged by a
+    # survivor; nothing was lost past b's state snapshot of the last step.
+    took = next(line for line in table if line.startswith("failover: SIGKILL"))
+    assert took.split()[-1] in ("PASS", "MISS") and " s " in took, took
+    lost = next(line for line in table if line.startswith("failover: steps lost"))
+    assert lost.split()[-3] == "0", lost
     assert "node-a, node-b, node-c" in proc.stdout

@@ -3,7 +3,6 @@ ingest), Server-Sent Events (content, ordering, resume, retention)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -11,6 +10,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
+from polyak.testing import read_sse
 
 
 def push(c, run, rank, step, state):
@@ -143,32 +143,6 @@ def test_drift_series_matches_torch(mon):
     assert {"ingest/bytes_per_second", "ingest/pushes_per_second", "ingest/push_seconds"} <= set(
         names
     )
-
-
-def read_sse(url: str, stop_after: int, timeout: float, headers=None) -> list[dict]:
-    events: list[dict] = []
-    with httpx.stream("GET", url, headers=headers or {}, timeout=timeout) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
-        block: dict = {}
-        for line in r.iter_lines():
-            if not line:
-                if "data" in block:
-                    events.append(
-                        {
-                            "id": int(block["id"]),
-                            "event": block["event"],
-                            **json.loads(block["data"]),
-                        }
-                    )
-                    if len(events) >= stop_after:
-                        return events
-                block = {}
-                continue
-            if line.startswith(":"):
-                continue
-            key, _, value = line.partition(":")
-            block[key] = value.lstrip()
-    return events
 
 
 def test_sse_content_order_and_resume(mon):

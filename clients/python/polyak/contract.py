@@ -80,6 +80,9 @@ class EventKind(str, Enum):
     FINISHED = "finished"
     RESUMED = "resumed"
     RESTORED = "restored"
+    #: A rank was taken over from a node that was gone; again at its next
+    #: push, with ``lost_steps``.
+    FAILOVER = "failover"
     ANNOTATED = "annotated"
     ALERT = "alert"
     METRICS = "metrics"

@@ -23,8 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 __all__ = [
     "Backends",
+    "LabHost",
+    "NetLab",
     "PolyakServer",
     "PostgresService",
     "S3Service",
@@ -32,6 +36,8 @@ __all__ = [
     "compare_stats",
     "find_binary",
     "free_port",
+    "read_sse",
+    "state_step",
 ]
 
 
@@ -71,13 +77,18 @@ class PolyakServer:
         self.url: str = ""
         self.log: list[str] = []
         self._port = 0
+        #: The address it binds, and a command it runs under (``ip netns
+        #: exec NAME``: a test host of its own, see :class:`NetLab`).
+        self.host = "127.0.0.1"
+        self.prefix: list[str] = []
 
     def start(self, *extra: str, timeout: float = 60.0, same_port: bool = False) -> PolyakServer:
         """Starts the server; ``same_port`` reuses the previous port (restarts)."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("server already running")
-        bind = f"127.0.0.1:{self._port if same_port else 0}"
+        bind = f"{self.host}:{self._port if same_port else 0}"
         cmd = [
+            *self.prefix,
             self.binary,
             "serve",
             "--bind",
@@ -247,17 +258,128 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class NetLab:
+    """Test hosts on this machine: network namespaces (``ip netns``) joined
+    by veth pairs to one bridge, on a /24 of their own (10.231.N.0/24; the
+    bridge is .1, host ``i`` is .(10 + i)). Each host's link can be cut
+    (its veth set down) without touching what runs in it. Needs root and
+    ``ip``; :meth:`unavailable` says why not otherwise. Services on this
+    machine's loopback are reached from a host through a
+    :class:`TcpProxy` listening on the bridge address (:meth:`proxy`)."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 10000
+        self.prefix = f"pk{tag}"
+        self.subnet = f"10.231.{20 + os.getpid() % 200}"
+        self.bridge = f"{self.prefix}br"
+        self.gateway = f"{self.subnet}.1"
+        self.hosts: list[LabHost] = []
+        self._proxies: list[TcpProxy] = []
+        self._up = False
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why namespaces cannot be made here (``None``: they can)."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        if shutil.which("ip") is None:
+            return "no `ip` command (iproute2)"
+        probe = f"pkprobe{os.getpid() % 100000}"
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if made.returncode != 0:
+            return f"`ip netns add` failed: {made.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        return None
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def start(self) -> NetLab:
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._up = True
+        self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        return self
+
+    def host(self) -> LabHost:
+        """A new host: its namespace, with a veth to the bridge."""
+        i = len(self.hosts)
+        host = LabHost(
+            ns=f"{self.prefix}h{i}",
+            ip=f"{self.subnet}.{10 + i}",
+            link=f"{self.prefix}v{i}",
+        )
+        peer = f"{self.prefix}p{i}"
+        self._ip("netns", "add", host.ns)
+        self.hosts.append(host)
+        self._ip("link", "add", host.link, "type", "veth", "peer", "name", peer)
+        self._ip("link", "set", peer, "netns", host.ns)
+        self._ip("link", "set", host.link, "master", self.bridge, "up")
+        inside = ("netns", "exec", host.ns, "ip")
+        self._ip(*inside, "addr", "add", f"{host.ip}/24", "dev", peer)
+        self._ip(*inside, "link", "set", peer, "up")
+        self._ip(*inside, "link", "set", "lo", "up")
+        return host
+
+    def proxy(self, target: tuple[str, int]) -> TcpProxy:
+        """``target`` (on this machine's loopback) as the hosts reach it: a
+        proxy on the bridge address."""
+        proxy = TcpProxy(target, listen=self.gateway)
+        self._proxies.append(proxy)
+        return proxy
+
+    def close(self) -> None:
+        for proxy in self._proxies:
+            proxy.close()
+        for host in self.hosts:
+            subprocess.run(["ip", "link", "del", host.link], capture_output=True)
+            subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
+        self.hosts.clear()
+        if self._up:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            self._up = False
+
+
+class LabHost:
+    """One host of a :class:`NetLab`: its namespace, its address, and the
+    bridge side of its link."""
+
+    def __init__(self, ns: str, ip: str, link: str) -> None:
+        self.ns = ns
+        self.ip = ip
+        self.link = link
+
+    def run_in(self, server: PolyakServer) -> PolyakServer:
+        """Makes ``server`` start in this host, bound to its address (which
+        only the test net reaches: served without a token)."""
+        server.prefix = ["ip", "netns", "exec", self.ns]
+        server.host = self.ip
+        if "--insecure" not in server.args:
+            server.args.append("--insecure")
+        return server
+
+    def cut(self) -> None:
+        """Its link down: nothing reaches it and it reaches nothing."""
+        NetLab._ip("link", "set", self.link, "down")
+
+    def mend(self) -> None:
+        NetLab._ip("link", "set", self.link, "up")
+
+
 class TcpProxy:
-    """Forwards ``127.0.0.1:<port>`` to ``target`` (host, port) until
+    """Forwards ``listen:<port>`` (default ``127.0.0.1``) to ``target``
+    (host, port) until
     :meth:`cut`, which drops every connection and refuses new ones (a link
     cut between a server and what it reaches), until :meth:`mend`. Setting
     :attr:`lose_next` loses the next answer: the request is forwarded, the
     response swallowed and the connection closed (a network failure after
     the server acted); :attr:`lost` counts them."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
+    def __init__(self, target: tuple[str, int], listen: str = "127.0.0.1") -> None:
         self.target = target
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.host = listen
+        self._listener = socket.create_server((listen, 0))
         self.port = int(self._listener.getsockname()[1])
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -885,3 +1007,46 @@ class Backends:
             yield b
         finally:
             b.close()
+
+
+def read_sse(
+    url: str, stop_after: int, timeout: float, headers: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Reads an event stream (``text/event-stream``) until ``stop_after``
+    events came (or the stream ends): each as its JSON ``data`` with the
+    SSE ``id`` (an int) and ``event``."""
+    events: list[dict[str, Any]] = []
+    with httpx.stream("GET", url, headers=headers or {}, timeout=timeout) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        block: dict[str, str] = {}
+        for line in r.iter_lines():
+            if not line:
+                if "data" in block:
+                    events.append(
+                        {
+                            "id": int(block["id"]),
+                            "event": block["event"],
+                            **json.loads(block["data"]),
+                        }
+                    )
+                    if len(events) >= stop_after:
+                        return events
+                block = {}
+                continue
+            if line.startswith(":"):
+                continue
+            key, _, value = line.partition(":")
+            block[key] = value.lstrip()
+    return events
+
+
+def state_step(url: str, run: str, rank: int) -> int | None:
+    """The rank's step in the newest complete ``state`` snapshot of ``run``
+    that holds it, as the server at ``url`` lists them (``None``: none)."""
+    snaps = httpx.get(f"{url}/v1/runs/{run}/snapshots", params={"kind": "state"}, timeout=10)
+    steps = [
+        s["detail"]["rank_steps"].get(str(rank))
+        for s in snaps.json()["snapshots"]
+        if s["status"] == "complete"
+    ]
+    return max((s for s in steps if s is not None), default=None)

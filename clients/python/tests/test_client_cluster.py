@@ -19,8 +19,12 @@ Periodic cuts meet in one catalog row per step, whichever node opens them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -28,7 +32,7 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import Backends, TcpProxy
+from polyak.testing import Backends, NetLab, TcpProxy, read_sse
 from polyak.wire import ALIASES_KEY, SHARDS_KEY, read_safetensors
 from polyak_refs import assert_state_close
 from polyak_workers import dcp_loads, run_ranks, snapshot_worker
@@ -51,6 +55,33 @@ def cluster(tmp_path, backends: Backends, polyak_binary: str):
 def _catalog_rows(backends: Backends, catalog: str, sql: str) -> list[list[str]]:
     out = backends.postgres().psql(sql, catalog.rpartition("/")[2])
     return [line.split("|") for line in out.splitlines() if line]
+
+
+def _taken_over(backends: Backends, catalog: str, run_name: str) -> list[str] | None:
+    """Who took rank 1 at epoch 2, and when (ms): the catalog's log."""
+    rows = _catalog_rows(
+        backends,
+        catalog,
+        f"SELECT node_id, at_ms FROM placement_log WHERE run = '{run_name}' "
+        "AND rank = 1 AND epoch = 2",
+    )
+    return rows[0] if rows else None
+
+
+def _assert_rank_1_moved_once(backends: Backends, catalog: str, run_name: str) -> None:
+    """One owner per (rank, epoch) of a 2-rank run whose rank 1 changed
+    hands once."""
+    owners = _catalog_rows(
+        backends,
+        catalog,
+        f"SELECT rank, epoch, COUNT(*) FROM placement_log WHERE run = '{run_name}' "
+        "GROUP BY rank, epoch",
+    )
+    assert sorted((r, e, n) for r, e, n in owners) == [
+        ("0", "1", "1"),
+        ("1", "1", "1"),
+        ("1", "2", "1"),
+    ]
 
 
 def _wait(check, timeout: float, what, seen=lambda: None):
@@ -290,6 +321,35 @@ def test_a_cut_across_nodes_downloads_from_a_node_holding_none(cluster, tmp_path
         assert r.status_code == 409 and r.json()["error"]["code"] == "run_spread", r.text
 
 
+def test_the_event_stream_of_any_node_carries_every_nodes_events(cluster, run_name):
+    """Node c's event stream (SSE) shows the pushes every node applied,
+    each once, the others' relayed from the catalog as their writers store
+    them (in the catalog's order, woken by LISTEN/NOTIFY)."""
+    _, (a, _b, c) = cluster
+    with polyak.Client(a.url) as client:
+        run = client.create_run(
+            run_name, world_size=3, profiles=[{"name": "e", "kind": "constant", "beta": 0.9}]
+        )
+        placement = run.placement()
+    assert {p["node"] for p in placement.values()} == {"node-a", "node-b", "node-c"}
+    got: list[dict] = []
+    url = f"{c.url}/v1/runs/{run_name}/events?kinds=push"
+    reader = threading.Thread(target=lambda: got.extend(read_sse(url, 6, timeout=30)))
+    reader.start()
+    time.sleep(1.0)  # the stream is open: these come live, not from history
+    body = safetensors.torch.save({"w": torch.ones(4)})
+    for step in (0, 1):
+        for rank, p in placement.items():
+            r = httpx.put(f"{p['url']}/v1/runs/{run_name}/ranks/{rank}/steps/{step}", content=body)
+            assert r.status_code == 200, r.text
+    reader.join(40)
+    assert sorted((e["rank"], e["step"]) for e in got) == [(r, s) for r in range(3) for s in (0, 1)]
+    assert len({e["id"] for e in got}) == 6
+    # Each rank's own pushes arrive in step order.
+    for rank in range(3):
+        assert [e["step"] for e in got if e["rank"] == rank] == [0, 1]
+
+
 def test_periodic_cuts_meet_in_one_row(cluster, run_name):
     """snapshot_every = 4 on a run spread over nodes a, b and c: each node
     opens the cut for its own ranks, under the same id; each periodic
@@ -357,10 +417,10 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
 ):
     """Node b reaches the catalog through a proxy; cutting it leaves b
     serving but unable to renew its lease. b stops acknowledging pushes
-    (``503 lease_lost``) before its lease runs out, so a survivor could
-    take its ranks without two nodes ever applying one rank's pushes; once
-    the link is back it renews and acknowledges again. The catalog keeps
-    one owner per rank and epoch throughout."""
+    (``503 lease_lost``) before its lease runs out; a takes its rank over
+    only after that, so no two nodes ever apply one rank's pushes. Once the
+    link is back b renews, finds its rank taken and sends its pushes on to
+    a. The catalog keeps one owner per rank and epoch throughout."""
     lease = 3.0
     catalog, (a, b) = backends.cluster(tmp_path / "nodes", 2, "--lease-secs", str(lease))
     host, _, rest = catalog.rpartition("@")[2].partition(":")
@@ -392,6 +452,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         time.sleep(lease / 3 + 0.5)
         assert push().status_code == 200
 
+        last_ack_ms = time.time() * 1000
         cut_at = time.monotonic()
         proxy.cut()
         acked, refused = [], []
@@ -401,6 +462,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
             at = time.monotonic() - cut_at
             if r.status_code == 200:
                 acked.append(at)
+                last_ack_ms = time.time() * 1000
             else:
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["code"] == "lease_lost", r.text
@@ -422,18 +484,144 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         assert fenced and int(fenced.group(1)) == len(refused), metrics
         age = re.search(r"^polyak_lease_age_milliseconds (\d+)", metrics, re.M)
         assert age and int(age.group(1)) > lease * 1000
-        # The link is back: b renews and acknowledges again.
-        proxy.mend()
-        _wait(lambda: push().status_code == 200, 15, "b to acknowledge after the link is back")
 
-        owners = _catalog_rows(
-            backends,
-            catalog,
-            f"SELECT rank, epoch, COUNT(*) FROM placement_log WHERE run = '{run_name}' "
-            "GROUP BY rank, epoch",
+        # a took b's rank over once b's lease expired (epoch 2), after b's
+        # last acknowledgement.
+        node, at_ms = _wait(
+            lambda: _taken_over(backends, catalog, run_name), 15, "a to take b's rank over"
         )
-        assert sorted((r, n) for r, _, n in owners) == [("0", "1"), ("1", "1")]
+        assert node == "node-a" and int(at_ms) > last_ack_ms, (at_ms, last_ack_ms)
+        # The link is back: b renews, finds its rank taken and lets it go
+        # before acknowledging anything; its pushes are sent on to a.
+        proxy.mend()
+
+        def sent_on():
+            r = push()
+            assert r.status_code in (503, 307), r.text
+            return r if r.status_code == 307 else None
+
+        moved = _wait(sent_on, 15, "b to send its rank's pushes on to a")
+        assert moved.json()["error"]["code"] == "rank_elsewhere"
+        assert moved.headers["location"].startswith(a.url)
+        r = httpx.put(moved.headers["location"], content=body, timeout=10)
+        assert r.status_code == 200 and r.json()["applied"], r.text
+
+        _assert_rank_1_moved_once(backends, catalog, run_name)
     finally:
         b.stop()
         a.stop()
         proxy.close()
+
+
+#: Pushes one rank to one URL every 50 ms until a deadline, numbering steps
+#: on from each acknowledgement, and prints one JSON line per answer (wall
+#: time in ms, status, error code). Runs inside a test host's namespace.
+_PUSHER = """
+import json, sys, time, httpx
+url, body_file, until = sys.argv[1], sys.argv[2], float(sys.argv[3])
+body = open(body_file, "rb").read()
+step = 0
+while time.time() < until:
+    try:
+        r = httpx.put(f"{url}/{step}", content=body, timeout=5)
+        code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
+        print(json.dumps({"at_ms": time.time() * 1000, "status": r.status_code, "code": code}))
+        if r.status_code == 200:
+            step += 1
+    except httpx.HTTPError as e:
+        print(json.dumps({"at_ms": time.time() * 1000, "status": 0, "code": type(e).__name__}))
+    sys.stdout.flush()
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
+    tmp_path, backends: Backends, run_name
+):
+    """Node b runs in a test host of its own (a network namespace on a
+    bridge); its trainer pushes from inside that host. Its link is cut (the
+    host's interface set down) without stopping it: b answers its trainer
+    ``503 lease_lost`` before its lease could have expired, a takes the
+    rank over only after b's last acknowledgement, and once the link is
+    back b sends the rank's pushes on to a (``307``) and acknowledges none.
+    One owner per (rank, epoch) in the catalog."""
+    reason = NetLab.unavailable()
+    if reason:
+        pytest.skip(f"no test hosts: {reason}")
+    lease = 3.0
+    lab = NetLab().start()
+    catalog, (a, b) = backends.cluster(tmp_path / "nodes", 2, "--lease-secs", str(lease))
+    try:
+        host = lab.host()
+        # b reaches PostgreSQL and S3 (on this machine's loopback) through
+        # proxies on the bridge.
+        pg_host, _, rest = catalog.rpartition("@")[2].partition(":")
+        pg_port = int(rest.partition("/")[0])
+        pg = lab.proxy((pg_host, pg_port))
+        s3 = backends.s3()
+        s3_proxy = lab.proxy(tuple(httpx.URL(s3.endpoint).netloc.decode().split(":")))
+        i = b.args.index("--catalog")
+        b.args[i + 1] = catalog.replace(f"{pg_host}:{pg_port}/", f"{lab.gateway}:{pg.port}/")
+        i = b.args.index("--s3-endpoint")
+        b.args[i + 1] = f"http://{lab.gateway}:{s3_proxy.port}"
+        host.run_in(b)
+        a.start()
+        b.start()
+        assert b.url.startswith(f"http://{host.ip}:")
+        with polyak.Client(a.url) as client:
+            client.create_run(
+                run_name, world_size=2, profiles=[{"name": "e", "kind": "constant", "beta": 0.9}]
+            )
+            assert client.run(run_name).placement()[1]["node"] == "node-b"
+        body = tmp_path / "body"
+        body.write_bytes(safetensors.torch.save({"w1": torch.ones(8)}))
+        until = time.time() + 5 * lease + 10
+        pusher = subprocess.Popen(
+            [
+                "ip", "netns", "exec", host.ns, sys.executable, "-c", _PUSHER,
+                f"{b.url}/v1/runs/{run_name}/ranks/1/steps", str(body), str(until),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        answers: list[dict] = []
+        threading.Thread(
+            target=lambda: answers.extend(json.loads(line) for line in pusher.stdout),
+            daemon=True,
+        ).start()
+        # b acknowledges, and has renewed with a live (fencing applies).
+        _wait(lambda: sum(x["status"] == 200 for x in answers) >= 5, 20, "b to acknowledge")
+        time.sleep(lease / 3 + 0.5)
+        cut_ms = time.time() * 1000
+        host.cut()
+
+        node, at_ms = _wait(
+            lambda: _taken_over(backends, catalog, run_name), 20, "a to take b's rank over"
+        )
+        taken_ms = int(at_ms)
+        assert node == "node-a"
+        time.sleep(1.0)
+        host.mend()
+        _wait(lambda: any(x["status"] == 307 for x in answers), 20, "b to send the rank on to a")
+        pusher.wait(timeout=until - time.time() + 10)
+
+        acked = [x["at_ms"] for x in answers if x["status"] == 200]
+        fenced = [x["at_ms"] for x in answers if x["code"] == "lease_lost"]
+        assert fenced, answers[-5:]
+        # b stopped before its lease could have expired (a whole lease after
+        # its last renewal, which came before the cut), and acknowledged
+        # nothing from then on: the last acknowledgement precedes the
+        # takeover, and after it b only ever refuses or redirects.
+        assert min(fenced) - cut_ms < lease * 1000, (min(fenced) - cut_ms, lease)
+        assert max(acked) < min(fenced) < taken_ms, (max(acked), min(fenced), taken_ms)
+        after = [x for x in answers if x["at_ms"] > taken_ms]
+        assert after and all(x["status"] in (0, 503, 307) for x in after), after[-5:]
+        moved = [x for x in answers if x["status"] == 307]
+        assert all(x["code"] == "rank_elsewhere" for x in moved)
+
+        _assert_rank_1_moved_once(backends, catalog, run_name)
+    finally:
+        b.stop()
+        a.stop()
+        lab.close()

@@ -38,7 +38,7 @@ pub use pending::Snapshots;
 use pending::*;
 use persist::*;
 pub use persist::{persist_all, persist_state};
-pub use restore::{parts_of, recover, restore_from, resume, Resumed};
+pub use restore::{newest_states, parts_of, recover, restore_from, resume, NewestState, Resumed};
 use retention::*;
 pub use retention::{delete, remove_run_files};
 

@@ -108,20 +108,109 @@ pub async fn restore_from(
         .map(|(r, rr)| (*r, rr.meta.last_step.unwrap_or(0)))
         .collect();
     run.engines.restore(&run.config.name, ranks).await?;
+    note_restored(state, run, &steps);
+    Ok(steps)
+}
+
+/// The summaries of the ranks this node holds after a restore: each at its
+/// restored step, or without data when `steps` has none for it.
+fn note_restored(state: &Snaps, run: &RunHandle, steps: &BTreeMap<u32, u64>) {
     for rank in run.held_ranks() {
-        let summary = run.update_rank(rank, |s| match steps.get(&rank) {
-            Some(&step) => {
-                s.last_step = Some(step);
-                s.live = true;
-            }
-            None => {
-                s.last_step = None;
-                s.live = false;
-            }
+        let summary = run.update_rank(rank, |s| {
+            s.last_step = steps.get(&rank).copied();
+            s.live = s.last_step.is_some();
         });
         state.record_rank(run, rank, &summary, None);
     }
-    Ok(steps)
+}
+
+/// One rank read back from the newest restorable snapshot holding it.
+pub struct NewestState {
+    pub snapshot: String,
+    pub step: u64,
+    pub state: RestoredRank,
+}
+
+/// Per rank of `ranks`: its state from the newest complete restorable
+/// snapshot (by completion) that holds a file for it, or `None` when none
+/// does. The ranks of a run spread over nodes may come from different
+/// snapshots: each node's `state` snapshots hold only its own ranks, a cut
+/// holds them all.
+pub async fn newest_states(
+    store: &crate::store::Store,
+    objects: &ObjectStore,
+    config: &Arc<RunConfig>,
+    ranks: &[u32],
+) -> Result<BTreeMap<u32, Option<NewestState>>, SnapshotError> {
+    let mut rows: Vec<SnapshotRow> = store
+        .snapshots(&config.name)
+        .await?
+        .into_iter()
+        .filter(|r| restorable(config, r))
+        .collect();
+    rows.sort_by_key(|r| std::cmp::Reverse((r.completed_at_ms, r.step)));
+    let mut wanted: BTreeSet<u32> = ranks.iter().copied().collect();
+    let mut chosen: Vec<(String, FileRow)> = Vec::new();
+    for row in rows {
+        if wanted.is_empty() {
+            break;
+        }
+        for f in store.snapshot_files(&row.id).await? {
+            if wanted.contains(&f.rank) {
+                chosen.push((row.id.clone(), f));
+            }
+        }
+        for (_, f) in chosen.iter().filter(|(id, _)| *id == row.id) {
+            wanted.remove(&f.rank);
+        }
+    }
+    let mut snapshot_of: BTreeMap<u32, String> = BTreeMap::new();
+    let files: Vec<FileRow> = chosen
+        .into_iter()
+        .map(|(id, f)| {
+            snapshot_of.insert(f.rank, id);
+            f
+        })
+        .collect();
+    let (objects, for_load) = (objects.clone(), config.clone());
+    let loaded = tokio::task::spawn_blocking(move || load_restorable(&objects, &for_load, files))
+        .await
+        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
+    let mut out: BTreeMap<u32, Option<NewestState>> = ranks.iter().map(|&r| (r, None)).collect();
+    for (rank, state) in loaded {
+        out.insert(
+            rank,
+            Some(NewestState {
+                snapshot: snapshot_of.remove(&rank).unwrap_or_default(),
+                step: state.meta.last_step.unwrap_or(0),
+                state,
+            }),
+        );
+    }
+    Ok(out)
+}
+
+/// Restores the ranks this node holds of a run spread over nodes, each
+/// from the newest snapshot holding it ([`newest_states`]); per rank, the
+/// snapshot and step restored.
+async fn restore_held(
+    state: &Snaps,
+    run: &RunHandle,
+) -> Result<BTreeMap<u32, (String, u64)>, SnapshotError> {
+    let held = run.held_ranks();
+    let newest = newest_states(&state.store, &state.objects, &run.config, &held).await?;
+    let mut restored = BTreeMap::new();
+    let mut ranks = Vec::new();
+    for (rank, found) in newest {
+        if let Some(found) = found {
+            restored.insert(rank, (found.snapshot, found.step));
+            ranks.push((rank, found.state));
+        }
+    }
+    run.engines.restore(&run.config.name, ranks).await?;
+    let steps = restored.iter().map(|(r, (_, step))| (*r, *step)).collect();
+    note_restored(state, run, &steps);
+    Ok(restored)
 }
 
 /// The lowest step any rank of a restorable snapshot sits at: a cut's
@@ -312,6 +401,40 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
     let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
         if run.held_ranks().is_empty() {
+            continue;
+        }
+        if run.is_spread() {
+            // Each node's `state` snapshots hold its own ranks: each rank
+            // from the newest snapshot that holds it.
+            match restore_held(state, &run).await {
+                Ok(restored) => {
+                    for (rank, (snapshot, step)) in &restored {
+                        tracing::info!(run = %run.config.name, rank, step, snapshot = %snapshot, "rank resumed from snapshot");
+                    }
+                    let mut by_snapshot: BTreeMap<&str, BTreeMap<u32, u64>> = BTreeMap::new();
+                    for (rank, (snapshot, step)) in &restored {
+                        by_snapshot
+                            .entry(snapshot)
+                            .or_default()
+                            .insert(*rank, *step);
+                    }
+                    for (snapshot, steps) in by_snapshot {
+                        let top = steps.values().copied().max();
+                        state.events.emit(
+                            &run.config.name,
+                            None,
+                            top,
+                            Event::Restored(Restored {
+                                snapshot: snapshot.to_string(),
+                                rank_steps: steps,
+                            }),
+                        );
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(run = %run.config.name, error = %e, "restoring failed")
+                }
+            }
             continue;
         }
         let rows = state.store.snapshots(&run.config.name).await?;

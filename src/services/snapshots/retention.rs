@@ -78,7 +78,27 @@ pub(super) async fn apply_retention(state: &Snaps, run: &str) -> Result<(), Snap
         .filter(|s| s.kind == SnapshotKind::State && s.status == SnapshotStatus::Complete)
         .collect();
     states.sort_by_key(|s| std::cmp::Reverse(s.completed_at_ms));
-    doomed.extend(states.iter().skip(STATE_KEEP).map(|s| s.id.clone()));
+    // Each rank keeps its newest state snapshots: with a run spread over
+    // nodes, each node's state snapshots hold only its own ranks, and the
+    // newest of one node must not push out the only ones of another.
+    let mut kept: HashMap<String, usize> = HashMap::new();
+    for s in states {
+        let ranks: Vec<String> = match s.detail["rank_steps"].as_object() {
+            Some(steps) if !steps.is_empty() => steps.keys().cloned().collect(),
+            _ => vec!["*".into()],
+        };
+        let mut keep = false;
+        for rank in ranks {
+            let n = kept.entry(rank).or_default();
+            if *n < STATE_KEEP {
+                *n += 1;
+                keep = true;
+            }
+        }
+        if !keep {
+            doomed.push(s.id.clone());
+        }
+    }
     if retention.keep_last > 0 {
         let mut cuts: Vec<&SnapshotRow> = all
             .iter()

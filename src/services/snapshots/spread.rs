@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 #[allow(unused_imports)]
 use super::*;
 use crate::node::Owner;
-use crate::services::cluster::peer_request;
+use crate::services::peer::peer_request;
 
 /// The path a peer answers its ranks' steps on.
 pub fn steps_path(run: &str) -> String {
