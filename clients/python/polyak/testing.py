@@ -324,10 +324,23 @@ class NetLab:
 
     def proxy(self, target: tuple[str, int]) -> TcpProxy:
         """``target`` (on this machine's loopback) as the hosts reach it: a
-        proxy on the bridge address."""
+        proxy on the bridge address (one per target)."""
+        for proxy in self._proxies:
+            if proxy.target == target:
+                return proxy
         proxy = TcpProxy(target, listen=self.gateway)
         self._proxies.append(proxy)
         return proxy
+
+    def reach_url(self, url: str) -> str:
+        """``url`` (``postgres://user@host:port/db``, ``http://host:port``)
+        with its address replaced by its proxy's, for the hosts."""
+        head, sep, rest = url.partition("://")
+        auth, at, hostpart = rest.rpartition("@")
+        netloc, slash, path = hostpart.partition("/")
+        host, _, port = netloc.rpartition(":")
+        proxy = self.proxy((host, int(port)))
+        return f"{head}{sep}{auth}{at}{self.gateway}:{proxy.port}{slash}{path}"
 
     def close(self) -> None:
         for proxy in self._proxies:
@@ -948,27 +961,41 @@ class Backends:
         count: int = 3,
         *args: str,
         binary: str | None = None,
+        lab: NetLab | None = None,
     ) -> tuple[str, list[PolyakServer]]:
         """``count`` nodes of one service (not started): servers sharing a
         fresh PostgreSQL catalog and S3 prefix, named ``node-a``, ``node-b``,
-        ...; their data under ``data_root/<letter>``. Returns the catalog's
-        database URL with them."""
+        ...; their data under ``data_root/<letter>``. With ``lab``, each
+        runs in a test host of its own, reaching the catalog and the store
+        through the lab's proxies. Returns the catalog's database URL (as
+        this machine reaches it) with them."""
         catalog = self.postgres().new_database()
         s3 = self.s3()
-        common = ["--catalog", catalog, "--store", s3.new_prefix(), "--s3-endpoint", s3.endpoint]
+        store = s3.new_prefix()
         root = Path(data_root)
-        servers = [
-            PolyakServer(
+        servers = []
+        for letter in "abcdefgh"[:count]:
+            reach_catalog, reach_s3 = catalog, s3.endpoint
+            if lab is not None:
+                reach_catalog = lab.reach_url(catalog)
+                reach_s3 = lab.reach_url(s3.endpoint)
+            server = PolyakServer(
                 root / letter,
-                *common,
+                "--catalog",
+                reach_catalog,
+                "--store",
+                store,
+                "--s3-endpoint",
+                reach_s3,
                 "--node-id",
                 f"node-{letter}",
                 *args,
                 binary=binary,
                 env=s3.env(),
             )
-            for letter in "abcdefgh"[:count]
-        ]
+            if lab is not None:
+                lab.host().run_in(server)
+            servers.append(server)
         return catalog, servers
 
     def store_of(self, server: PolyakServer) -> StoreView:

@@ -13,7 +13,7 @@ import stat
 
 import polyak
 import pytest
-from polyak.testing import Backends, find_binary
+from polyak.testing import Backends, NetLab, find_binary
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -72,3 +72,18 @@ def run_name(request: pytest.FixtureRequest) -> str:
     """A run name unique in the session, readable in the server log."""
     base = request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:80]
     return f"{base}-{next(_names)}"
+
+
+@pytest.fixture()
+def lab():
+    """Test hosts (network namespaces on a bridge, see ``NetLab``) where
+    this machine can make them (root, ``ip``); ``None`` elsewhere, and the
+    tests use loopback ports instead."""
+    if NetLab.unavailable() is not None:
+        yield None
+        return
+    net = NetLab().start()
+    try:
+        yield net
+    finally:
+        net.close()

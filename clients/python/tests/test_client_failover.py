@@ -77,8 +77,11 @@ def _max_err(file, want: dict[str, torch.Tensor], online: dict[str, torch.Tensor
 
 
 @pytest.mark.slow
-def test_a_killed_nodes_ranks_are_taken_over(tmp_path, backends: Backends, run_name):
-    catalog, (a, b, c) = backends.cluster(tmp_path / "nodes", 3, "--lease-secs", str(LEASE))
+def test_a_killed_nodes_ranks_are_taken_over(tmp_path, backends: Backends, run_name, lab):
+    # Each node in a test host of its own where this machine makes them.
+    catalog, (a, b, c) = backends.cluster(
+        tmp_path / "nodes", 3, "--lease-secs", str(LEASE), lab=lab
+    )
     for node in (a, b, c):
         node.start()
     try:
