@@ -52,6 +52,8 @@ pub enum EngineError {
     StepConflict(String),
     #[error("{0}")]
     RunFinished(String),
+    #[error("{0}")]
+    Finishing(String),
     #[error("layout mismatch: {0}")]
     LayoutMismatch(String),
     #[error("{0}")]
@@ -404,9 +406,13 @@ impl Engine {
         // The finish check and this rank's claim on `step` are one step
         // under the run's shared lock; the real last step is settled after.
         let shared = entry.shared.clone();
-        shared
-            .claim(rank, step)
-            .map_err(|at| finished_error(run, at))?;
+        shared.claim(rank, step).map_err(|refused| match refused {
+            shared::Refused::Finished(at) => finished_error(run, at),
+            shared::Refused::Held => EngineError::Finishing(format!(
+                "run `{run}` is being finished across its nodes; step {step} is taken if the \
+                     finish lands at or past it: retry shortly"
+            )),
+        })?;
         let outcome = self.push_claimed(run, rank, step, push);
         let state = self
             .runs

@@ -50,9 +50,24 @@ pub enum Periodic {
     Join(String),
 }
 
+/// Why a push may not claim its step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The run is finished there.
+    Finished(FinishedAt),
+    /// A finish across nodes is being agreed on and the step is past this
+    /// node's furthest: retry shortly (it is taken if the finish lands at
+    /// or past it).
+    Held,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     finished: Option<FinishedAt>,
+    /// A finish across nodes holds the run at this step (the node's
+    /// furthest claim when it was asked) until this instant, unless it is
+    /// committed or released before.
+    held: Option<(Option<u64>, std::time::Instant)>,
     /// Per rank: the highest step a push in flight may leave it at, or
     /// its last applied step once settled.
     claimed: Vec<Option<u64>>,
@@ -129,11 +144,18 @@ impl RunShared {
     /// Before a push of `step` to `rank`: refused when the run is finished
     /// before `step` (the caller answers with [`FinishedAt`]), else the step
     /// is claimed until [`Self::settle`].
-    pub fn claim(&self, rank: u32, step: u64) -> Result<(), FinishedAt> {
+    pub fn claim(&self, rank: u32, step: u64) -> Result<(), Refused> {
         let mut inner = self.lock();
         if let Some(at @ FinishedAt(last)) = inner.finished {
             if last.is_none_or(|last| step > last) {
-                return Err(at);
+                return Err(Refused::Finished(at));
+            }
+        }
+        if let Some((at, until)) = inner.held {
+            if std::time::Instant::now() >= until {
+                inner.held = None;
+            } else if at.is_none_or(|at| step > at) {
+                return Err(Refused::Held);
             }
         }
         if let Some(slot) = inner.claimed.get_mut(rank as usize) {
@@ -161,9 +183,31 @@ impl RunShared {
         at
     }
 
-    /// Restores the finished mark from the catalog (at start).
+    /// Restores the finished mark from the catalog (at start), or sets the
+    /// step a finish across nodes agreed on (which ends its hold).
     pub fn set_finished(&self, at: Option<FinishedAt>) {
-        self.lock().finished = at;
+        let mut inner = self.lock();
+        inner.finished = at;
+        inner.held = None;
+    }
+
+    /// The first phase of a finish across nodes: no push past this node's
+    /// furthest claim is taken for `ttl` (or until [`Self::set_finished`]
+    /// or [`Self::release`]); answers that claim (a finished run: its
+    /// step).
+    pub fn hold(&self, ttl: std::time::Duration) -> FinishedAt {
+        let mut inner = self.lock();
+        if let Some(at) = inner.finished {
+            return at;
+        }
+        let at = inner.claimed.iter().flatten().copied().max();
+        inner.held = Some((at, std::time::Instant::now() + ttl));
+        FinishedAt(at)
+    }
+
+    /// A finish across nodes was given up: pushes go on.
+    pub fn release(&self) {
+        self.lock().held = None;
     }
 
     pub fn set_resident(&self, rank: u32, bytes: u64) {
@@ -228,6 +272,7 @@ impl RunShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn periodic_ids_are_the_same_on_every_node_and_sort_by_step() {
@@ -264,13 +309,40 @@ mod tests {
         s.claim(2, 6).unwrap();
         assert_eq!(s.finish(), FinishedAt(Some(6)));
         s.settle(2, Some(6));
-        assert_eq!(s.claim(1, 7), Err(FinishedAt(Some(6))));
+        assert_eq!(s.claim(1, 7), Err(Refused::Finished(FinishedAt(Some(6)))));
         assert!(
             s.claim(1, 6).is_ok(),
             "a lagging rank may still reach the final step"
         );
         // Finishing again keeps the step.
         assert_eq!(s.finish(), FinishedAt(Some(6)));
+    }
+
+    #[test]
+    fn a_hold_refuses_later_steps_until_committed_released_or_expired() {
+        let s = RunShared::new(2);
+        s.claim(0, 4).unwrap();
+        s.settle(0, Some(4));
+        assert_eq!(s.hold(Duration::from_secs(60)), FinishedAt(Some(4)));
+        // Past the hold: retry later; at or below it: taken.
+        assert_eq!(s.claim(1, 5), Err(Refused::Held));
+        assert!(s.claim(1, 4).is_ok());
+        s.settle(1, Some(4));
+        // The finish lands further (another node was at 7): up to 7 taken.
+        s.set_finished(Some(FinishedAt(Some(7))));
+        assert!(s.claim(1, 7).is_ok());
+        assert_eq!(s.claim(1, 8), Err(Refused::Finished(FinishedAt(Some(7)))));
+        // Released: pushes go on.
+        let r = RunShared::new(1);
+        r.hold(Duration::from_secs(60));
+        assert_eq!(r.claim(0, 1), Err(Refused::Held));
+        r.release();
+        assert!(r.claim(0, 1).is_ok());
+        // Expired: the same.
+        let e = RunShared::new(1);
+        e.hold(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(e.claim(0, 1).is_ok());
     }
 
     #[test]
@@ -288,7 +360,7 @@ mod tests {
     fn a_run_finished_before_any_push_refuses_every_step() {
         let s = RunShared::new(1);
         assert_eq!(s.finish(), FinishedAt(None));
-        assert_eq!(s.claim(0, 0), Err(FinishedAt(None)));
+        assert_eq!(s.claim(0, 0), Err(Refused::Finished(FinishedAt(None))));
     }
 
     #[test]

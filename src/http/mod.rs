@@ -45,7 +45,7 @@ use openapi::Contract;
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
     modifiers(&Contract),
     paths(
-        ops::livez, ops::readyz, ops::metrics, nodes::list, route::sync, route::held_steps, route::take_cut, route::withdraw_cut,
+        ops::livez, ops::readyz, ops::metrics, nodes::list, route::sync, route::held_steps, route::take_cut, route::withdraw_cut, route::finish_phase,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
         runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run, runs::placement,
         push::push,
@@ -117,6 +117,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/internal/runs/{run}/cuts/{id}",
             axum::routing::delete(route::withdraw_cut),
+        )
+        .route(
+            "/v1/internal/runs/{run}/finish",
+            axum::routing::post(route::finish_phase),
         )
         .route(
             "/v1/runs/{run}",

@@ -15,7 +15,7 @@ use super::error::ApiError;
 use super::extract::{run_named, ApiJson};
 use crate::registry::Owner;
 use crate::services::cluster::{self, Synced, FORWARDED};
-use crate::services::snapshots::spread::{HeldSteps, PeerCut};
+use crate::services::snapshots::spread::{self, FinishStep, HeldSteps, PeerCut, PeerFinish};
 use crate::services::snapshots::{self as snap, SnapshotError};
 use crate::state::AppState;
 
@@ -155,6 +155,23 @@ pub async fn take_cut(
     let (_, indices) = snap::profile_choice(&run.config, Some(cut.profiles))?;
     snap::accept(state.snapshots(), &run, &cut.id, cut.step, &indices).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// This node's part of a finish across nodes (`hold`, `commit` or
+/// `release`; see the contract's *Finishing a spread run*). Admin only.
+#[utoipa::path(post, path = "/v1/internal/runs/{run}/finish", tag = "nodes",
+    params(("run" = String, Path)), request_body = PeerFinish,
+    responses((status = 200, body = FinishStep), (status = 400, body = super::error::ErrorBody),
+              (status = 404, body = super::error::ErrorBody)))]
+pub async fn finish_phase(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    ApiJson(asked): ApiJson<PeerFinish>,
+) -> Result<Json<FinishStep>, ApiError> {
+    caller.require_admin()?;
+    let run = run_named(&state, &name)?;
+    Ok(Json(spread::finish_phase(&run, asked.phase, asked.step)))
 }
 
 /// Withdraws this node's part of a cut (another node could not take its

@@ -119,7 +119,16 @@ pub async fn sync(ctx: &Context) -> Result<Synced, ServiceError> {
     for s in stored {
         let known = ctx.registry.run(&s.config.name);
         match known {
-            Some(run) if run.created_at_ms == s.created_at_ms => continue,
+            Some(run) if run.created_at_ms == s.created_at_ms => {
+                // A finish another node recorded (a finish across nodes
+                // this node missed the commit of, or the final mark).
+                if let (Some(finish), None) = (&s.finished, run.finished()) {
+                    let at = crate::engine::FinishedAt(finish.step);
+                    run.engines.shared().set_finished(Some(at));
+                    *run.finished.lock().expect("run finish lock") = Some(finish.clone());
+                }
+                continue;
+            }
             // Deleted and created again under the same name.
             Some(run) => {
                 forget(ctx, &run).await;

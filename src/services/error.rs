@@ -178,6 +178,10 @@ impl From<EngineError> for ServiceError {
             EngineError::NoData { .. } => Self::not_found("no_data", message),
             EngineError::StepConflict(_) => Self::conflict("step_conflict", message),
             EngineError::RunFinished(_) => Self::conflict("run_finished", message),
+            EngineError::Finishing(_) => ServiceError {
+                retry_after: Some(1),
+                ..Self::new(503, "run_finishing", message)
+            },
             EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
             EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
             EngineError::Nonfinite(_) => Self::unprocessable("nonfinite", message),
@@ -252,7 +256,6 @@ impl From<SnapshotError> for ServiceError {
                 retry_after: Some(1),
                 ..Self::new(502, "node_unreachable", m)
             },
-            SnapshotError::Spread(m) => Self::conflict("run_spread", m),
             SnapshotError::NotFound(m) => Self::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => Self::unprocessable("invalid_request", m),
             SnapshotError::Older(m) => Self::conflict("snapshot_older", m),
@@ -312,9 +315,6 @@ pub enum SnapshotError {
     /// with a fault): 502 `node_unreachable`, worth a retry.
     #[error("{0}")]
     Peer(String),
-    /// What a run spread over several nodes cannot do yet: 409 `run_spread`.
-    #[error("{0}")]
-    Spread(String),
     /// `resume` found only a snapshot older than the step asked for.
     #[error("{0}")]
     Older(String),

@@ -323,9 +323,35 @@ def test_a_cut_across_nodes_downloads_from_a_node_holding_none(cluster, tmp_path
             run.snapshot(step=4, wait=False)
         assert refused.value.status == 409 and "past the snapshot step" in str(refused.value)
         assert [s["id"] for s in run.snapshots()] == before
-        # Finishing a spread run is refused for now, with its own code.
-        r = httpx.post(f"{c.url}/v1/runs/{run_name}/finish", json={}, timeout=10)
-        assert r.status_code == 409 and r.json()["error"]["code"] == "run_spread", r.text
+        # Finishing the spread run, asked of node c: the nodes holding its
+        # ranks hold at their furthest steps, the finish lands at the
+        # furthest of all, and the final snapshot is a cut there.
+        done = run.finish(timeout=60)
+        final = done["snapshot"]
+        assert final["status"] == "complete" and final["step"] == steps - 1, final
+        assert final["detail"]["cut"] == "final"
+        assert {(f["rank"], f["step"]) for f in final["files"]} == {(0, steps - 1), (1, steps - 1)}
+        got = polyak.assemble(
+            (t.tensors, t.chunks) for t in (run.rank_ema(r, "c") for r in range(2))
+        )
+        downloaded = run.download(final, "c")
+        for name, t in got.items():
+            assert torch.equal(downloaded[name], t), name
+        # Every node refuses a later push of the ranks it holds, and shows
+        # the run finished.
+        body = safetensors.torch.save({"w": torch.ones(4)})
+        for rank in (0, 1):
+            owner = placement[rank]["url"]
+            r = httpx.put(f"{owner}/v1/runs/{run_name}/ranks/{rank}/steps/{steps}", content=body)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "run_finished", r.text
+        for node in (a, b, c):
+            _wait(
+                lambda node=node: (
+                    httpx.get(f"{node.url}/v1/runs/{run_name}").json().get("finished")
+                ),
+                10,
+                f"{node.url} to show the run finished",
+            )
 
 
 def test_the_event_stream_of_any_node_carries_every_nodes_events(cluster, run_name):

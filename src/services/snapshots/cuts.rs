@@ -209,14 +209,11 @@ pub async fn finish(
         };
         return Ok((done, row));
     }
-    if run.is_spread() {
-        return Err(SnapshotError::Spread(
-            "finishing a run whose ranks several nodes hold is not supported yet; \
-             take a snapshot instead"
-                .into(),
-        ));
-    }
-    let at = run.engines.shared().finish();
+    let at = if run.is_spread() {
+        super::spread::finish_across(state, run).await?
+    } else {
+        run.engines.shared().finish()
+    };
     let (names, indices) = profile_choice(&run.config, None)?;
     let row = match at.0 {
         Some(step) => Some(

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 #[allow(unused_imports)]
 use super::*;
+use crate::engine::FinishedAt;
 use crate::node::Owner;
 use crate::services::peer::peer_request;
 
@@ -39,6 +40,110 @@ pub struct PeerCut {
     pub id: String,
     pub step: u64,
     pub profiles: Vec<String>,
+}
+
+/// The path a peer holds, commits or releases a finish on (POST).
+pub fn finish_path(run: &str) -> String {
+    format!("/v1/internal/runs/{run}/finish")
+}
+
+/// How long a node holds a run for a finish across nodes before it lets
+/// pushes go on by itself (the node finishing it stopped between phases).
+pub const FINISH_HOLD: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A phase of a finish across nodes, as a peer is asked to take it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishPhase {
+    /// Take no push past the node's furthest step; answer that step.
+    Hold,
+    /// Finish at `step` (the furthest of every node's).
+    Commit,
+    /// The finish was given up: take pushes again.
+    Release,
+}
+
+/// What a peer is asked to do for a finish across nodes.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PeerFinish {
+    pub phase: FinishPhase,
+    /// With `commit`: the step the run finishes at (`null`: before any push).
+    #[serde(default)]
+    pub step: Option<u64>,
+}
+
+/// A peer's answer: its furthest step (`hold`), or the step it finished at.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FinishStep {
+    pub step: Option<u64>,
+}
+
+/// This node's part of a finish across nodes.
+pub fn finish_phase(run: &RunHandle, phase: FinishPhase, step: Option<u64>) -> FinishStep {
+    let shared = run.engines.shared();
+    match phase {
+        FinishPhase::Hold => FinishStep {
+            step: shared.hold(FINISH_HOLD).0,
+        },
+        FinishPhase::Commit => {
+            shared.set_finished(Some(FinishedAt(step)));
+            FinishStep { step }
+        }
+        FinishPhase::Release => {
+            shared.release();
+            FinishStep { step: None }
+        }
+    }
+}
+
+/// Finishes a run whose ranks several nodes hold, in two phases: every
+/// node holding ranks stops taking pushes past its furthest step (those
+/// are answered `503 run_finishing`, retried by clients) and answers it;
+/// then every node finishes at the furthest of them, so a lagging rank
+/// still reaches it. A node that does not answer the first phase gives the
+/// finish up (released everywhere); one that misses the second learns the
+/// step from the catalog.
+pub async fn finish_across(state: &Snaps, run: &RunHandle) -> Result<FinishedAt, SnapshotError> {
+    let name = &run.config.name;
+    let path = finish_path(name);
+    let shared = run.engines.shared();
+    let mut furthest = shared.hold(FINISH_HOLD).0;
+    let peers = peers(state, run);
+    let hold = serde_json::json!({ "phase": "hold" });
+    let answers = futures::future::join_all(peers.iter().map(|peer| {
+        let (path, hold) = (path.clone(), hold.clone());
+        async move {
+            let answer = call(state, peer, Method::POST, &path, Some(hold)).await?;
+            let held: FinishStep = answer.json().await.map_err(|e| unreachable(peer, e))?;
+            Ok::<_, SnapshotError>(held.step)
+        }
+    }))
+    .await;
+    let mut failed = None;
+    for answer in answers {
+        match answer {
+            Ok(step) => furthest = furthest.max(step),
+            Err(e) => failed = failed.or(Some(e)),
+        }
+    }
+    if let Some(e) = failed {
+        shared.release();
+        let release = serde_json::json!({ "phase": "release" });
+        for peer in &peers {
+            let _ = call(state, peer, Method::POST, &path, Some(release.clone())).await;
+        }
+        return Err(e);
+    }
+    let at = FinishedAt(furthest);
+    shared.set_finished(Some(at));
+    let commit = serde_json::json!({ "phase": "commit", "step": furthest });
+    for peer in &peers {
+        if let Err(e) = call(state, peer, Method::POST, &path, Some(commit.clone())).await {
+            tracing::warn!(run = %name, peer = %peer.node_id, error = %e,
+                "a node missed the finish; it learns it from the catalog");
+        }
+    }
+    Ok(at)
 }
 
 /// The other nodes holding ranks of `run`, one entry a node.
