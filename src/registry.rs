@@ -202,6 +202,13 @@ impl RunHandle {
             .map(|r| r.lock().expect("rank summary lock").clone())
     }
 
+    /// Reads one field of a rank's summary without copying the summary.
+    pub fn rank_with<R>(&self, rank: u32, f: impl FnOnce(&RankSummary) -> R) -> Option<R> {
+        self.ranks
+            .get(rank as usize)
+            .map(|r| f(&r.lock().expect("rank summary lock")))
+    }
+
     /// Updates a rank's summary and returns the new value.
     pub fn update_rank(&self, rank: u32, f: impl FnOnce(&mut RankSummary)) -> RankSummary {
         let mut guard = self.ranks[rank as usize].lock().expect("rank summary lock");

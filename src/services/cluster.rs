@@ -194,6 +194,7 @@ async fn take_over(ctx: &Context, nodes: &[NodeRow]) -> Result<usize, ServiceErr
             .map(|p| (p.rank, p.epoch))
             .collect();
         // A node whose own lease is in doubt takes nothing.
+        let mut claimed = false;
         if !orphans.is_empty() && ctx.lease.fenced().is_none() {
             if candidates.is_empty() {
                 candidates = live_candidates(ctx, nodes).await?;
@@ -210,6 +211,7 @@ async fn take_over(ctx: &Context, nodes: &[NodeRow]) -> Result<usize, ServiceErr
                 c.held += shares.iter().filter(|n| **n == c.node_id).count() as u64;
             }
             if !mine.is_empty() {
+                claimed = true;
                 let won = ctx.store.claim_ranks(&name, &me, &mine, now_ms()).await?;
                 if !won.is_empty() {
                     tracing::warn!(run = %name, ranks = ?won.iter().map(|p| p.rank).collect::<Vec<_>>(),
@@ -217,7 +219,12 @@ async fn take_over(ctx: &Context, nodes: &[NodeRow]) -> Result<usize, ServiceErr
                 }
             }
         }
-        let placed = ctx.store.placement(&name).await?;
+        // Read again only when this node claimed something just now.
+        let placed = if claimed {
+            ctx.store.placement(&name).await?
+        } else {
+            placed
+        };
         let to_install: Vec<(u32, u64)> = placed
             .iter()
             .filter(|p| p.node_id == me && !run.holds(p.rank))

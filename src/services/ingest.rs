@@ -372,14 +372,15 @@ impl Ingest {
         // A rank taken over from a lost node has no predecessor here until
         // its first push after the failover: that push goes on at once (the
         // steps it follows were lost with the node, and are reported).
-        if run
-            .rank(rank)
-            .and_then(|s| s.failover)
-            .is_some_and(|f| f.resumed_step.is_none())
-        {
+        let unresumed = |s: &crate::registry::RankSummary| {
+            s.failover
+                .as_ref()
+                .is_some_and(|f| f.resumed_step.is_none())
+        };
+        if run.rank_with(rank, unresumed) == Some(true) {
             return Ok(());
         }
-        let applied = || run.rank(rank).and_then(|s| s.last_step);
+        let applied = || run.rank_with(rank, |s| s.last_step).flatten();
         self.pipeline
             .wait_for(
                 (run.config.name.as_str(), run.created_at_ms),
