@@ -61,7 +61,15 @@ async fn rate(engines: usize, numel: usize, rounds: u64, reps: usize) -> f64 {
     let (captures, _rx) = tokio::sync::mpsc::unbounded_channel();
     let gauge = prometheus::IntGauge::new("runs", "runs").unwrap();
     let me = ("bench".to_string(), "http://127.0.0.1:0".to_string());
-    let registry = Registry::new(Device::Cpu, engines, 64, 1 << 30, captures, gauge, me);
+    let registry = Registry::new(
+        ("cpu".into(), vec![]),
+        engines,
+        64,
+        1 << 30,
+        captures,
+        gauge,
+        me,
+    );
     let limits = WireLimits {
         header_limit: 1 << 20,
     };

@@ -55,10 +55,16 @@ pub struct ServeArgs {
     pub s3_endpoint: Option<String>,
 
     /// Default device for new runs' EMA: `auto` (CUDA when available, else
-    /// CPU), `cpu`, `cuda` or `cuda:N`. Asking for CUDA on a machine without
-    /// it fails at start.
+    /// CPU), `cpu`, `cuda` (a run's ranks spread over every GPU of
+    /// `--devices`) or `cuda:N` (all on that one). Asking for CUDA on a
+    /// machine without it fails at start.
     #[arg(long, env = "POLYAK_DEVICE", default_value = "auto")]
     pub device: String,
+
+    /// The GPUs this node's engines use, one engine each: `cuda:0,cuda:1`.
+    /// Default: every CUDA device torch sees.
+    #[arg(long, env = "POLYAK_DEVICES")]
+    pub devices: Option<String>,
 
     /// This server's name among the nodes of one service (placement
     /// answers name it). Default: generated once and kept in the data dir

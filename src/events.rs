@@ -20,8 +20,17 @@ use crate::store::{Store, StoredEvent};
 pub struct EventBus {
     ids: Arc<Mutex<EventIds>>,
     store: Option<Store>,
+    /// Every event this node emits, at once (alerts follow it).
     tx: broadcast::Sender<Arc<StoredEvent>>,
+    /// On a catalog that orders events over nodes: the live stream in the
+    /// catalog's order (every node's stored events as the relay reads them,
+    /// and this node's transient ones). `None`: the stream is `tx`.
+    ordered: Option<broadcast::Sender<Arc<StoredEvent>>>,
     recent: Mutex<std::collections::VecDeque<Arc<StoredEvent>>>,
+    /// On an ordered bus: the newest of this node's events the relay has
+    /// read back from the catalog (this node numbers in increasing order,
+    /// so every one of its events up to it is stored).
+    relayed_own: std::sync::atomic::AtomicI64,
     catalog: CatalogWriter,
 }
 
@@ -43,7 +52,14 @@ struct EventIds {
 impl EventBus {
     /// A bus numbering events from `block` (ids reserved in the catalog);
     /// with `store`, it reserves the next block before this one runs out.
-    pub fn new(block: (i64, i64), catalog: CatalogWriter, store: Option<Store>) -> Self {
+    /// `ordered`: the live stream follows the catalog's order of events
+    /// (fed by [`EventBus::relay`]) rather than this node's emits.
+    pub fn new(
+        block: (i64, i64),
+        catalog: CatalogWriter,
+        store: Option<Store>,
+        ordered: bool,
+    ) -> Self {
         let (tx, _) = broadcast::channel(4096);
         EventBus {
             ids: Arc::new(Mutex::new(EventIds {
@@ -54,7 +70,9 @@ impl EventBus {
             })),
             store,
             tx,
+            ordered: ordered.then(|| broadcast::channel(4096).0),
             recent: Mutex::new(std::collections::VecDeque::with_capacity(RECENT_EVENTS)),
+            relayed_own: std::sync::atomic::AtomicI64::new(0),
             catalog,
         }
     }
@@ -118,7 +136,9 @@ impl EventBus {
             rank,
             step,
             detail,
+            seq: None,
             relayed: false,
+            transient: !stored,
         });
         if stored {
             if recent.len() == RECENT_EVENTS {
@@ -126,9 +146,33 @@ impl EventBus {
             }
             recent.push_back(event.clone());
             self.catalog.send(CatalogUpdate::Event((*event).clone()));
+        } else if let Some(ordered) = &self.ordered {
+            // Transient: never stored, so the relay never sees it.
+            let _ = ordered.send(event.clone());
         }
         let _ = self.tx.send(event.clone());
         event
+    }
+
+    /// Whether the live stream follows the catalog's order of events (a
+    /// catalog several nodes share): stream ids are then resolved to
+    /// places in that order.
+    pub fn is_ordered(&self) -> bool {
+        self.ordered.is_some()
+    }
+
+    /// This node's recent events of `run` that the live stream of an
+    /// ordered bus has not carried yet (the writer stores them within its
+    /// batching interval, then the relay reads them back), oldest first.
+    pub fn pending(&self, run: &str) -> Vec<Arc<StoredEvent>> {
+        let done = self.relayed_own.load(std::sync::atomic::Ordering::Acquire);
+        self.recent
+            .lock()
+            .expect("events lock")
+            .iter()
+            .filter(|e| e.run == run && e.id > done)
+            .cloned()
+            .collect()
     }
 
     /// Events of `run` with `id > after` still in memory, oldest first.
@@ -142,14 +186,33 @@ impl EventBus {
             .collect()
     }
 
-    /// Publishes an event another node emitted (read from the catalog) to
-    /// this node's live subscribers; it is neither numbered nor stored.
+    /// Publishes an event read from the catalog (with its place in the
+    /// catalog's order) to the live stream of an ordered bus; it is neither
+    /// numbered nor stored again. Another node's events are marked
+    /// `relayed`; this node's come back through here so the stream has
+    /// every node's events in one order.
     pub fn relay(&self, event: Arc<StoredEvent>) {
-        let _ = self.tx.send(event);
+        if let Some(ordered) = &self.ordered {
+            if !event.relayed {
+                self.relayed_own
+                    .fetch_max(event.id, std::sync::atomic::Ordering::AcqRel);
+            }
+            let _ = ordered.send(event);
+        }
     }
 
+    /// This node's events as they are emitted (alerts follow these).
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<StoredEvent>> {
         self.tx.subscribe()
+    }
+
+    /// The live stream for subscribers (SSE): in the catalog's order on an
+    /// ordered bus, else this node's events as they are emitted.
+    pub fn stream(&self) -> broadcast::Receiver<Arc<StoredEvent>> {
+        match &self.ordered {
+            Some(ordered) => ordered.subscribe(),
+            None => self.tx.subscribe(),
+        }
     }
 }
 

@@ -270,8 +270,11 @@ pub struct Registry {
     engines: Mutex<HashMap<String, (EngineHandle, usize)>>,
     /// Engine threads a CPU run's ranks are spread over (`--engines`).
     cpu_engines: usize,
-    /// The device new runs get when they do not name one (`cpu` or `cuda:N`).
+    /// The device new runs get when they do not name one (`cpu`, `cuda`
+    /// or `cuda:N`).
     default_device: String,
+    /// This node's GPUs (`--devices`), one engine each.
+    gpus: Vec<tch::Device>,
     /// How engines are started: queue depth, periodic-capture backlog, and
     /// where they send their captures.
     engine_queue_depth: usize,
@@ -286,7 +289,7 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(
-        default_device: tch::Device,
+        (default_device, gpus): (String, Vec<tch::Device>),
         cpu_engines: usize,
         engine_queue_depth: usize,
         periodic_backlog: u64,
@@ -298,7 +301,8 @@ impl Registry {
             runs: RwLock::new(BTreeMap::new()),
             engines: Mutex::new(HashMap::new()),
             cpu_engines: cpu_engines.max(1),
-            default_device: device::name(default_device),
+            default_device,
+            gpus,
             engine_queue_depth,
             periodic_backlog,
             captures,
@@ -326,6 +330,12 @@ impl Registry {
     /// The device new runs get when they do not name one.
     pub fn default_device(&self) -> &str {
         &self.default_device
+    }
+
+    /// The canonical device of a run asking for `request` (see
+    /// [`device::canonical`]), or why this node cannot hold it.
+    pub fn device_for(&self, request: &str) -> Result<String, String> {
+        device::canonical(request, &self.gpus)
     }
 
     /// Loads every run of the catalog, with the ranks this node owns on its
@@ -365,7 +375,7 @@ impl Registry {
                     read_hash,
                 });
         let mut config = stored.config;
-        if let Err(e) = device::resolve(&config.device) {
+        if let Err(e) = self.device_for(&config.device) {
             tracing::error!(run = %name, device = %config.device, "{e}; the run moves to the CPU");
             config.device = "cpu".into();
         }
@@ -494,15 +504,10 @@ impl Registry {
         }
     }
 
-    /// The labels of a device's engines: one per GPU, `--engines` on the CPU.
-    fn labels_of(&self, device: tch::Device) -> Vec<String> {
-        let name = device::name(device);
-        match device {
-            tch::Device::Cpu if self.cpu_engines > 1 => (0..self.cpu_engines)
-                .map(|i| format!("{name}#{i}"))
-                .collect(),
-            _ => vec![name],
-        }
+    /// The engines of a run's device, as (label, device): one per GPU of
+    /// `--devices` for `cuda`, `--engines` threads on the CPU.
+    fn labels_of(&self, device_name: &str) -> Result<Vec<(String, tch::Device)>, String> {
+        device::engines_of(device_name, &self.gpus, self.cpu_engines)
     }
 
     /// Places a run's ranks on the engines of its device, balanced by the
@@ -515,23 +520,28 @@ impl Registry {
         world_size: u32,
         owned: &[bool],
     ) -> std::io::Result<(Vec<EngineHandle>, Vec<Option<usize>>)> {
-        let device = device::parse(device_name)
+        let engines_of = self
+            .labels_of(device_name)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let labels = self.labels_of(device);
-        // Engines sharing the CPU share its cores: each apply is split over
-        // its share, so engines side by side do not oversubscribe them.
-        let kernel_threads = match device {
-            tch::Device::Cpu if labels.len() > 1 => {
-                (tch::get_num_threads().max(1) as usize / labels.len()).max(1)
-            }
-            _ => 0,
-        };
+        let cpu_engines = engines_of
+            .iter()
+            .filter(|(_, d)| *d == tch::Device::Cpu)
+            .count();
+        let labels: Vec<String> = engines_of.iter().map(|(l, _)| l.clone()).collect();
         let mut engines = self.engines.lock().expect("engines lock");
-        for label in &labels {
-            if !engines.contains_key(label) {
+        for (label, device) in engines_of {
+            // Engines sharing the CPU share its cores: each apply is split
+            // over its share, so engines side by side do not oversubscribe.
+            let kernel_threads = match device {
+                tch::Device::Cpu if cpu_engines > 1 => {
+                    (tch::get_num_threads().max(1) as usize / cpu_engines).max(1)
+                }
+                _ => 0,
+            };
+            if !engines.contains_key(&label) {
                 let engine = EngineHandle::start(
                     device,
-                    label,
+                    &label,
                     kernel_threads,
                     self.engine_queue_depth,
                     self.captures.clone(),
@@ -630,8 +640,9 @@ impl Registry {
     /// The engines this server runs or would start for its default device,
     /// and any other it started (`cpu#0`, `cuda:1`, ...), sorted.
     pub fn engine_labels(&self) -> Vec<String> {
-        let mut labels = device::parse(&self.default_device)
-            .map(|d| self.labels_of(d))
+        let mut labels: Vec<String> = self
+            .labels_of(&self.default_device)
+            .map(|e| e.into_iter().map(|(l, _)| l).collect())
             .unwrap_or_default();
         for engine in self.engines() {
             if !labels.iter().any(|l| l == engine.label()) {

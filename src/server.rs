@@ -20,7 +20,11 @@ pub async fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
     if let Err(reason) = args.validate() {
         bail!(reason);
     }
-    let default_device = device::resolve(&args.device).map_err(anyhow::Error::msg)?;
+    let gpus = device::visible_gpus(args.devices.as_deref()).map_err(anyhow::Error::msg)?;
+    let default_device = (
+        device::canonical(&args.device, &gpus).map_err(anyhow::Error::msg)?,
+        gpus,
+    );
     let listener = TcpListener::bind(args.bind)
         .await
         .with_context(|| format!("binding {}", args.bind))?;

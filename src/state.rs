@@ -33,7 +33,7 @@ impl AppInner {
     /// the engines capture for snapshots.
     pub async fn open(
         args: ServeArgs,
-        default_device: tch::Device,
+        default_device: (String, Vec<tch::Device>),
         catalog: CatalogWriter,
         store: Store,
         objects: ObjectStore,
@@ -61,6 +61,7 @@ impl AppInner {
                 event_ids,
                 catalog.clone(),
                 Some(store.clone()),
+                store.kind() == crate::store::CatalogKind::Postgres,
             )),
             catalog,
             store,

@@ -167,18 +167,37 @@ export async function api(path, { method = 'GET', body, signal, timeoutMs = DEFA
   throw new ApiError(401, 'unauthenticated', 'no token given');
 }
 
+/**
+ * Events in the stream's order: by their place in the catalog (`seq`), and
+ * those not stored yet (no place) after them, by id.
+ */
+export function byStreamOrder(a, b) {
+  const ka = a.seq ?? Number.MAX_SAFE_INTEGER;
+  const kb = b.seq ?? Number.MAX_SAFE_INTEGER;
+  return ka - kb || a.id - b.id;
+}
+
 export const EVENT_KINDS = ['run_created', 'rank_registered', 'push', 'rejection', 'snapshot', 'metrics', 'restored', 'resumed', 'alert'];
 
 /**
- * A run's event stream. `onEvent(event)` gets the parsed `{id, kind, rank,
- * step, at_ms, detail}` once per id, in id order; `onStatus('connecting' |
+ * A run's event stream. `onEvent(event)` gets the parsed `{id, seq, kind,
+ * rank, step, at_ms, detail}` once per id, in the stream's order (the order
+ * the catalog stored them, over every node of a service); `onStatus('connecting' |
  * 'live' | 'reconnecting')` follows the connection and `onOpen(n)` is
- * called on each (re)connection. On an error the stream is reopened from
- * the last id seen (`?since=`, which the server prefers to Last-Event-ID),
- * after a pause that grows to 10 s. Returns `{close()}`.
+ * called on each (re)connection. `since` is the id of the last event
+ * already shown (`seen`: ids already shown, not passed on again). On an
+ * error the stream is reopened after the last event it carried (`?since=`
+ * its SSE id; transient events have none, and are never replayed), after a
+ * pause that grows to 10 s. Returns `{close()}`.
  */
-export function openEvents(run, { since = null, kinds = null, onEvent, onStatus = () => {}, onOpen = () => {} }) {
+export function openEvents(run, { since = null, seen = [], kinds = null, onEvent, onStatus = () => {}, onOpen = () => {} }) {
   let lastId = since;
+  // Ids passed on lately: a replay that overlaps what was shown is dropped.
+  const shown = new Set(seen);
+  const remember = (id) => {
+    shown.add(id);
+    if (shown.size > 10_000) shown.delete(shown.values().next().value);
+  };
   let source = null;
   let retryTimer = null;
   let closed = false;
@@ -196,9 +215,10 @@ export function openEvents(run, { since = null, kinds = null, onEvent, onStatus 
       } catch {
         return;
       }
+      if (message.lastEventId) lastId = message.lastEventId;
       if (typeof event.id === 'number') {
-        if (lastId !== null && event.id <= lastId) return;
-        lastId = event.id;
+        if (shown.has(event.id)) return;
+        remember(event.id);
       }
       onEvent(event);
     };

@@ -326,9 +326,16 @@ impl Engine {
         let device = self.device;
         let mut built = Vec::with_capacity(ranks.len());
         for (rank, restored) in ranks {
-            let state = restored
+            let mut state = restored
                 .map(|r| r.into_state(&config, device))
                 .transpose()?;
+            // The mirror is the lost node's at its last state snapshot; the
+            // trainer's copy went on with the pushes that node acknowledged
+            // after it. A delta or XOR push would add to the wrong base, so
+            // the first relative push is refused until a full one comes.
+            if let Some(s) = state.as_mut() {
+                s.has_keyframe = false;
+            }
             built.push((rank, state));
         }
         if !self.runs.contains_key(&config.name) {
@@ -979,7 +986,7 @@ fn check_relative(
     }
     if !state.is_some_and(|s| s.has_keyframe) {
         return Err(EngineError::NeedsKeyframe(format!(
-            "needs keyframe: rank {rank} has no full push to add a delta to"
+            "needs keyframe: rank {rank} has no full push to add a delta to (none yet, or the rank was taken over from a lost node and its mirror may be behind the trainer's)"
         )));
     }
     Ok(())

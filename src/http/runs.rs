@@ -157,9 +157,8 @@ pub async fn create_run(
 ) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
     caller.require_admin()?;
     let meta = super::insight::meta_of_spec(&spec)?;
-    let config = spec.validate(state.registry().default_device(), |d| {
-        device::resolve(d).map(device::name)
-    })?;
+    let registry = state.registry();
+    let config = spec.validate(registry.default_device(), |d| registry.device_for(d))?;
     if let Some(existing) = state.run(&config.name) {
         let differences = config_differences(&existing.config, &config);
         if q.exist_ok && differences.is_empty() {

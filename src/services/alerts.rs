@@ -513,8 +513,14 @@ fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
         let name = run.config.name.as_str();
         let alerts = &state.alerts;
         for r in 0..run.config.world_size {
-            let Some(s) = run.rank(r) else { continue };
             let key = format!("stale_rank:{r}");
+            // A rank's staleness is its owner's to judge (once over the
+            // service); a rank another node took over resolves here.
+            if !run.holds(r) {
+                alerts.resolve(out, name, &key, None);
+                continue;
+            }
+            let Some(s) = run.rank(r) else { continue };
             let threshold = rules
                 .stale_after_seconds
                 .unwrap_or(s.stale_after_ms() as f64 / 1000.0);

@@ -116,6 +116,23 @@ pub struct StoredRank {
     pub failover: Option<serde_json::Value>,
 }
 
+/// Where a reading of a run's events starts: after an event id, or after
+/// a place in the catalog's order of events (`seq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventCursor {
+    Id(i64),
+    Seq(i64),
+}
+
+/// Where an event id falls in the catalog's order of events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventPlace {
+    /// The event is stored, at this place.
+    Exact(i64),
+    /// Not stored: the place of the newest event numbered before it.
+    Before(Option<i64>),
+}
+
 /// An event row.
 #[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct StoredEvent {
@@ -127,10 +144,20 @@ pub struct StoredEvent {
     pub step: Option<u64>,
     #[schema(value_type = Object)]
     pub detail: serde_json::Value,
+    /// The event's place in the catalog's order of events (over all nodes,
+    /// in commit order); `None` until the catalog has it. On a PostgreSQL
+    /// catalog the live stream (SSE) is in this order and its `id:` is this
+    /// place, so `Last-Event-ID` resumes exactly.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq: Option<i64>,
     /// Emitted by another node of the service and relayed here from the
     /// catalog (never stored again, nor evaluated by this node's alerts).
     #[serde(skip)]
     pub relayed: bool,
+    /// Never stored (progress, metrics): live only, and not a place a
+    /// stream resumes from.
+    #[serde(skip)]
+    pub transient: bool,
 }
 
 tokio::task_local! {
@@ -406,29 +433,35 @@ impl Store {
             .collect()
     }
 
-    /// Events of a run with `id > after` and a kind in `kinds` (all when
-    /// `None`), oldest first: the first `limit`, or with `newest` the last
+    /// Events of a run after `after` (by id, or by place in the catalog's
+    /// order) and with a kind in `kinds` (all when `None`), oldest first in
+    /// the cursor's order: the first `limit`, or with `newest` the last
     /// `limit` of them.
     pub async fn events(
         &self,
         run: &str,
-        after: i64,
+        after: EventCursor,
         kinds: Option<&[String]>,
         limit: i64,
         newest: bool,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        let mut sql = String::from(
-            "SELECT id, run, at_ms, kind, rank, step, detail FROM events WHERE run = ? AND id > ?",
+        let (column, after) = match after {
+            EventCursor::Id(id) => ("id", id),
+            EventCursor::Seq(seq) => ("seq", seq),
+        };
+        let mut sql = format!(
+            "SELECT id, run, at_ms, kind, rank, step, detail, seq FROM events \
+             WHERE run = ? AND {column} > ?"
         );
         if let Some(kinds) = kinds {
             sql.push_str(" AND kind IN (");
             sql.push_str(&vec!["?"; kinds.len()].join(", "));
             sql.push(')');
         }
-        sql.push_str(if newest {
-            " ORDER BY id DESC LIMIT ?"
+        sql.push_str(&if newest {
+            format!(" ORDER BY {column} DESC LIMIT ?")
         } else {
-            " ORDER BY id LIMIT ?"
+            format!(" ORDER BY {column} LIMIT ?")
         });
         let sql = self.sql(&sql).into_owned();
         let mut q = sqlx::query(&sql).bind(run).bind(after);
@@ -446,6 +479,29 @@ impl Store {
         Ok(out)
     }
 
+    /// The place in the catalog's order of events of event `id` of `run`;
+    /// for an id the catalog does not hold (never stored, or past
+    /// retention), the place of the newest of the run's events numbered
+    /// before it (`None`: none is).
+    pub async fn event_place(&self, run: &str, id: i64) -> Result<EventPlace, StoreError> {
+        let exact: Option<Option<i64>> =
+            sqlx::query_scalar(&self.sql("SELECT seq FROM events WHERE run = ? AND id = ?"))
+                .bind(run)
+                .bind(id)
+                .fetch_optional(self.pool())
+                .await?;
+        if let Some(seq) = exact {
+            return Ok(EventPlace::Exact(seq.unwrap_or(i64::MIN)));
+        }
+        let before: Option<i64> =
+            sqlx::query_scalar(&self.sql("SELECT MAX(seq) FROM events WHERE run = ? AND id <= ?"))
+                .bind(run)
+                .bind(id)
+                .fetch_one(self.pool())
+                .await?;
+        Ok(EventPlace::Before(before))
+    }
+
     /// The last place in the catalog's order of events (0: none yet).
     pub async fn last_event_seq(&self) -> Result<i64, StoreError> {
         let next: i64 = sqlx::query_scalar("SELECT next_seq FROM event_seq")
@@ -454,8 +510,9 @@ impl Store {
         Ok(next - 1)
     }
 
-    /// Events stored after place `seq` by nodes other than `node`, in the
-    /// catalog's order, at most `limit`; with the last place read.
+    /// Events stored after place `seq`, in the catalog's order, at most
+    /// `limit`, each marked `relayed` unless node `node` stored it; with the
+    /// last place read.
     pub async fn events_after_seq(
         &self,
         seq: i64,
@@ -474,10 +531,8 @@ impl Store {
         let mut out = Vec::new();
         for row in rows {
             last = last.max(row.get::<i64, _>("seq"));
-            if row.get::<Option<String>, _>("node").as_deref() == Some(node) {
-                continue;
-            }
-            out.push(event_of(&row, true)?);
+            let mine = row.get::<Option<String>, _>("node").as_deref() == Some(node);
+            out.push(event_of(&row, !mine)?);
         }
         Ok((out, last))
     }
@@ -656,7 +711,9 @@ fn event_of(row: &sqlx::any::AnyRow, relayed: bool) -> Result<StoredEvent, Store
         rank: row.get::<Option<i64>, _>("rank").map(|r| r as u32),
         step: row.get::<Option<i64>, _>("step").map(|s| s as u64),
         detail: serde_json::from_str(row.get::<&str, _>("detail"))?,
+        seq: row.get::<Option<i64>, _>("seq"),
         relayed,
+        transient: false,
     })
 }
 

@@ -3,7 +3,7 @@
 // an events log and the run's configuration. Each panel loads on its own,
 // so a slow request only delays the panel that waits for it.
 
-import { api, isAbort, openEvents, runPath, withQuery } from '../api.js';
+import { api, byStreamOrder, isAbort, openEvents, runPath, withQuery } from '../api.js';
 import { alignByX, chartCard, color, createChart, fade, smoothEma } from '../charts.js';
 import { badge, emptyBox, errorBox, h, healthBadge, loadingBox, rankStatusText, rankTone, setCrumbs, stat, tableWrap } from '../dom.js';
 import { fmtAge, fmtBytes, fmtClock, fmtInt, fmtNum, fmtRate, fmtRelative, fmtSeconds, fmtStep, fmtTime } from '../format.js';
@@ -537,6 +537,10 @@ function eventsPanel(ctx) {
   const chips = new Map();
   let timer = null;
   let ready = false;
+  // Events arrive in the stream's order (the catalog's, over every node;
+  // ids are only ordered within one node): the log shows the newest first.
+  let arrived = 0;
+  const order = new WeakMap();
 
   for (const kind of LOG_KINDS) {
     const count = h('span', { class: 'chip-count' }, '0');
@@ -568,7 +572,7 @@ function eventsPanel(ctx) {
     for (const [kind, count] of chips) count.textContent = fmtInt(counts.get(kind) || 0);
     const events = [...shown]
       .flatMap((k) => kept.get(k) || [])
-      .sort((a, b) => b.id - a.id)
+      .sort((a, b) => order.get(b) - order.get(a))
       .slice(0, LOG_SHOWN);
     if (!events.length) {
       body.replaceChildren(emptyBox(counts.size && [...counts.values()].some((c) => c) ? 'No events of the kinds selected.' : 'No events yet.'));
@@ -608,6 +612,7 @@ function eventsPanel(ctx) {
         counts.set(e.kind, 0);
       }
       const arr = kept.get(e.kind);
+      order.set(e, arrived++);
       arr.push(e);
       if (arr.length > LOG_KEPT_PER_KIND) arr.splice(0, arr.length - LOG_KEPT_PER_KIND);
       counts.set(e.kind, counts.get(e.kind) + 1);
@@ -763,6 +768,7 @@ export function render(root, { run }, ctx) {
     // The log's history: the newest events, and the newest of the rarer
     // kinds (pushes would crowd them out); the stream starts after them.
     let since = 0;
+    let seen = [];
     try {
       const path = runPath(run, '/events');
       const [recent, rare] = await Promise.all([
@@ -771,10 +777,13 @@ export function render(root, { run }, ctx) {
       ]);
       if (!ctx.active) return;
       const byId = new Map([...rare, ...recent].map((e) => [e.id, e]));
-      for (const e of [...byId.values()].sort((a, b) => a.id - b.id)) {
-        log.add(e);
-        since = Math.max(since, e.id);
-      }
+      const shown = [...byId.values()].sort(byStreamOrder);
+      for (const e of shown) log.add(e);
+      // The stream starts after the newest event of the whole log (the
+      // rarer kinds' listing may hold a newer one: it is in `seen`).
+      const newest = [...recent].sort(byStreamOrder).at(-1);
+      if (newest) since = newest.id;
+      seen = shown.map((e) => e.id);
     } catch (err) {
       if (isAbort(err) || !ctx.active) return;
       log.fail(err, startEvents);
@@ -783,6 +792,7 @@ export function render(root, { run }, ctx) {
     log.ready();
     const stream = openEvents(run, {
       since,
+      seen,
       onEvent,
       onStatus: (s) => ctx.active && setConnection(s),
       onOpen: () => {

@@ -1,7 +1,7 @@
 """The EMA on a GPU (``--device cuda``): updates on the device from fp32
 and bf16 bodies (host-to-device staging), a cut captured on the device and
-downloaded, a restart restoring every rank onto the device, and runs placed
-on each visible GPU. Checked against ``AveragedModel`` references computed
+downloaded, a restart restoring every rank onto the device, runs placed
+on each visible GPU and one run's ranks spread over two (``--devices``). Checked against ``AveragedModel`` references computed
 in the test on the CPU.
 
 Skipped, with the reason, where torch sees no CUDA device; ``scripts/gpu-check``
@@ -49,7 +49,7 @@ def create(c: httpx.Client, name: str, device: str) -> None:
 
 
 def test_ema_on_the_gpu_from_fp32_and_bf16_bodies_snapshot_and_restore(tmp_path):
-    srv = PolyakServer(tmp_path / "data", "--device", "cuda")
+    srv = PolyakServer(tmp_path / "data", "--device", "cuda", "--devices", "cuda:0")
     srv.start()
     try:
         trainers = {"fp32": EmaTrainer(1, BETAS), "bf16": EmaTrainer(2, BETAS, cast=torch.bfloat16)}
@@ -88,7 +88,9 @@ def test_ema_on_the_gpu_from_fp32_and_bf16_bodies_snapshot_and_restore(tmp_path)
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_runs_are_placed_on_each_gpu(tmp_path):
-    srv = PolyakServer(tmp_path / "data", "--device", "cuda")
+    """A run on ``cuda:N`` stays on that GPU; a run on ``cuda`` has its
+    ranks spread over every GPU of ``--devices`` (one engine each)."""
+    srv = PolyakServer(tmp_path / "data", "--device", "cuda", "--devices", "cuda:0,cuda:1")
     srv.start()
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
@@ -99,6 +101,10 @@ def test_runs_are_placed_on_each_gpu(tmp_path):
                 place = c.get(f"/v1/runs/{name}/placement").json()
                 assert {p["device"] for p in place.values()} == {f"cuda:{i}"}
                 trainers[name] = EmaTrainer(10 + i, BETAS)
+            create(c, "spread", "cuda")
+            place = c.get("/v1/runs/spread/placement").json()
+            assert sorted(p["device"] for p in place.values()) == ["cuda:0", "cuda:1"], place
+            trainers["spread"] = EmaTrainer(12, BETAS)
             for step in range(1, 5):
                 for name, tr in trainers.items():
                     last[name] = tr.step()

@@ -233,6 +233,35 @@ def test_empty_or_short_tokens_are_refused_at_start(tmp_path, token, monkeypatch
         srv.start()
 
 
+# --- devices -----------------------------------------------------------------
+
+
+def test_devices_that_are_not_there_are_refused_at_start(tmp_path):
+    """`--devices` naming a GPU this machine lacks (the one past the last
+    torch sees), or a CPU, stops the server at start with the reason; a
+    run asking for a GPU the node does not offer is a 422 that says which
+    it has."""
+    missing = f"cuda:{torch.cuda.device_count()}"
+    srv = PolyakServer(tmp_path / "a", "--devices", missing)
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        srv.start()
+    srv = PolyakServer(tmp_path / "b", "--devices", "cpu")
+    with pytest.raises(RuntimeError, match="lists GPUs"):
+        srv.start()
+    srv = PolyakServer(tmp_path / "c", "--device", "cpu")
+    srv.start()
+    try:
+        r = httpx.post(
+            f"{srv.url}/v1/runs", json={"name": "far", "world_size": 1, "device": missing}
+        )
+        assert r.status_code == 422, r.text
+        message = r.json()["error"]["message"]
+        assert "no CUDA device" in message or "GPUs are cuda:" in message, r.text
+        assert httpx.get(f"{srv.url}/v1/runs/far").status_code == 404
+    finally:
+        srv.stop()
+
+
 @pytest.fixture()
 def authed(fresh_server):
     fresh_server.start("--token", ADMIN)

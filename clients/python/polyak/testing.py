@@ -1041,7 +1041,8 @@ def read_sse(
 ) -> list[dict[str, Any]]:
     """Reads an event stream (``text/event-stream``) until ``stop_after``
     events came (or the stream ends): each as its JSON ``data`` with the
-    SSE ``id`` (an int) and ``event``."""
+    SSE ``event`` and ``sse_id`` (the SSE ``id``, what ``Last-Event-ID``
+    resumes after; ``None`` for a transient event, which has none)."""
     events: list[dict[str, Any]] = []
     with httpx.stream("GET", url, headers=headers or {}, timeout=timeout) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -1051,9 +1052,9 @@ def read_sse(
                 if "data" in block:
                     events.append(
                         {
-                            "id": int(block["id"]),
                             "event": block["event"],
                             **json.loads(block["data"]),
+                            "sse_id": int(block["id"]) if "id" in block else None,
                         }
                     )
                     if len(events) >= stop_after:

@@ -19,6 +19,7 @@ Periodic cuts meet in one catalog row per step, whichever node opens them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -356,8 +357,10 @@ def test_a_cut_across_nodes_downloads_from_a_node_holding_none(cluster, tmp_path
 
 def test_the_event_stream_of_any_node_carries_every_nodes_events(cluster, run_name):
     """Node c's event stream (SSE) shows the pushes every node applied,
-    each once, the others' relayed from the catalog as their writers store
-    them (in the catalog's order, woken by LISTEN/NOTIFY)."""
+    each once, relayed from the catalog as the writers store them (in the
+    catalog's order, woken by LISTEN/NOTIFY); a reconnect with
+    ``Last-Event-ID`` resumes exactly after the last event seen, though
+    ids do not grow along that order."""
     _, (a, _b, c) = cluster
     with polyak.Client(a.url) as client:
         run = client.create_run(
@@ -381,6 +384,44 @@ def test_the_event_stream_of_any_node_carries_every_nodes_events(cluster, run_na
     # Each rank's own pushes arrive in step order.
     for rank in range(3):
         assert [e["step"] for e in got if e["rank"] == rank] == [0, 1]
+    # The stream is in the catalog's order, and its SSE ids are the ids.
+    assert [e["seq"] for e in got] == sorted(e["seq"] for e in got)
+    assert all(e["sse_id"] == e["id"] for e in got)
+
+    # Three more steps with no stream open, each stored on its own (the
+    # writers batch for 200 ms): in the catalog's order the nodes'
+    # events interleave, and their ids (reserved in blocks per node) do not
+    # grow along it.
+    for step in (2, 3, 4):
+        for rank, p in placement.items():
+            r = httpx.put(f"{p['url']}/v1/runs/{run_name}/ranks/{rank}/steps/{step}", content=body)
+            assert r.status_code == 200, r.text
+        time.sleep(0.5)
+    listed = httpx.get(
+        f"{a.url}/v1/runs/{run_name}/events",
+        params={"kinds": "push"},
+        headers={"Accept": "application/json"},
+    ).json()
+    assert [e["seq"] for e in listed] == sorted(e["seq"] for e in listed)
+    assert sorted((e["rank"], e["step"]) for e in listed) == [
+        (r, s) for r in range(3) for s in range(5)
+    ]
+    ids = [e["id"] for e in listed]
+    assert ids != sorted(ids), "the nodes' events did not interleave"
+
+    # A reconnect to node c after the third event (what EventSource does
+    # with Last-Event-ID) replays exactly the events after it, each once,
+    # in the catalog's order; so does a listing after it on node a.
+    resumed = read_sse(
+        url, len(listed) - 3, timeout=30, headers={"Last-Event-ID": str(got[2]["id"])}
+    )
+    assert [e["id"] for e in resumed] == ids[ids.index(got[2]["id"]) + 1 :]
+    after = httpx.get(
+        f"{a.url}/v1/runs/{run_name}/events",
+        params={"kinds": "push", "since": got[2]["id"]},
+        headers={"Accept": "application/json"},
+    ).json()
+    assert [e["id"] for e in after] == [e["id"] for e in resumed]
 
 
 def test_periodic_cuts_meet_in_one_row(cluster, run_name):
@@ -649,3 +690,59 @@ def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
     finally:
         b.stop()
         a.stop()
+
+
+def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
+    """Every node judges the staleness of the ranks it holds only: ranks
+    that stop pushing fire one ``stale_rank`` alert each over the service
+    (from the owner, not once per node), and their next push resolves it."""
+    _, (a, _b, _c) = cluster
+    with polyak.Client(a.url) as client:
+        client.create_run(run_name, world_size=3, alerts={"stale_after_seconds": 1})
+    placement = httpx.get(f"{a.url}/v1/runs/{run_name}/placement").json()
+    assert {p["node"] for p in placement.values()} == {"node-a", "node-b", "node-c"}
+    body = safetensors.torch.save({"w": torch.ones(4)})
+
+    def push(step: int) -> None:
+        for rank, p in placement.items():
+            r = httpx.put(f"{p['url']}/v1/runs/{run_name}/ranks/{rank}/steps/{step}", content=body)
+            assert r.status_code == 200, r.text
+
+    def transitions() -> list[tuple[str, str]]:
+        events = httpx.get(
+            f"{a.url}/v1/runs/{run_name}/events",
+            params={"kinds": "alert"},
+            headers={"Accept": "application/json"},
+        ).json()
+        return [(e["detail"]["key"], e["detail"]["state"]) for e in events]
+
+    keys = [f"stale_rank:{r}" for r in range(3)]
+    push(0)
+    _wait(
+        lambda: all((k, "firing") in transitions() for k in keys),
+        20,
+        "every rank's stale alert",
+        transitions,
+    )
+    time.sleep(2.5)  # every node's alert tick has seen the ranks by now
+    fired = transitions()
+    assert sorted(fired) == sorted((k, "firing") for k in keys), fired
+    # The owner lists it, firing.
+    for rank, p in placement.items():
+        listed = httpx.get(f"{p['url']}/v1/runs/{run_name}/alerts").json()["alerts"]
+        mine = [x for x in listed if x["key"] == f"stale_rank:{rank}"]
+        assert [x["state"] for x in mine] == ["firing"], (p["node"], listed)
+    push(1)
+    _wait(
+        lambda: all((k, "resolved") in transitions() for k in keys),
+        20,
+        "every rank's stale alert resolved",
+        transitions,
+    )
+    # One judge per rank: each key alternates firing and resolved (the
+    # ranks go stale again a second after their last push).
+    got = transitions()
+    for k in keys:
+        states = [state for key, state in got if key == k]
+        assert states[:2] == ["firing", "resolved"], (k, got)
+        assert all(x != y for x, y in itertools.pairwise(states)), (k, got)

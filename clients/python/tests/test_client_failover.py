@@ -77,7 +77,15 @@ def _max_err(file, want: dict[str, torch.Tensor], online: dict[str, torch.Tensor
 
 
 @pytest.mark.slow
-def test_a_killed_nodes_ranks_are_taken_over(tmp_path, backends: Backends, run_name, lab):
+@pytest.mark.parametrize("delta", [None, "xor"], ids=["full", "xor"])
+def test_a_killed_nodes_ranks_are_taken_over(
+    tmp_path, backends: Backends, run_name, lab, delta: str | None
+):
+    """With ``delta="xor"`` the run keeps a mirror and the trainer pushes
+    XOR deltas against it: the new owner's mirror (b's, at its state
+    snapshot) is behind the trainer's copy, so its first XOR push is
+    refused with ``needs_keyframe`` and the pusher sends that step again in
+    full; nothing is rejected and the EMA is exact (XOR is lossless)."""
     # Each node in a test host of its own where this machine makes them.
     catalog, (a, b, c) = backends.cluster(
         tmp_path / "nodes", 3, "--lease-secs", str(LEASE), lab=lab
@@ -90,6 +98,7 @@ def test_a_killed_nodes_ranks_are_taken_over(tmp_path, backends: Backends, run_n
                 run_name,
                 world_size=3,
                 persist_every_secs=3,
+                mirror=delta is not None,
                 profiles=[
                     {"name": "c", "kind": "constant", "beta": BETA},
                     {"name": "w", "kind": "warmup", **WARMUP},
@@ -100,7 +109,7 @@ def test_a_killed_nodes_ranks_are_taken_over(tmp_path, backends: Backends, run_n
             assert len(on_b) == 1, placement
             lost_rank = on_b[0]
             retry = RetryPolicy(base_delay=0.05, max_delay=0.5)
-            pushers = [run.pusher(rank=r, retry=retry) for r in range(3)]
+            pushers = [run.pusher(rank=r, retry=retry, delta=delta) for r in range(3)]
             trainer = Trainer(seed=5)
             history: list[dict[str, torch.Tensor]] = []
 
@@ -198,6 +207,13 @@ def test_a_killed_nodes_ranks_are_taken_over(tmp_path, backends: Backends, run_n
                 # The check can tell: the anchors fed every step differ.
                 file = run.rank_ema(lost_rank, "c")
                 assert _max_err(file, everything["c"], history[-1]) > 1e-4
+            if delta is not None:
+                # The lost rank's pusher sent a keyframe after the failover
+                # (its first one and the periodic ones aside).
+                keyframes = [p.stats().keyframes for p in pushers]
+                assert keyframes[lost_rank] > max(
+                    k for r, k in enumerate(keyframes) if r != lost_rank
+                ), keyframes
 
             # One owner per (rank, epoch), ever.
             log = _catalog_rows(

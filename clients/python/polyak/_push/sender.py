@@ -37,7 +37,7 @@ from typing import Any
 from .._transport import Connection, FailedAttempt, RetryPolicy, Transport, send_with_retries
 from .._version import USER_AGENT
 from ..errors import PolyakError
-from .encoding import Encoding, Wire
+from .encoding import Encoding, Identity, Wire
 from .queue import Job, PushQueue
 
 __all__ = ["Sender"]
@@ -283,16 +283,33 @@ class Sender:
                 attempt, policy=self.retry, abort=self.abort, on_retry=retrying
             )
         except PolyakError as e:
-            if e.status is not None:
-                # Refused: the server's mirror is not what the encoding
-                # assumed next, so the next push is a keyframe.
-                self.encoding.refused()
-            raise
+            if e.status is None:
+                raise
+            # Refused: the server's mirror is not what the encoding
+            # assumed next, so the next push is a keyframe.
+            self.encoding.refused()
+            if e.code != "needs_keyframe" or wire.kind in (None, "full"):
+                raise
+            resent = True
+        else:
+            resent = False
         finally:
             with self.queue.cond:
                 if job.step in self._retrying:
                     self._retrying.discard(job.step)
                     self.queue.cond.notify_all()
+        if resent:
+            # The rank's owner has no mirror this delta adds to (it took
+            # the rank over from a node that is gone): this step goes
+            # again in full, which makes its mirror this body.
+            with self.queue.cond:
+                self.queue.counters.keyframes += 1
+            log.warning(
+                "polyak: rank %s step %s: the server needs a keyframe; sent in full",
+                self.rank,
+                job.step,
+            )
+            return self.deliver(slot, job, prev, Identity().encode(job.body))
         self.route.delivered()
         with self.queue.cond:
             self.queue.counters.bytes_sent += len(payload)
