@@ -154,6 +154,12 @@ impl EventBus {
         event
     }
 
+    /// An id from this node's event ids that no event will carry: unique
+    /// over the service, for something else to be known by (an alert).
+    pub fn take_id(&self) -> i64 {
+        self.next_id()
+    }
+
     /// Whether the live stream follows the catalog's order of events (a
     /// catalog several nodes share): stream ids are then resolved to
     /// places in that order.

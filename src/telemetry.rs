@@ -51,6 +51,11 @@ pub struct Metrics {
     /// a push; `other`), and the batched writer's flushes.
     pub catalog_queries: IntCounterVec,
     pub catalog_flushes: IntCounter,
+    /// The writer's flushes the catalog refused (their updates kept and
+    /// written again), events it gave up, and updates it holds now.
+    pub catalog_write_failures: IntCounter,
+    pub catalog_events_dropped: IntCounter,
+    pub catalog_writer_held: IntGauge,
     /// Pushes refused because this node's lease was too old to be sure it
     /// still held the rank (`503 lease_lost`), and the lease's age.
     pub pushes_fenced: IntCounter,
@@ -165,6 +170,25 @@ impl Metrics {
                     "Batches of rank rows and events the catalog writer flushed (one transaction each)",
                 ),
             ),
+            catalog_write_failures: register(
+                &r,
+                IntCounter::new(
+                    "polyak_catalog_write_failures_total",
+                    "Catalog writer flushes the catalog refused; their rank rows and events are kept and written again",
+                ),
+            ),
+            catalog_events_dropped: register(
+                &r,
+                IntCounter::new(
+                    "polyak_catalog_events_dropped_total",
+                    "Events the catalog writer gave up on: past its bound while the catalog was away, or still held at shutdown",
+                ),
+            ),
+            catalog_writer_held: int_gauge(
+                &r,
+                "polyak_catalog_writer_held",
+                "Rank rows and events the catalog writer holds for the catalog now (a batch being written, or waiting to be written again)",
+            ),
             pushes_fenced: register(
                 &r,
                 IntCounter::new(
@@ -271,13 +295,19 @@ impl Metrics {
     }
 
     /// Brings the catalog counters up to the counts the store keeps.
-    pub fn sync_catalog_counts(&self, (on_push, elsewhere): (u64, u64), flushes: u64) {
+    pub fn sync_catalog_counts(&self, (on_push, elsewhere): (u64, u64), writer: WriterFigures) {
         for (path, count) in [("push", on_push), ("other", elsewhere)] {
             let c = self.catalog_queries.with_label_values(&[path]);
             c.inc_by(count.saturating_sub(c.get()));
         }
-        self.catalog_flushes
-            .inc_by(flushes.saturating_sub(self.catalog_flushes.get()));
+        for (counter, total) in [
+            (&self.catalog_flushes, writer.flushes),
+            (&self.catalog_write_failures, writer.failures),
+            (&self.catalog_events_dropped, writer.dropped),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+        self.catalog_writer_held.set(writer.held as i64);
     }
 
     pub fn render(&self) -> String {
@@ -285,6 +315,15 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()
     }
+}
+
+/// The catalog writer's figures in this process (see `store::writer`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriterFigures {
+    pub flushes: u64,
+    pub failures: u64,
+    pub dropped: u64,
+    pub held: u64,
 }
 
 /// Upper bounds of `polyak_push_seconds`.

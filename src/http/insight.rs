@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 
+use std::time::Duration;
+
 use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -19,6 +22,7 @@ use crate::registry::RunHandle;
 use crate::run::alerts::AlertRules;
 use crate::run::{FieldError, RunSpec};
 use crate::services::alerts::Alert;
+use crate::services::cluster::{self, FORWARDED};
 use crate::services::monitor::{drift_ratio, effective_window};
 use crate::state::AppState;
 use crate::store::meta::RunMeta;
@@ -128,31 +132,105 @@ pub async fn patch_run(
 pub struct AlertList {
     /// Alerts firing now.
     pub firing: usize,
-    /// Newest first: firing ones and the last resolved ones.
+    /// Newest first: firing ones and the last resolved ones, of every live
+    /// node of the service (each marked with its `node`).
     pub alerts: Vec<Alert>,
     pub rules: AlertRules,
+    /// The nodes whose alerts are listed (1 on a single node).
+    pub nodes: usize,
+    /// Live nodes that did not answer in time: their alerts are missing.
+    pub unreachable: Vec<String>,
 }
 
-/// A run's alerts.
+/// How long a node waits for another's alerts or acknowledgement.
+const PEER_ALERTS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A request to `url` on another node for the caller (its credentials
+/// passed on, marked forwarded so the peer answers for itself only).
+fn to_peer(method: reqwest::Method, url: &str, headers: &HeaderMap) -> reqwest::RequestBuilder {
+    let req = cluster::peer_client()
+        .request(method, url)
+        .header(FORWARDED, "1")
+        .timeout(PEER_ALERTS_TIMEOUT);
+    match headers.get(header::AUTHORIZATION) {
+        Some(auth) => req.header(header::AUTHORIZATION, auth.clone()),
+        None => req,
+    }
+}
+
+/// The other live nodes to ask (none when this request was forwarded:
+/// the asking node asks each itself).
+async fn peers_to_ask(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<Vec<(String, String)>, ApiError> {
+    if headers.contains_key(FORWARDED) {
+        return Ok(Vec::new());
+    }
+    Ok(cluster::live_peers(state.shared()).await?)
+}
+
+/// A run's alerts, over every node of the service: each node judges the
+/// conditions it sees (its ranks, what it receives), and any node lists
+/// them all.
 #[utoipa::path(get, path = "/v1/runs/{run}/alerts", tag = "monitoring",
     params(("run" = String, Path)), responses((status = 200, body = AlertList)))]
 pub async fn list_alerts(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Json<AlertList>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let alerts = state.alerts().alerts.list(&name);
+    let mut alerts = state.alerts().alerts.list(&name);
+    let peers = peers_to_ask(&state, &headers).await?;
+    let path = format!("/v1/runs/{name}/alerts");
+    let asks = peers.iter().map(|(node, url)| {
+        let req = to_peer(reqwest::Method::GET, &format!("{url}{path}"), &headers);
+        async move {
+            let listed = match req.send().await {
+                // A node that does not know the run yet has no alerts of it.
+                Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => Ok(Vec::new()),
+                Ok(r) => match r.error_for_status() {
+                    Ok(r) => r.json::<PeerAlerts>().await.map(|l| l.alerts),
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            (node, listed)
+        }
+    });
+    let mut unreachable = Vec::new();
+    for (node, listed) in futures::future::join_all(asks).await {
+        match listed {
+            Ok(theirs) => alerts.extend(theirs),
+            Err(e) => {
+                tracing::warn!(peer = %node, error = %e, "a node's alerts could not be read");
+                unreachable.push(node.clone());
+            }
+        }
+    }
+    alerts.sort_by_key(|a| std::cmp::Reverse((a.fired_at_ms, a.id)));
     let rules = run.meta.lock().expect("meta lock").alerts.clone();
     Ok(Json(AlertList {
         firing: alerts.iter().filter(|a| a.state == "firing").count(),
         alerts,
         rules,
+        nodes: 1 + peers.len() - unreachable.len(),
+        unreachable,
     }))
 }
 
-/// Acknowledge an alert (it stays listed, marked acknowledged).
+/// What this server reads of another node's alert list.
+#[derive(Deserialize)]
+struct PeerAlerts {
+    alerts: Vec<Alert>,
+}
+
+/// Acknowledge an alert (it stays listed, marked acknowledged), on any
+/// node: one that did not fire it passes the acknowledgement on to the
+/// live nodes until the one that did takes it.
 #[utoipa::path(post, path = "/v1/runs/{run}/alerts/{id}/ack", tag = "monitoring",
     params(("run" = String, Path), ("id" = u64, Path)),
     responses((status = 200, body = Alert), (status = 404, body = ErrorBody)))]
@@ -160,21 +238,45 @@ pub async fn ack_alert(
     State(state): State<AppState>,
     caller: Caller,
     Path((name, id)): Path<(String, String)>,
+    headers: HeaderMap,
 ) -> Result<Json<Alert>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let alert = id
-        .parse::<u64>()
-        .ok()
-        .and_then(|id| state.alerts().alerts.acknowledge(&name, id))
-        .ok_or_else(|| ApiError::not_found("alert_not_found", format!("no alert `{id}`")))?;
-    state.events().emit(
-        &name,
-        alert.rank,
-        alert.fired_step,
-        Event::Alert(serde_json::to_value(&alert).unwrap_or_default()),
-    );
-    Ok(Json(alert))
+    let not_found = || ApiError::not_found("alert_not_found", format!("no alert `{id}`"));
+    let Ok(number) = id.parse::<u64>() else {
+        return Err(not_found());
+    };
+    if let Some(alert) = state.alerts().alerts.acknowledge(&name, number) {
+        state.events().emit(
+            &name,
+            alert.rank,
+            alert.fired_step,
+            Event::Alert(serde_json::to_value(&alert).unwrap_or_default()),
+        );
+        return Ok(Json(alert));
+    }
+    let path = format!("/v1/runs/{name}/alerts/{number}/ack");
+    for (node, url) in peers_to_ask(&state, &headers).await? {
+        let answer = to_peer(reqwest::Method::POST, &format!("{url}{path}"), &headers)
+            .send()
+            .await;
+        match answer {
+            Ok(r) if r.status().is_success() => match r.json::<Alert>().await {
+                Ok(alert) => return Ok(Json(alert)),
+                Err(e) => {
+                    tracing::warn!(peer = %node, error = %e, "a node's acknowledgement could not be read")
+                }
+            },
+            Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {}
+            Ok(r) => {
+                tracing::warn!(peer = %node, status = %r.status(), "a node refused an acknowledgement")
+            }
+            Err(e) => {
+                tracing::warn!(peer = %node, error = %e, "a node did not answer an acknowledgement")
+            }
+        }
+    }
+    Err(not_found())
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -130,9 +130,15 @@ async fn exposition(state: &AppState) -> Response {
     crate::services::snapshots::disk::refresh_gauge(state.snapshots());
     let lease_age = state.shared().lease.age().as_millis();
     state.metrics().lease_age_ms.set(lease_age as i64);
+    let writer = crate::store::writer::counts();
     state.metrics().sync_catalog_counts(
         crate::store::query_counts(),
-        crate::store::writer::flushes(),
+        crate::telemetry::WriterFigures {
+            flushes: writer.flushes,
+            failures: writer.failures,
+            dropped: writer.dropped,
+            held: writer.held,
+        },
     );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

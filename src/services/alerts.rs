@@ -10,11 +10,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc};
 use utoipa::ToSchema;
 
@@ -30,9 +30,14 @@ use crate::store::StoredEvent;
 use crate::telemetry::Metrics;
 
 /// One alert: fired when its condition began, resolved when it cleared.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Alert {
+    /// Unique over the service (drawn from the event ids of the node that
+    /// fired it).
     pub id: u64,
+    /// The node that judged the condition (a rank's alerts: the node
+    /// holding the rank; a run's: the node that received what fired it).
+    pub node: String,
     /// The condition: `stale_rank:R`, `nonfinite:R`, `metric_above:NAME`,
     /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`.
     pub key: String,
@@ -94,19 +99,23 @@ struct Delivery {
 /// The alert service: every run's alerts and the webhook queue.
 pub struct Alerts {
     books: Mutex<HashMap<String, Book>>,
-    next_id: AtomicU64,
+    /// This node's id, and where alert ids come from (unique over the
+    /// service, so an acknowledgement reaches one alert from any node).
+    node: String,
+    ids: Box<dyn Fn() -> u64 + Send + Sync>,
     webhooks: mpsc::Sender<Delivery>,
 }
 
 impl Alerts {
-    /// Creates the service and starts its webhook sender (it ends when the
-    /// service is dropped).
-    pub fn new() -> Self {
+    /// Creates the service of node `node`, numbering alerts with `ids`,
+    /// and starts its webhook sender (it ends when the service is dropped).
+    pub fn new(node: String, ids: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
         let (tx, rx) = mpsc::channel(WEBHOOK_QUEUE);
         tokio::spawn(send_webhooks(rx));
         Alerts {
             books: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
+            node,
+            ids: Box::new(ids),
             webhooks: tx,
         }
     }
@@ -151,7 +160,8 @@ impl Alerts {
             return;
         }
         let alert = Alert {
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            id: (self.ids)(),
+            node: self.node.clone(),
             key,
             kind: kind.to_string(),
             rank,
@@ -342,12 +352,6 @@ impl Alerts {
     }
 }
 
-impl Default for Alerts {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// The alerts service: what it reaches of the layers below (the runs, the
 /// event bus, the metrics, the data dir whose free space it watches), and
 /// every run's alerts.
@@ -369,7 +373,12 @@ impl AlertService {
             events: ctx.events.clone(),
             metrics: ctx.metrics.clone(),
             data_dir: ctx.args.data_dir.clone(),
-            alerts: Alerts::new(),
+            alerts: {
+                let bus = ctx.events.clone();
+                Alerts::new(ctx.registry.node_id().to_string(), move || {
+                    bus.take_id() as u64
+                })
+            },
         })
     }
 
@@ -642,6 +651,7 @@ async fn send_webhooks(mut rx: mpsc::Receiver<Delivery>) {
 mod tests {
     use super::*;
     use crate::run::alerts::MetricRule;
+    use std::sync::atomic::AtomicU64;
 
     fn values(v: f64) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
@@ -651,7 +661,8 @@ mod tests {
 
     #[tokio::test]
     async fn metric_rules_fire_and_clear_at_the_right_step() {
-        let alerts = Alerts::new();
+        let next = AtomicU64::new(1);
+        let alerts = Alerts::new("n".into(), move || next.fetch_add(1, Ordering::Relaxed));
         let rules = AlertRules {
             metrics: vec![MetricRule {
                 metric: "loss".into(),

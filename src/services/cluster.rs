@@ -421,23 +421,17 @@ async fn refresh(ctx: &Context, nodes: &[NodeRow], run: &RunHandle) -> Result<()
 /// deleted a run), so a client that goes straight to them finds it. A peer
 /// that does not answer learns it from its periodic sync.
 pub async fn tell_peers(ctx: &Context) {
-    let nodes = match ctx.store.list_nodes().await {
-        Ok(nodes) => nodes,
+    let peers = match live_peers(ctx).await {
+        Ok(peers) => peers,
         Err(e) => {
             tracing::warn!(error = %e, "listing the nodes to tell of a change failed");
             return;
         }
     };
-    let me = ctx.registry.node_id();
-    let peers: Vec<String> = nodes
-        .into_iter()
-        .filter(|n| n.status == "live" && n.info.node_id != me && !n.info.url.is_empty())
-        .map(|n| n.info.url)
-        .collect();
     if peers.is_empty() {
         return;
     }
-    let calls = peers.iter().map(|url| {
+    let calls = peers.iter().map(|(_, url)| {
         let req = peer_request(
             ctx.args.token.as_deref(),
             reqwest::Method::POST,
@@ -454,6 +448,19 @@ pub async fn tell_peers(ctx: &Context) {
             }
         }
     }
+}
+
+/// The other live nodes of the service that have a URL: `(node id, URL)`.
+pub async fn live_peers(ctx: &Context) -> Result<Vec<(String, String)>, crate::store::StoreError> {
+    let me = ctx.registry.node_id();
+    Ok(ctx
+        .store
+        .list_nodes()
+        .await?
+        .into_iter()
+        .filter(|n| n.status == "live" && n.info.node_id != me && !n.info.url.is_empty())
+        .map(|n| (n.info.node_id, n.info.url))
+        .collect())
 }
 
 /// Syncs every second while the service has other live nodes, or this

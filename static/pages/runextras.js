@@ -43,7 +43,7 @@ function annotationsCard(run, view) {
   return h('section', { class: 'card', dataset: { testid: 'annotations' } }, h('div', { class: 'card-head' }, h('h2', {}, 'Tags and note')), form);
 }
 
-function alertItem(run, a, refresh) {
+function alertItem(run, a, refresh, nodes) {
   const tone = a.state === 'firing' ? (a.acknowledged ? 'warn' : 'bad') : 'ok';
   const when = a.state === 'firing' ? `since ${fmtRelative(a.fired_at_ms)}` : `resolved ${fmtRelative(a.resolved_at_ms)}`;
   const steps = a.state === 'firing' ? (a.fired_step !== null ? `step ${fmtStep(a.fired_step)}` : '') : a.resolved_step !== null ? `step ${fmtStep(a.resolved_step)}` : '';
@@ -53,7 +53,7 @@ function alertItem(run, a, refresh) {
     badge(a.state, tone),
     h('span', { class: 'mono small' }, a.kind),
     h('span', { class: 'alert-message' }, a.message),
-    h('span', { class: 'muted small' }, [when, steps].filter(Boolean).join(' · ')),
+    h('span', { class: 'muted small' }, [when, steps, nodes > 1 ? `on ${a.node}` : ''].filter(Boolean).join(' · ')),
     a.acknowledged
       ? badge('acknowledged', 'muted')
       : h(
@@ -86,7 +86,11 @@ export function runExtras(ctx, run, view) {
       if (!ctx.active) return;
       alertBadge.dataset.firing = String(data.firing);
       alertBadge.replaceChildren(data.firing ? h('a', { href: '#alerts', onclick: (e) => { e.preventDefault(); alertsCard.scrollIntoView(); } }, badge(`${data.firing} alert${data.firing === 1 ? '' : 's'}`, 'bad')) : '');
-      list.replaceChildren(...(data.alerts.length ? data.alerts.slice(0, 50).map((a) => alertItem(run, a, refresh)) : [h('li', {}, emptyBox('No alerts.'))]));
+      // A service of several nodes lists every node's alerts; a node that
+      // did not answer is named, since its alerts are missing.
+      const items = data.alerts.length ? data.alerts.slice(0, 50).map((a) => alertItem(run, a, refresh, data.nodes + data.unreachable.length)) : [h('li', {}, emptyBox('No alerts.'))];
+      if (data.unreachable.length) items.unshift(h('li', { class: 'muted small', dataset: { testid: 'alerts-unreachable' } }, `not listed: the alerts of ${data.unreachable.join(', ')} (did not answer)`));
+      list.replaceChildren(...items);
     } catch (err) {
       if (!isAbort(err) && ctx.active) list.replaceChildren(h('li', { class: 'muted' }, `alerts unavailable: ${err.message}`));
     } finally {

@@ -87,6 +87,16 @@ def _assert_rank_1_moved_once(backends: Backends, catalog: str, run_name: str) -
     ]
 
 
+def _events(url: str, run_name: str, kind: str, **params) -> list[dict]:
+    """A run's events of one kind as a node lists them (JSON)."""
+    return httpx.get(
+        f"{url}/v1/runs/{run_name}/events",
+        params={"kinds": kind, **params},
+        headers={"Accept": "application/json"},
+        timeout=10,
+    ).json()
+
+
 def _wait(check, timeout: float, what, seen=lambda: None):
     """Polls ``check`` until it answers something true; ``seen`` says what
     was there instead when it never does."""
@@ -397,11 +407,7 @@ def test_the_event_stream_of_any_node_carries_every_nodes_events(cluster, run_na
             r = httpx.put(f"{p['url']}/v1/runs/{run_name}/ranks/{rank}/steps/{step}", content=body)
             assert r.status_code == 200, r.text
         time.sleep(0.5)
-    listed = httpx.get(
-        f"{a.url}/v1/runs/{run_name}/events",
-        params={"kinds": "push"},
-        headers={"Accept": "application/json"},
-    ).json()
+    listed = _events(a.url, run_name, "push")
     assert [e["seq"] for e in listed] == sorted(e["seq"] for e in listed)
     assert sorted((e["rank"], e["step"]) for e in listed) == [
         (r, s) for r in range(3) for s in range(5)
@@ -416,11 +422,7 @@ def test_the_event_stream_of_any_node_carries_every_nodes_events(cluster, run_na
         url, len(listed) - 3, timeout=30, headers={"Last-Event-ID": str(got[2]["id"])}
     )
     assert [e["id"] for e in resumed] == ids[ids.index(got[2]["id"]) + 1 :]
-    after = httpx.get(
-        f"{a.url}/v1/runs/{run_name}/events",
-        params={"kinds": "push", "since": got[2]["id"]},
-        headers={"Accept": "application/json"},
-    ).json()
+    after = _events(a.url, run_name, "push", since=got[2]["id"])
     assert [e["id"] for e in after] == [e["id"] for e in resumed]
 
 
@@ -529,6 +531,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         last_ack_ms = time.time() * 1000
         cut_at = time.monotonic()
         proxy.cut()
+        first_cut_step = step
         acked, refused = [], []
         expired_at = None
         while time.monotonic() - cut_at < lease + 3:
@@ -548,6 +551,8 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
                     expired_at = time.monotonic() - cut_at
             time.sleep(0.05)
         assert refused, "b never stopped acknowledging"
+        cut_steps = set(range(first_cut_step, step))
+        assert len(cut_steps) == len(acked)
         assert expired_at is not None, "a never saw b's lease expire"
         # Every acknowledgement came before b stopped, and b stopped before
         # the others could see its lease expire.
@@ -579,6 +584,35 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         assert moved.headers["location"].startswith(a.url)
         r = httpx.put(moved.headers["location"], content=body, timeout=10)
         assert r.status_code == 200 and r.json()["applied"], r.text
+
+        # What b did while it could not reach the catalog is stored once it
+        # can: the push events of the steps it acknowledged during the cut
+        # (its writer kept them and wrote them again), each once. The rank's
+        # row stays a's, its holder's.
+        def pushed() -> list[int]:
+            return [e["step"] for e in _events(a.url, run_name, "push") if e["rank"] == 1]
+
+        _wait(lambda: cut_steps <= set(pushed()), 20, "b's events of the cut", pushed)
+        steps = pushed()
+        assert len(steps) == len(set(steps)) == step + 1, steps
+        metrics = httpx.get(f"{b.url}/metrics", timeout=10).text
+        failures = re.search(r"^polyak_catalog_write_failures_total (\d+)", metrics, re.M)
+        assert failures and int(failures.group(1)) > 0, metrics
+        held = re.search(r"^polyak_catalog_writer_held (\d+)", metrics, re.M)
+        dropped = re.search(r"^polyak_catalog_events_dropped_total (\d+)", metrics, re.M)
+        assert held and dropped and int(dropped.group(1)) == 0, metrics
+        _wait(
+            lambda: (
+                _catalog_rows(
+                    backends,
+                    catalog,
+                    f"SELECT last_step FROM ranks WHERE run = '{run_name}' AND rank = 1",
+                )
+                == [[str(step)]]
+            ),
+            10,
+            "rank 1's row at a's step",
+        )
 
         _assert_rank_1_moved_once(backends, catalog, run_name)
     finally:
@@ -695,8 +729,10 @@ def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
 def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
     """Every node judges the staleness of the ranks it holds only: ranks
     that stop pushing fire one ``stale_rank`` alert each over the service
-    (from the owner, not once per node), and their next push resolves it."""
-    _, (a, _b, _c) = cluster
+    (from the owner, not once per node), and their next push resolves it.
+    Any node lists every node's alerts and takes an acknowledgement of
+    any of them."""
+    _, (a, _b, c) = cluster
     with polyak.Client(a.url) as client:
         client.create_run(run_name, world_size=3, alerts={"stale_after_seconds": 1})
     placement = httpx.get(f"{a.url}/v1/runs/{run_name}/placement").json()
@@ -709,11 +745,7 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
             assert r.status_code == 200, r.text
 
     def transitions() -> list[tuple[str, str]]:
-        events = httpx.get(
-            f"{a.url}/v1/runs/{run_name}/events",
-            params={"kinds": "alert"},
-            headers={"Accept": "application/json"},
-        ).json()
+        events = _events(a.url, run_name, "alert")
         return [(e["detail"]["key"], e["detail"]["state"]) for e in events]
 
     keys = [f"stale_rank:{r}" for r in range(3)]
@@ -727,11 +759,16 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
     time.sleep(2.5)  # every node's alert tick has seen the ranks by now
     fired = transitions()
     assert sorted(fired) == sorted((k, "firing") for k in keys), fired
-    # The owner lists it, firing.
-    for rank, p in placement.items():
-        listed = httpx.get(f"{p['url']}/v1/runs/{run_name}/alerts").json()["alerts"]
-        mine = [x for x in listed if x["key"] == f"stale_rank:{rank}"]
-        assert [x["state"] for x in mine] == ["firing"], (p["node"], listed)
+    # Every node lists every node's alerts, each once, marked with the
+    # node that judged it (the rank's owner); ids are unique over the
+    # service.
+    want = sorted((f"stale_rank:{rank}", p["node"], "firing") for rank, p in placement.items())
+    for p in placement.values():
+        listed = httpx.get(f"{p['url']}/v1/runs/{run_name}/alerts").json()
+        got = sorted((x["key"], x["node"], x["state"]) for x in listed["alerts"])
+        assert got == want, (p["node"], listed)
+        assert (listed["firing"], listed["nodes"], listed["unreachable"]) == (3, 3, []), listed
+        assert len({x["id"] for x in listed["alerts"]}) == 3, listed
     push(1)
     _wait(
         lambda: all((k, "resolved") in transitions() for k in keys),
@@ -746,3 +783,23 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
         states = [state for key, state in got if key == k]
         assert states[:2] == ["firing", "resolved"], (k, got)
         assert all(x != y for x, y in itertools.pairwise(states)), (k, got)
+    # An alert judged on node-b is acknowledged through node-a (which
+    # passes it on), and node-c lists it acknowledged; an id no node has
+    # is 404 from any node.
+    rank_b = next(rank for rank, p in placement.items() if p["node"] == "node-b")
+    listed = httpx.get(f"{a.url}/v1/runs/{run_name}/alerts").json()["alerts"]
+    alert = next(x for x in listed if x["key"] == f"stale_rank:{rank_b}" and x["node"] == "node-b")
+    r = httpx.post(f"{a.url}/v1/runs/{run_name}/alerts/{alert['id']}/ack")
+    assert r.status_code == 200, r.text
+    assert (r.json()["id"], r.json()["node"], r.json()["acknowledged"]) == (
+        alert["id"],
+        "node-b",
+        True,
+    )
+    listed = httpx.get(f"{c.url}/v1/runs/{run_name}/alerts").json()["alerts"]
+    acked = {(x["node"], x["key"]) for x in listed if x["acknowledged"]}
+    assert acked == {("node-b", f"stale_rank:{rank_b}")}, listed
+    assert [x["acknowledged"] for x in listed if x["id"] == alert["id"]] == [True], listed
+    missing = max(x["id"] for x in listed) + 10**9
+    r = httpx.post(f"{c.url}/v1/runs/{run_name}/alerts/{missing}/ack")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "alert_not_found", r.text
