@@ -336,6 +336,10 @@ impl Ingest {
                 return Err(e);
             }
         };
+        // On its way from now: a successor pushed at once after a failover
+        // waits for it rather than taking it as lost.
+        self.pipeline
+            .arrive((run.config.name.as_str(), run.created_at_ms), rank, step);
         let received = self.receive(body, headers, declared).await?;
         let received_at = Instant::now();
         self.ctx
@@ -369,17 +373,23 @@ impl Ingest {
         prev: u64,
     ) -> Result<(), ServiceError> {
         let (run, rank) = (&push.run, push.rank);
-        // A rank taken over from a lost node has no predecessor here until
-        // its first push after the failover: that push goes on at once (the
-        // steps it follows were lost with the node, and are reported).
-        let unresumed = |s: &crate::registry::RankSummary| {
+        // A rank taken over from a lost node, until its first push after
+        // the failover applies: the predecessor may have been applied on
+        // the lost node only. One the catalog saw applied there never comes
+        // here, so the push goes on at once; another is given a moment to
+        // begin here (pushes resent side by side), else taken as lost. The
+        // steps lost are reported.
+        let last_seen = run.rank_with(rank, |s| {
             s.failover
                 .as_ref()
-                .is_some_and(|f| f.resumed_step.is_none())
+                .filter(|f| f.resumed_step.is_none())
+                .map(|f| f.last_seen_step)
+        });
+        let lost_after = match last_seen.flatten() {
+            Some(seen) if seen.is_some_and(|s| prev <= s) => return Ok(()),
+            Some(_) => Some(FAILOVER_GRACE),
+            None => None,
         };
-        if run.rank_with(rank, unresumed) == Some(true) {
-            return Ok(());
-        }
         let applied = || run.rank_with(rank, |s| s.last_step).flatten();
         self.pipeline
             .wait_for(
@@ -389,6 +399,7 @@ impl Ingest {
                 prev,
                 applied,
                 self.ctx.args.retry_after_secs,
+                lost_after,
             )
             .await
     }
@@ -905,6 +916,11 @@ fn decompress(raw: &[u8], limit: u64) -> Result<Bytes, ServiceError> {
     }
     Ok(Bytes::from(out))
 }
+
+/// How long a push to a rank just taken over waits for its predecessor to
+/// begin here before taking it as lost with the node (see
+/// [`Ingest::wait_for_predecessor`]).
+const FAILOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The first push to a rank after its failover: the steps its EMA lost
 /// are known now; reported (event, metric) and recorded in the catalog.

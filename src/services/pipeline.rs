@@ -21,7 +21,7 @@
 //! or resuming a run forgets its ranks' order: pushes still waiting are
 //! refused with `409 pipeline_reset`, and the next pushes start afresh.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -49,6 +49,18 @@ struct Lane {
     state: watch::Sender<LaneState>,
     /// Pushes waiting for their predecessor now.
     waiting: AtomicUsize,
+    /// Steps whose push has begun here (its headers read) and is not
+    /// answered yet: a predecessor on its way.
+    arrived: Mutex<BTreeSet<u64>>,
+}
+
+impl Lane {
+    fn has_arrived(&self, step: u64) -> bool {
+        self.arrived
+            .lock()
+            .expect("pipeline arrivals")
+            .contains(&step)
+    }
 }
 
 /// What a waiting push watches.
@@ -91,16 +103,30 @@ impl Pipeline {
                 Arc::new(Lane {
                     state: watch::channel(LaneState::default()).0,
                     waiting: AtomicUsize::new(0),
+                    arrived: Mutex::new(BTreeSet::new()),
                 })
             })
             .clone()
+    }
+
+    /// A push of `step` has begun (its headers are read): a successor that
+    /// waits for it with a grace ([`Pipeline::wait_for`]'s `lost_after`)
+    /// knows it is on its way, however long its body takes to arrive.
+    pub fn arrive(&self, run: RunId<'_>, rank: u32, step: u64) {
+        let lane = self.lane(run, rank);
+        lane.arrived.lock().expect("pipeline arrivals").insert(step);
     }
 
     /// Waits until `prev` was answered, or `applied()` (the rank's last
     /// applied step, read when the wait starts and on each answer) is at or
     /// past it. Fails at once when `prev` is answered with something its
     /// client retries meanwhile (429 `predecessor_retry`) or the run's order
-    /// is forgotten (409 `pipeline_reset`).
+    /// is forgotten (409 `pipeline_reset`). With `lost_after` (a rank taken
+    /// over from a lost node, whose predecessor may have been applied there
+    /// only), a predecessor whose push has not begun here within that time
+    /// is taken as lost and the wait ends; one that has begun is waited for
+    /// as usual.
+    #[allow(clippy::too_many_arguments)]
     pub async fn wait_for(
         &self,
         run: RunId<'_>,
@@ -109,6 +135,7 @@ impl Pipeline {
         prev: u64,
         applied: impl Fn() -> Option<u64>,
         retry_after: u64,
+        lost_after: Option<Duration>,
     ) -> Result<(), ServiceError> {
         let lane = self.lane(run, rank);
         if lane.waiting.fetch_add(1, Ordering::AcqRel) >= self.depth {
@@ -125,6 +152,7 @@ impl Pipeline {
         let mut rx = lane.state.subscribe();
         let seen_retries = rx.borrow().retries;
         let deadline = tokio::time::Instant::now() + self.timeout;
+        let grace = lost_after.map(|d| (tokio::time::Instant::now() + d).min(deadline));
         loop {
             let state = *rx.borrow_and_update();
             if state.reset {
@@ -149,9 +177,19 @@ impl Pipeline {
                     )
                 });
             }
-            match tokio::time::timeout_at(deadline, rx.changed()).await {
+            // Still within the grace, with the predecessor not begun here:
+            // wake at the grace's end to look again.
+            let waiting_to_arrive = grace.filter(|_| !lane.has_arrived(prev));
+            if let Some(end) = waiting_to_arrive {
+                if tokio::time::Instant::now() >= end {
+                    return Ok(());
+                }
+            }
+            let wake = waiting_to_arrive.unwrap_or(deadline);
+            match tokio::time::timeout_at(wake, rx.changed()).await {
                 Ok(Ok(())) => continue,
                 Ok(Err(_)) => return Ok(()),
+                Err(_) if wake < deadline => continue,
                 Err(_) => {
                     return Err(ServiceError::conflict(
                         "predecessor_timeout",
@@ -169,6 +207,10 @@ impl Pipeline {
     /// go on.
     pub fn answered(&self, run: RunId<'_>, rank: u32, step: u64) {
         let lane = self.lane(run, rank);
+        lane.arrived
+            .lock()
+            .expect("pipeline arrivals")
+            .retain(|s| *s > step);
         lane.state.send_modify(|s| {
             s.answered = Some(s.answered.map_or(step, |a| a.max(step)));
         });
@@ -180,6 +222,10 @@ impl Pipeline {
     /// back while the retry is under way.
     pub fn retry_later(&self, run: RunId<'_>, rank: u32, step: u64) {
         let lane = self.lane(run, rank);
+        lane.arrived
+            .lock()
+            .expect("pipeline arrivals")
+            .remove(&step);
         lane.state.send_modify(|s| {
             s.retried = Some(step);
             s.retries += 1;
@@ -216,34 +262,81 @@ mod tests {
     async fn waits_for_the_predecessor_then_times_out() {
         let p = Arc::new(Pipeline::new(Duration::from_millis(300), 2));
         // Already applied: no wait.
-        p.wait_for(R, 0, 5, 4, || Some(4), 1).await.unwrap();
+        p.wait_for(R, 0, 5, 4, || Some(4), 1, None).await.unwrap();
         // Waits until step 6 is answered.
         let waiter = {
             let p = p.clone();
-            tokio::spawn(async move { p.wait_for(R, 0, 7, 6, || None, 1).await })
+            tokio::spawn(async move { p.wait_for(R, 0, 7, 6, || None, 1, None).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished());
         p.answered(R, 0, 6);
         waiter.await.unwrap().unwrap();
         // Never answered: a clear 409.
-        let err = p.wait_for(R, 1, 9, 8, || None, 1).await.unwrap_err();
+        let err = p.wait_for(R, 1, 9, 8, || None, 1, None).await.unwrap_err();
         assert_eq!((err.status, err.code), (409, "predecessor_timeout"));
         // Bounded: a third waiter on one rank is refused at once.
         let a = {
             let p = p.clone();
-            tokio::spawn(async move { p.wait_for(R, 2, 20, 19, || None, 1).await })
+            tokio::spawn(async move { p.wait_for(R, 2, 20, 19, || None, 1, None).await })
         };
         let b = {
             let p = p.clone();
-            tokio::spawn(async move { p.wait_for(R, 2, 21, 20, || None, 1).await })
+            tokio::spawn(async move { p.wait_for(R, 2, 21, 20, || None, 1, None).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let err = p.wait_for(R, 2, 22, 21, || None, 1).await.unwrap_err();
+        let err = p
+            .wait_for(R, 2, 22, 21, || None, 1, None)
+            .await
+            .unwrap_err();
         assert_eq!(err.status, 429);
         p.answered(R, 2, 20);
         a.await.unwrap().unwrap();
         b.await.unwrap().unwrap();
+    }
+
+    /// A rank taken over from a lost node: its first pushes may name a
+    /// predecessor applied on the lost node only. A predecessor that never
+    /// begins here is taken as lost after the grace; one that has begun
+    /// (however slow its body) is waited for, so two pushes resent at once
+    /// still apply in step order.
+    #[tokio::test]
+    async fn after_a_failover_only_a_predecessor_that_never_began_is_skipped() {
+        let p = Arc::new(Pipeline::new(Duration::from_secs(30), 4));
+        let grace = Some(Duration::from_millis(200));
+        // Never begun: the wait ends after the grace, not the timeout.
+        let t = tokio::time::Instant::now();
+        p.wait_for(R, 0, 11, 10, || Some(2), 1, grace)
+            .await
+            .unwrap();
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(5));
+        // Step 5's push began before step 6 waited: step 6 waits past the
+        // grace until step 5 is answered.
+        p.arrive(R, 1, 5);
+        let six = {
+            let p = p.clone();
+            tokio::spawn(async move { p.wait_for(R, 1, 6, 5, || Some(2), 1, grace).await })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!six.is_finished());
+        p.answered(R, 1, 5);
+        six.await.unwrap().unwrap();
+        // Step 8's push begins while step 9 already waits, within the grace:
+        // step 9 waits for it too.
+        let nine = {
+            let p = p.clone();
+            tokio::spawn(async move { p.wait_for(R, 2, 9, 8, || Some(2), 1, grace).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        p.arrive(R, 2, 8);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!nine.is_finished());
+        p.answered(R, 2, 8);
+        nine.await.unwrap().unwrap();
+        // Answers forget what arrived: a later wait on step 8 of rank 2 is
+        // not held by it.
+        assert!(!p.lane(R, 2).has_arrived(8));
     }
 
     #[tokio::test]
@@ -254,11 +347,11 @@ mod tests {
         p.retry_later(R, 0, 3);
         let four = {
             let p = p.clone();
-            tokio::spawn(async move { p.wait_for(R, 0, 4, 3, || None, 2).await })
+            tokio::spawn(async move { p.wait_for(R, 0, 4, 3, || None, 2, None).await })
         };
         let five = {
             let p = p.clone();
-            tokio::spawn(async move { p.wait_for(R, 0, 5, 4, || None, 2).await })
+            tokio::spawn(async move { p.wait_for(R, 0, 5, 4, || None, 2, None).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!four.is_finished() && !five.is_finished());
@@ -280,7 +373,7 @@ mod tests {
         assert_eq!((err.status, err.code), (429, "predecessor_retry"));
         // Answered for good: the next waiter goes on.
         p.answered(R, 0, 4);
-        p.wait_for(R, 0, 5, 4, || None, 2).await.unwrap();
+        p.wait_for(R, 0, 5, 4, || None, 2, None).await.unwrap();
     }
 
     #[tokio::test]
@@ -290,7 +383,7 @@ mod tests {
         p.answered(OTHER, 0, 10);
         let waiter = {
             let p = p.clone();
-            tokio::spawn(async move { p.wait_for(R, 1, 21, 20, || None, 1).await })
+            tokio::spawn(async move { p.wait_for(R, 1, 21, 20, || None, 1, None).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(p.lanes(), 3);
@@ -303,17 +396,20 @@ mod tests {
         let short = Pipeline::new(Duration::from_millis(100), 4);
         short.answered(R, 0, 10);
         short.forget("r");
-        let err = short.wait_for(R, 0, 5, 4, || None, 1).await.unwrap_err();
+        let err = short
+            .wait_for(R, 0, 5, 4, || None, 1, None)
+            .await
+            .unwrap_err();
         assert_eq!(err.code, "predecessor_timeout");
         // ... a push of the deleted run answered after the forget does not
         // speak for the run created again under its name ...
         short.answered(R, 0, 10);
         let err = short
-            .wait_for(("r", 2), 0, 5, 4, || None, 1)
+            .wait_for(("r", 2), 0, 5, 4, || None, 1, None)
             .await
             .unwrap_err();
         assert_eq!(err.code, "predecessor_timeout");
         // ... and the other run keeps its order.
-        p.wait_for(OTHER, 0, 5, 4, || None, 1).await.unwrap();
+        p.wait_for(OTHER, 0, 5, 4, || None, 1, None).await.unwrap();
     }
 }

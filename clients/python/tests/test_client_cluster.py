@@ -621,6 +621,97 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         proxy.close()
 
 
+def test_pushes_resent_side_by_side_after_a_failover_apply_in_step_order(
+    tmp_path, backends: Backends, run_name
+):
+    """Node b holds rank 1, which a cut at step 2 holds; b applies steps 3
+    and 4 and is killed, and a takes the rank over (restored at step 2).
+    The trainer resends steps 5 and 6 side by side, step 5's body arriving
+    slowly: step 6 names step 5 as its predecessor, and waits for it (its
+    push has begun on a) rather than taking it as lost with b. Both apply,
+    in step order: the failover reports steps 3 and 4 lost and resumption
+    at step 5, and the EMA equals an ``AveragedModel`` fed steps 0, 1, 2, 5
+    and 6."""
+    beta = 0.7
+    catalog, (a, b) = backends.cluster(tmp_path / "nodes", 2, "--lease-secs", "3")
+    try:
+        a.start()
+        b.start()
+        with polyak.Client(a.url) as client:
+            client.create_run(
+                run_name, world_size=2, profiles=[{"name": "e", "kind": "constant", "beta": beta}]
+            )
+            run = client.run(run_name)
+            assert run.placement()[1]["node"] == "node-b"
+            weights = {s: torch.linspace(-1, 1, 4096) * (s + 1) + s for s in range(7)}
+
+            def put(url: str, rank: int, step: int, body=None, **headers) -> httpx.Response:
+                data = safetensors.torch.save({"w": weights[step]})
+                return httpx.put(
+                    f"{url}/v1/runs/{run_name}/ranks/{rank}/steps/{step}",
+                    content=data if body is None else body(data),
+                    headers={"Content-Length": str(len(data)), **headers},
+                    timeout=30,
+                )
+
+            for step in range(3):
+                for rank, url in ((0, a.url), (1, b.url)):
+                    assert put(url, rank, step).status_code == 200
+            assert run.snapshot()["step"] == 2
+            for step in (3, 4):
+                assert put(b.url, 1, step, **{"Polyak-Prev-Step": str(step - 1)}).status_code == 200
+            # The catalog has seen b apply step 4 (a shows b's ranks from it).
+            _wait(
+                lambda: httpx.get(f"{a.url}/v1/runs/{run_name}/ranks/1").json()["last_step"] == 4,
+                10,
+                "the catalog to see step 4",
+            )
+            b.kill()
+            _wait(
+                lambda: run.placement()[1]["node"] == "node-a",
+                20,
+                "a to take rank 1 over",
+            )
+
+            def slow(data: bytes):
+                yield data[:64]
+                time.sleep(0.6)
+                yield data[64:]
+
+            answers: dict[int, httpx.Response] = {}
+            five = threading.Thread(
+                target=lambda: answers.__setitem__(
+                    5, put(a.url, 1, 5, slow, **{"Polyak-Prev-Step": "4"})
+                )
+            )
+            five.start()
+            time.sleep(0.2)
+            answers[6] = put(a.url, 1, 6, **{"Polyak-Prev-Step": "5"})
+            five.join()
+            for step in (5, 6):
+                assert answers[step].status_code == 200, answers[step].text
+                assert answers[step].json()["applied"], answers[step].text
+            view = httpx.get(f"{a.url}/v1/runs/{run_name}/ranks/1").json()
+            failover = view["failover"]
+            assert (failover["restored_step"], failover["last_seen_step"]) == (2, 4), failover
+            assert (failover["resumed_step"], failover["lost_steps"]) == (5, 2), failover
+            assert view["last_step"] == 6, view
+
+            model = torch.nn.Module()
+            model.w = torch.nn.Parameter(torch.zeros(4096))
+            anchor = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(beta))
+            for step in (0, 1, 2, 5, 6):
+                with torch.no_grad():
+                    model.w.copy_(weights[step])
+                anchor.update_parameters(model)
+            got = run.rank_ema(1, "e").tensors["w"]
+            torch.testing.assert_close(got, anchor.module.w.detach(), rtol=1e-5, atol=1e-5)
+        _assert_rank_1_moved_once(backends, catalog, run_name)
+    finally:
+        b.stop()
+        a.stop()
+
+
 #: Pushes one rank to one URL every 50 ms until a deadline, numbering steps
 #: on from each acknowledgement, and prints one JSON line per answer (wall
 #: time in ms, status, error code). Runs inside a test host's namespace.
