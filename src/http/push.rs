@@ -97,7 +97,20 @@ async fn answer(
     // Another node holds this rank: the client resends it there.
     if !run.holds(rank) {
         let owner = run.owner(rank).unwrap_or_else(|| state.registry().me(0));
-        let answer = super::route::redirect(&owner, &uri, rank);
+        let answer = if owner.node_id == state.registry().node_id() {
+            // Placed here but not held (being taken over, or just let go
+            // and the new owner not known yet): never a redirect to itself.
+            Err(ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "placement_moved",
+                    format!("rank {rank} is changing hands; retry"),
+                )
+            })
+        } else {
+            super::route::redirect(&owner, &uri, rank)
+        };
         drain(body, declared).await;
         return answer;
     }

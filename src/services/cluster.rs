@@ -250,10 +250,26 @@ async fn release_lost(ctx: &Context, run: &RunHandle, placed: &[Placed]) {
         .filter(|p| p.node_id != me && run.holds(p.rank))
         .map(|p| p.rank)
         .collect();
-    if !lost.is_empty() {
-        ctx.registry.release_ranks(run, &lost).await;
-        tracing::warn!(run = %run.config.name, ranks = ?lost,
-            "another node took these ranks while this one could not renew its lease; released");
+    if lost.is_empty() {
+        return;
+    }
+    ctx.registry.release_ranks(run, &lost).await;
+    tracing::warn!(run = %run.config.name, ranks = ?lost,
+        "another node took these ranks while this one could not renew its lease; released");
+    // Their pushes go to the new owners from now (not back here, as the
+    // owners this node knew would say until its next sync).
+    let nodes = match ctx.store.list_nodes().await {
+        Ok(nodes) => nodes,
+        Err(e) => {
+            tracing::warn!(error = %e, "listing the nodes for released ranks failed; the next sync names their owners");
+            return;
+        }
+    };
+    let mut owners = run.placement.write().expect("placement lock");
+    for p in placed.iter().filter(|p| lost.contains(&p.rank)) {
+        if let Some(slot) = owners.get_mut(p.rank as usize) {
+            *slot = owner(ctx, &nodes, &p.node_id, p.epoch);
+        }
     }
 }
 

@@ -51,17 +51,33 @@ impl StoreError {
     /// True when the catalog could not be reached (as opposed to a query
     /// or its data being wrong): callers answer 503 and retry later.
     pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
+        match self {
             StoreError::Sql(
                 sqlx::Error::Io(_)
-                    | sqlx::Error::PoolTimedOut
-                    | sqlx::Error::PoolClosed
-                    | sqlx::Error::Tls(_)
-                    | sqlx::Error::WorkerCrashed
-            )
-        )
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::WorkerCrashed,
+            ) => true,
+            StoreError::Sql(sqlx::Error::Database(e)) => {
+                e.code().is_some_and(|code| unavailable_code(&code))
+            }
+            _ => false,
+        }
     }
+}
+
+/// Whether a database error code says the catalog is there but cannot
+/// take queries now, rather than that the query or its data is wrong:
+/// PostgreSQL's SQLSTATEs (five characters) of a connection exception
+/// (class 08), a server shutting down or starting up (57P01, 57P02,
+/// 57P03) or out of connections (53300); SQLite's result codes (numbers)
+/// BUSY and LOCKED, with their extended codes.
+fn unavailable_code(code: &str) -> bool {
+    if code.len() == 5 {
+        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300");
+    }
+    code.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 5 | 6))
 }
 
 /// Which database holds the catalog.
@@ -720,6 +736,26 @@ fn event_of(row: &sqlx::any::AnyRow, relayed: bool) -> Result<StoredEvent, Store
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_catalog_that_cannot_take_queries_now_is_told_from_a_wrong_query() {
+        // PostgreSQL: restarting, shutting down, out of connections, a
+        // connection exception; not a unique violation or a syntax error.
+        for code in ["57P01", "57P02", "57P03", "53300", "08006", "08001"] {
+            assert!(unavailable_code(code), "{code}");
+        }
+        for code in ["23505", "42601", "22P02", "40001"] {
+            assert!(!unavailable_code(code), "{code}");
+        }
+        // SQLite: BUSY, LOCKED and their extended codes; not a constraint
+        // (19, 2067) or an I/O error (10).
+        for code in ["5", "6", "261", "517", "262"] {
+            assert!(unavailable_code(code), "{code}");
+        }
+        for code in ["19", "2067", "10", "1"] {
+            assert!(!unavailable_code(code), "{code}");
+        }
+    }
 
     #[test]
     fn placeholders_are_numbered_in_order() {

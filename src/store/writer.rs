@@ -13,10 +13,11 @@
 //! not stored twice). At most [`MAX_HELD_EVENTS`] events are held; past that
 //! the oldest are dropped and counted, so a catalog that stays away does not
 //! exhaust memory. A batch a catalog that answers refuses again and again
-//! (something in it cannot be stored) is written update by update, and
-//! only what is refused on its own is given up. Rank rows are written only by the rank's holder in the
-//! catalog's placement, so a batch held across a failover does not turn a
-//! rank's row back. Closing the channel writes what is left (retried a few
+//! (something in it cannot be stored, as opposed to a catalog restarting or
+//! busy: [`StoreError::is_unavailable`]) is written update by update, and
+//! only what is refused on its own is given up. Rank rows are written only
+//! by the rank's holder in the catalog's placement, so a batch held across
+//! a failover does not turn a rank's row back. Closing the channel writes what is left (retried a few
 //! times) and ends the task.
 
 use std::collections::{HashMap, VecDeque};
@@ -175,9 +176,11 @@ async fn write_loop(store: Store, node: String, mut rx: mpsc::UnboundedReceiver<
                     // goes on its own; only those refused are given up.
                     tracing::error!(error = %e, held = batch.len(),
                         "the catalog keeps refusing a batch; writing its updates one by one");
-                    salvage(&store, &node, std::mem::take(&mut batch)).await;
+                    batch = salvage(&store, &node, std::mem::take(&mut batch)).await;
                     in_a_row = 0;
-                    backoff = GATHER;
+                    if batch.is_empty() {
+                        backoff = GATHER;
+                    }
                 } else {
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                     tracing::error!(error = %e, held = batch.len(), retry_in_secs = backoff.as_secs_f64(),
@@ -215,33 +218,59 @@ async fn write_loop(store: Store, node: String, mut rx: mpsc::UnboundedReceiver<
 }
 
 /// Writes a batch the catalog keeps refusing update by update, giving up
-/// (and counting) only those it refuses on their own.
-async fn salvage(store: &Store, node: &str, batch: Batch) {
-    let mut lost_rows = 0;
-    for (key, value) in batch.ranks {
+/// (and counting) only those it refuses on their own. A refusal that says
+/// the catalog went away meanwhile stops it: what is not written yet is
+/// returned, to be written again.
+async fn salvage(store: &Store, node: &str, mut batch: Batch) -> Batch {
+    let (mut lost_rows, mut lost_events) = (0u64, 0u64);
+    let report = |rows: u64, events: u64| {
+        STATS.dropped.fetch_add(events, Ordering::Relaxed);
+        if rows + events > 0 {
+            tracing::error!(
+                rank_rows = rows,
+                events,
+                "updates the catalog refused were given up"
+            );
+        }
+    };
+    let keys: Vec<(String, u32)> = batch.ranks.keys().cloned().collect();
+    for key in keys {
         let mut one = Batch::default();
-        one.ranks.insert(key, value);
-        if flush(store, node, &one).await.is_err() {
-            lost_rows += 1;
+        if let Some(value) = batch.ranks.remove(&key) {
+            one.ranks.insert(key, value);
+        }
+        match flush(store, node, &one).await {
+            Ok(()) => {}
+            Err(e) if e.is_unavailable() => {
+                batch.ranks.extend(one.ranks);
+                report(lost_rows, lost_events);
+                return batch;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "a rank row the catalog refuses was given up");
+                lost_rows += 1;
+            }
         }
     }
-    let mut lost_events = 0;
-    for event in batch.events {
+    while let Some(event) = batch.events.pop_front() {
         let mut one = Batch::default();
         one.events.push_back(event);
-        if let Err(e) = flush(store, node, &one).await {
-            tracing::error!(error = %e, "an event the catalog refuses was given up");
-            lost_events += 1;
+        match flush(store, node, &one).await {
+            Ok(()) => {}
+            Err(e) if e.is_unavailable() => {
+                batch.events.extend(one.events);
+                batch.events.rotate_right(1);
+                report(lost_rows, lost_events);
+                return batch;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "an event the catalog refuses was given up");
+                lost_events += 1;
+            }
         }
     }
-    STATS.dropped.fetch_add(lost_events, Ordering::Relaxed);
-    if lost_rows + lost_events > 0 {
-        tracing::error!(
-            rank_rows = lost_rows,
-            events = lost_events,
-            "updates the catalog refused were given up"
-        );
-    }
+    report(lost_rows, lost_events);
+    batch
 }
 
 /// The PostgreSQL channel a flush that stored events notifies (the
