@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap};
+use axum::http::HeaderMap;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -145,17 +145,10 @@ pub struct AlertList {
 /// How long a node waits for another's alerts or acknowledgement.
 const PEER_ALERTS_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A request to `url` on another node for the caller (its credentials
-/// passed on, marked forwarded so the peer answers for itself only).
+/// A request to `url` on another node for the caller, answered within
+/// [`PEER_ALERTS_TIMEOUT`].
 fn to_peer(method: reqwest::Method, url: &str, headers: &HeaderMap) -> reqwest::RequestBuilder {
-    let req = cluster::peer_client()
-        .request(method, url)
-        .header(FORWARDED, "1")
-        .timeout(PEER_ALERTS_TIMEOUT);
-    match headers.get(header::AUTHORIZATION) {
-        Some(auth) => req.header(header::AUTHORIZATION, auth.clone()),
-        None => req,
-    }
+    super::route::for_caller(method, url, headers).timeout(PEER_ALERTS_TIMEOUT)
 }
 
 /// The other live nodes to ask (none when this request was forwarded:

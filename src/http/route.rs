@@ -62,6 +62,23 @@ pub fn redirect(owner: &Owner, uri: &Uri, rank: u32) -> Result<Response, ApiErro
     Ok(response)
 }
 
+/// A request to `url` on another node on behalf of the caller: marked
+/// forwarded (the peer answers for itself and forwards nothing on), with
+/// the caller's credentials.
+pub fn for_caller(
+    method: reqwest::Method,
+    url: &str,
+    headers: &HeaderMap,
+) -> reqwest::RequestBuilder {
+    let req = cluster::peer_client()
+        .request(method, url)
+        .header(FORWARDED, "1");
+    match headers.get(header::AUTHORIZATION) {
+        Some(auth) => req.header(header::AUTHORIZATION, auth.clone()),
+        None => req,
+    }
+}
+
 /// Forwards a GET to the owner of a rank and streams its answer back. A
 /// request that was itself forwarded is not forwarded again (placement
 /// moved meanwhile): `503 placement_moved`, to be retried.
@@ -77,21 +94,20 @@ pub async fn forward(owner: &Owner, uri: &Uri, headers: &HeaderMap) -> Result<Re
         });
     }
     let url = target(owner, uri)?;
-    let mut req = cluster::peer_client().get(&url).header(FORWARDED, "1");
-    if let Some(auth) = headers.get(header::AUTHORIZATION) {
-        req = req.header(header::AUTHORIZATION, auth.clone());
-    }
-    let answer = req.send().await.map_err(|e| ApiError {
-        retry_after: Some(1),
-        ..ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "owner_unreachable",
-            format!(
-                "node `{}` holding the rank did not answer: {e}",
-                owner.node_id
-            ),
-        )
-    })?;
+    let answer = for_caller(reqwest::Method::GET, &url, headers)
+        .send()
+        .await
+        .map_err(|e| ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "owner_unreachable",
+                format!(
+                    "node `{}` holding the rank did not answer: {e}",
+                    owner.node_id
+                ),
+            )
+        })?;
     let status = answer.status();
     let mut response = Response::builder().status(status.as_u16());
     for name in [

@@ -336,10 +336,13 @@ impl Ingest {
                 return Err(e);
             }
         };
-        // On its way from now: a successor pushed at once after a failover
-        // waits for it rather than taking it as lost.
-        self.pipeline
-            .arrive((run.config.name.as_str(), run.created_at_ms), rank, step);
+        // A rank just taken over: this push is on its way from now, so a
+        // successor resent beside it waits for it rather than taking it as
+        // lost with the old node (see `wait_for_predecessor`).
+        if run.rank_with(rank, awaits_resumption) == Some(true) {
+            self.pipeline
+                .arrive((run.config.name.as_str(), run.created_at_ms), rank, step);
+        }
         let received = self.receive(body, headers, declared).await?;
         let received_at = Instant::now();
         self.ctx
@@ -380,10 +383,7 @@ impl Ingest {
         // begin here (pushes resent side by side), else taken as lost. The
         // steps lost are reported.
         let last_seen = run.rank_with(rank, |s| {
-            s.failover
-                .as_ref()
-                .filter(|f| f.resumed_step.is_none())
-                .map(|f| f.last_seen_step)
+            awaits_resumption(s).then(|| s.failover.as_ref().and_then(|f| f.last_seen_step))
         });
         let lost_after = match last_seen.flatten() {
             Some(seen) if seen.is_some_and(|s| prev <= s) => return Ok(()),
@@ -915,6 +915,14 @@ fn decompress(raw: &[u8], limit: u64) -> Result<Bytes, ServiceError> {
         return Err(too_large(read as u64, limit));
     }
     Ok(Bytes::from(out))
+}
+
+/// Whether a rank was taken over from a lost node and has not applied a
+/// push since.
+fn awaits_resumption(s: &crate::registry::RankSummary) -> bool {
+    s.failover
+        .as_ref()
+        .is_some_and(|f| f.resumed_step.is_none())
 }
 
 /// How long a push to a rank just taken over waits for its predecessor to

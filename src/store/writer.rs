@@ -221,56 +221,50 @@ async fn write_loop(store: Store, node: String, mut rx: mpsc::UnboundedReceiver<
 /// (and counting) only those it refuses on their own. A refusal that says
 /// the catalog went away meanwhile stops it: what is not written yet is
 /// returned, to be written again.
-async fn salvage(store: &Store, node: &str, mut batch: Batch) -> Batch {
-    let (mut lost_rows, mut lost_events) = (0u64, 0u64);
-    let report = |rows: u64, events: u64| {
-        STATS.dropped.fetch_add(events, Ordering::Relaxed);
-        if rows + events > 0 {
-            tracing::error!(
-                rank_rows = rows,
-                events,
-                "updates the catalog refused were given up"
-            );
-        }
-    };
-    let keys: Vec<(String, u32)> = batch.ranks.keys().cloned().collect();
-    for key in keys {
+async fn salvage(store: &Store, node: &str, batch: Batch) -> Batch {
+    // One update each: the rank rows, then the events in their order.
+    let mut pieces: VecDeque<Batch> = VecDeque::new();
+    for (key, value) in batch.ranks {
         let mut one = Batch::default();
-        if let Some(value) = batch.ranks.remove(&key) {
-            one.ranks.insert(key, value);
-        }
-        match flush(store, node, &one).await {
-            Ok(()) => {}
-            Err(e) if e.is_unavailable() => {
-                batch.ranks.extend(one.ranks);
-                report(lost_rows, lost_events);
-                return batch;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "a rank row the catalog refuses was given up");
-                lost_rows += 1;
-            }
-        }
+        one.ranks.insert(key, value);
+        pieces.push_back(one);
     }
-    while let Some(event) = batch.events.pop_front() {
+    for event in batch.events {
         let mut one = Batch::default();
         one.events.push_back(event);
+        pieces.push_back(one);
+    }
+    let (mut lost_rows, mut lost_events) = (0, 0);
+    while let Some(one) = pieces.pop_front() {
         match flush(store, node, &one).await {
             Ok(()) => {}
             Err(e) if e.is_unavailable() => {
-                batch.events.extend(one.events);
-                batch.events.rotate_right(1);
-                report(lost_rows, lost_events);
-                return batch;
+                pieces.push_front(one);
+                break;
             }
             Err(e) => {
-                tracing::error!(error = %e, "an event the catalog refuses was given up");
-                lost_events += 1;
+                tracing::error!(error = %e, "an update the catalog refuses was given up");
+                lost_rows += one.ranks.len();
+                lost_events += one.events.len();
             }
         }
     }
-    report(lost_rows, lost_events);
-    batch
+    STATS
+        .dropped
+        .fetch_add(lost_events as u64, Ordering::Relaxed);
+    if lost_rows + lost_events > 0 {
+        tracing::error!(
+            rank_rows = lost_rows,
+            events = lost_events,
+            "updates the catalog refused were given up"
+        );
+    }
+    let mut rest = Batch::default();
+    for one in pieces {
+        rest.ranks.extend(one.ranks);
+        rest.events.extend(one.events);
+    }
+    rest
 }
 
 /// The PostgreSQL channel a flush that stored events notifies (the
@@ -460,6 +454,19 @@ mod tests {
         }
     }
 
+    /// Makes the catalog refuse to insert events (those matching `when`,
+    /// a trigger's `WHEN` clause; all with ""): a flush holding one fails
+    /// as a whole, as against a catalog that is away.
+    async fn refuse_events(store: &Store, when: &str) {
+        sqlx::query(&format!(
+            "CREATE TRIGGER refuse BEFORE INSERT ON events {when} \
+             BEGIN SELECT RAISE(ABORT, 'the catalog refuses this event'); END"
+        ))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    }
+
     /// The catalog refuses every write for a while (a trigger aborts the
     /// events' inserts, so each flush's transaction fails as a whole): the
     /// writer keeps the updates, merges later ones in, and stores them all,
@@ -468,13 +475,7 @@ mod tests {
     async fn updates_the_catalog_refused_are_stored_once_it_takes_them() {
         let dir = tempfile::tempdir().unwrap();
         let store = store_with_run(dir.path()).await;
-        sqlx::query(
-            "CREATE TRIGGER refuse BEFORE INSERT ON events \
-             BEGIN SELECT RAISE(ABORT, 'the catalog is away'); END",
-        )
-        .execute(store.pool())
-        .await
-        .unwrap();
+        refuse_events(&store, "").await;
         let failures = counts().failures;
         let (writer, task) = CatalogWriter::spawn(store.clone(), "n1".into());
         for id in 1..=3 {
@@ -535,13 +536,7 @@ mod tests {
     async fn a_batch_refused_for_one_update_loses_that_update_only() {
         let dir = tempfile::tempdir().unwrap();
         let store = store_with_run(dir.path()).await;
-        sqlx::query(
-            "CREATE TRIGGER refuse BEFORE INSERT ON events WHEN NEW.id = 3 \
-             BEGIN SELECT RAISE(ABORT, 'event 3 cannot be stored'); END",
-        )
-        .execute(store.pool())
-        .await
-        .unwrap();
+        refuse_events(&store, "WHEN NEW.id = 3").await;
         let dropped = counts().dropped;
         let (writer, task) = CatalogWriter::spawn(store.clone(), "n1".into());
         for id in 1..=5 {
