@@ -125,6 +125,19 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_PERIODIC_BACKLOG", default_value = "1GiB")]
     pub periodic_backlog: ByteSize,
 
+    /// Bytes the state snapshots of every run together may hold captured
+    /// and not yet written (one is always allowed). A due state snapshot
+    /// that would pass it is skipped (counted in
+    /// `polyak_state_persist_skipped_total`); an explicit persist or the one
+    /// at shutdown waits for room.
+    #[arg(long, env = "POLYAK_CAPTURE_BACKLOG", default_value = "2GiB")]
+    pub capture_backlog: ByteSize,
+
+    /// Seconds a request waits for a catalog connection before it is
+    /// answered `503 catalog_unavailable` (`/readyz`: `503 unavailable`).
+    #[arg(long, env = "POLYAK_CATALOG_TIMEOUT_SECS", default_value_t = 2.0)]
+    pub catalog_timeout_secs: f64,
+
     /// Commands the engine queue holds before pushes are answered with 429.
     #[arg(long, env = "POLYAK_QUEUE_DEPTH", default_value_t = 16)]
     pub queue_depth: usize,
@@ -244,6 +257,9 @@ impl ServeArgs {
         }
         if self.body_min_rate.0 == 0 {
             return Err("--body-min-rate must be at least 1 byte per second".into());
+        }
+        if !(self.catalog_timeout_secs >= 0.1 && self.catalog_timeout_secs <= 600.0) {
+            return Err("--catalog-timeout-secs must be between 0.1 and 600".into());
         }
         if !(self.lease_secs >= 0.3 && self.lease_secs <= 3600.0) {
             return Err("--lease-secs must be between 0.3 and 3600".into());

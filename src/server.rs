@@ -108,12 +108,15 @@ async fn open_catalog(args: &ServeArgs) -> anyhow::Result<Store> {
         .unwrap_or_else(|| Store::default_url(data_dir));
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating the data dir {}", data_dir.display()))?;
-    Store::connect(&catalog_url).await.with_context(|| {
-        format!(
-            "opening the catalog {}",
-            crate::store::redact_url(&catalog_url)
-        )
-    })
+    let acquire = std::time::Duration::from_secs_f64(args.catalog_timeout_secs);
+    Store::connect_with(&catalog_url, acquire)
+        .await
+        .with_context(|| {
+            format!(
+                "opening the catalog {}",
+                crate::store::redact_url(&catalog_url)
+            )
+        })
 }
 
 /// The services' periodic tasks, and how to stop them.

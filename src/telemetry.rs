@@ -70,6 +70,12 @@ pub struct Metrics {
     pub metric_points: IntCounterVec,
     /// Periodic snapshots skipped because the run's backlog was full, by run.
     pub snapshots_skipped: IntCounterVec,
+    /// Due state snapshots skipped because the run's last one was still
+    /// being written, or the server's capture backlog had no room, by run.
+    pub state_persist_skipped: IntCounterVec,
+    /// Snapshot parts the catalog refused: captured in a placement epoch
+    /// the rank had left (a node paused or cut off past its lease).
+    pub snapshot_parts_fenced: IntCounter,
     /// Ranks this node took over from a node that was gone, by run, and the
     /// update steps their EMA lost (known at each rank's next push).
     pub failover_ranks: IntCounterVec,
@@ -228,6 +234,19 @@ impl Metrics {
                 "Periodic snapshots skipped while earlier ones were still being written",
                 &["run"],
             ),
+            state_persist_skipped: int_counters(
+                &r,
+                "polyak_state_persist_skipped_total",
+                "Due state snapshots skipped while the run's last one was still being written or the capture backlog was full",
+                &["run"],
+            ),
+            snapshot_parts_fenced: register(
+                &r,
+                IntCounter::new(
+                    "polyak_snapshot_parts_fenced_total",
+                    "Snapshot parts refused because their rank's placement epoch had moved on since the capture",
+                ),
+            ),
             failover_ranks: int_counters(
                 &r,
                 "polyak_failover_ranks_total",
@@ -281,6 +300,7 @@ impl Metrics {
         let _ = self.resident_bytes.remove_label_values(&[run]);
         let _ = self.metric_points.remove_label_values(&[run]);
         let _ = self.snapshots_skipped.remove_label_values(&[run]);
+        let _ = self.state_persist_skipped.remove_label_values(&[run]);
         let _ = self.failover_ranks.remove_label_values(&[run]);
         let _ = self.failover_steps_lost.remove_label_values(&[run]);
         for kind in crate::run::alerts::KINDS {

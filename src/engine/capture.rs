@@ -60,6 +60,10 @@ pub struct RankCapture {
     pub copied: Vec<Tensor>,
     pub mirror: Option<Vec<Tensor>>,
     pub meta: RankMeta,
+    /// When the copy was taken (wall clock, ms): the order of one owner's
+    /// captures of a rank, which a restore follows (a resume goes back to
+    /// an older step on purpose, so steps alone do not give it).
+    pub captured_at_ms: i64,
 }
 
 /// What the engine tells the snapshot manager.
@@ -150,6 +154,7 @@ pub fn capture_rank(
             None => None,
         },
         meta: meta_of(config, state),
+        captured_at_ms: crate::clock::now_ms(),
     })
 }
 

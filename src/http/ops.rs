@@ -66,7 +66,15 @@ pub async fn livez(State(state): State<AppState>) -> Json<Health> {
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    if let Err(e) = state.store().ping().await {
+    // Bounded by --catalog-timeout-secs: a probe sees a quick 503, never
+    // a hang, while the catalog is away (or holds every connection).
+    let wait = std::time::Duration::from_secs_f64(state.args().catalog_timeout_secs);
+    let ping = match tokio::time::timeout(wait, state.store().ping()).await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => Some(format!("no answer within {:.1} s", wait.as_secs_f64())),
+    };
+    if let Some(e) = ping {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(health(

@@ -259,6 +259,10 @@ impl From<SnapshotError> for ServiceError {
             SnapshotError::NotFound(m) => Self::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => Self::unprocessable("invalid_request", m),
             SnapshotError::Older(m) => Self::conflict("snapshot_older", m),
+            SnapshotError::LeaseLost(m) => ServiceError {
+                retry_after: Some(1),
+                ..Self::new(503, "lease_lost", m)
+            },
             SnapshotError::Internal(m) => Self::internal(m),
             SnapshotError::Corrupt(m) => Self::snapshot_corrupt(m),
             SnapshotError::WriteFailed(m) => Self::new(500, "snapshot_write_failed", m),
@@ -318,6 +322,11 @@ pub enum SnapshotError {
     /// `resume` found only a snapshot older than the step asked for.
     #[error("{0}")]
     Older(String),
+    /// This node's lease lapsed: another node may hold its ranks now, so
+    /// it writes no state for them until it has read the placement again
+    /// (503 `lease_lost`, worth a retry).
+    #[error("{0}")]
+    LeaseLost(String),
     /// The server's fault (a worker that panicked, catalog data that does
     /// not hold together): answered 500, never blamed on the request.
     #[error("{0}")]

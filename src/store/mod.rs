@@ -80,6 +80,10 @@ fn unavailable_code(code: &str) -> bool {
     code.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 5 | 6))
 }
 
+/// How long a query waits for a PostgreSQL connection unless the server
+/// says otherwise (`--catalog-timeout-secs`).
+const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Which database holds the catalog.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CatalogKind {
@@ -232,6 +236,14 @@ impl Store {
     /// creating a SQLite file (and its directory) when missing, and applies
     /// the migrations of its dialect.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Store::connect_with(url, DEFAULT_ACQUIRE_TIMEOUT).await
+    }
+
+    /// [`Store::connect`], waiting at most `acquire` for a PostgreSQL
+    /// connection: a query while the catalog is away fails as unavailable
+    /// after that (`--catalog-timeout-secs`), so requests answer 503 at
+    /// once instead of hanging. (SQLite is a file: it is never away.)
+    pub async fn connect_with(url: &str, acquire: Duration) -> Result<Self, StoreError> {
         sqlx::any::install_default_drivers();
         let (kind, pool) = if let Some(path) = url.strip_prefix("sqlite://") {
             let path = path.split('?').next().unwrap_or(path);
@@ -260,7 +272,7 @@ impl Store {
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = AnyPoolOptions::new()
                 .max_connections(16)
-                .acquire_timeout(Duration::from_secs(10))
+                .acquire_timeout(acquire)
                 .connect(url)
                 .await?;
             (CatalogKind::Postgres, pool)

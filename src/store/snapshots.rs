@@ -72,6 +72,23 @@ pub struct FileRow {
     /// Step bookkeeping and layout needed to restore the rank (JSON).
     #[serde(skip)]
     pub state: String,
+    /// Who captured the rank's state, in which placement epoch (`None`:
+    /// parts that claim no rank, as derived snapshots, and parts recorded
+    /// before fencing existed).
+    #[serde(skip)]
+    pub fence: Option<Fence>,
+}
+
+/// A part's fencing token: the node that captured the rank and the
+/// placement epoch it held the rank in at that moment. The catalog records
+/// the part only while that is still the rank's placement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub node_id: String,
+    pub epoch: u64,
+    /// When the rank was captured (the writer's clock): one owner's
+    /// captures of a rank in the order they were taken.
+    pub captured_at_ms: i64,
 }
 
 fn row_to_snapshot(row: sqlx::any::AnyRow) -> Result<SnapshotRow, StoreError> {
@@ -92,10 +109,36 @@ fn row_to_snapshot(row: sqlx::any::AnyRow) -> Result<SnapshotRow, StoreError> {
     })
 }
 
+const FILE_COLUMNS: &str =
+    "rank, part, path, sha256, bytes, step, state, node_id, epoch, captured_at_ms";
+
+fn row_to_file(row: sqlx::any::AnyRow) -> FileRow {
+    let node_id: Option<String> = row.get("node_id");
+    let epoch: Option<i64> = row.get("epoch");
+    let captured: Option<i64> = row.get("captured_at_ms");
+    FileRow {
+        rank: row.get::<i64, _>("rank") as u32,
+        part: row.get("part"),
+        path: row.get("path"),
+        sha256: row.get("sha256"),
+        bytes: row.get::<i64, _>("bytes") as u64,
+        step: row.get::<i64, _>("step") as u64,
+        state: row.get("state"),
+        fence: match (node_id, epoch) {
+            (Some(node_id), Some(epoch)) => Some(Fence {
+                node_id,
+                epoch: epoch.max(0) as u64,
+                captured_at_ms: captured.unwrap_or(0),
+            }),
+            _ => None,
+        },
+    }
+}
+
 const COLUMNS: &str = "id, run, step, kind, label, profiles, status, reason, created_at_ms, completed_at_ms, deadline_ms, bytes, detail";
 
 /// What [`Store::add_snapshot_part`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PartOutcome {
     /// This part was the last: the snapshot is complete.
     Complete { step: u64, bytes: u64 },
@@ -103,6 +146,15 @@ pub enum PartOutcome {
     Waiting { ranks: u32 },
     /// Failed or deleted meanwhile: nothing lists these files.
     Gone,
+    /// A part's fencing token is stale: the rank's placement moved on
+    /// (another node, or a later epoch) since it was captured. Nothing was
+    /// recorded.
+    Fenced {
+        rank: u32,
+        epoch: u64,
+        /// The rank's placement now (`None`: not placed).
+        now: Option<(String, u64)>,
+    },
 }
 
 impl Store {
@@ -164,6 +216,10 @@ impl Store {
         if locked.rows_affected() == 0 {
             return Ok(PartOutcome::Gone);
         }
+        if let Some(stale) = self.stale_fence(&mut tx, id, files).await? {
+            // Dropping the transaction rolls the byte count back.
+            return Ok(stale);
+        }
         self.insert_files(&mut tx, id, files).await?;
         let row = sqlx::query(&self.sql(
             "SELECT COUNT(DISTINCT rank) AS ranks, MAX(step) AS step, CAST(SUM(bytes) AS BIGINT) AS bytes \
@@ -196,6 +252,61 @@ impl Store {
         Ok(outcome)
     }
 
+    /// The first of `files` whose fencing token is not the rank's placement
+    /// now, read in `tx` after the snapshot's row is locked. On PostgreSQL
+    /// the placement rows are read `FOR SHARE`: a claim of the rank
+    /// (`Store::claim_ranks`, which updates them) waits until this
+    /// transaction ends, or committed before it and is seen here. On SQLite
+    /// the transaction already holds the database's write lock.
+    async fn stale_fence(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: &str,
+        files: &[FileRow],
+    ) -> Result<Option<PartOutcome>, StoreError> {
+        let mut fences: Vec<(u32, &Fence)> = files
+            .iter()
+            .filter_map(|f| f.fence.as_ref().map(|fence| (f.rank, fence)))
+            .collect();
+        fences.sort_by_key(|(rank, _)| *rank);
+        fences.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
+        if fences.is_empty() {
+            return Ok(None);
+        }
+        let lock = match self.kind() {
+            super::CatalogKind::Postgres => " FOR SHARE",
+            super::CatalogKind::Sqlite => "",
+        };
+        let sql = format!(
+            "SELECT node_id, epoch FROM placements \
+             WHERE run = (SELECT run FROM snapshots WHERE id = ?) AND rank = ?{lock}"
+        );
+        for (rank, fence) in fences {
+            let row = sqlx::query(&self.sql(&sql))
+                .bind(id)
+                .bind(rank as i64)
+                .fetch_optional(&mut **tx)
+                .await?;
+            let now = row.map(|r| {
+                (
+                    r.get::<String, _>("node_id"),
+                    r.get::<i64, _>("epoch").max(0) as u64,
+                )
+            });
+            let current = now
+                .as_ref()
+                .is_some_and(|(node, epoch)| *node == fence.node_id && *epoch == fence.epoch);
+            if !current {
+                return Ok(Some(PartOutcome::Fenced {
+                    rank,
+                    epoch: fence.epoch,
+                    now,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
     /// Records `files` of snapshot `id` in `tx`.
     async fn insert_files(
         &self,
@@ -204,8 +315,8 @@ impl Store {
         files: &[FileRow],
     ) -> Result<(), StoreError> {
         for f in files {
-            sqlx::query(&self.sql("INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)"))
+            sqlx::query(&self.sql("INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state, \
+                 node_id, epoch, captured_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"))
             .bind(id)
             .bind(f.rank as i64)
             .bind(&f.part)
@@ -214,6 +325,9 @@ impl Store {
             .bind(f.bytes as i64)
             .bind(f.step as i64)
             .bind(&f.state)
+            .bind(f.fence.as_ref().map(|x| x.node_id.clone()))
+            .bind(f.fence.as_ref().map(|x| x.epoch as i64))
+            .bind(f.fence.as_ref().map(|x| x.captured_at_ms))
             .execute(&mut **tx)
             .await?;
         }
@@ -289,21 +403,33 @@ impl Store {
     }
 
     pub async fn snapshot_files(&self, id: &str) -> Result<Vec<FileRow>, StoreError> {
-        let rows = sqlx::query(&self.sql("SELECT rank, part, path, sha256, bytes, step, state FROM snapshot_files WHERE snapshot = ? ORDER BY rank, part"))
+        let rows = sqlx::query(&self.sql(&format!(
+            "SELECT {FILE_COLUMNS} FROM snapshot_files WHERE snapshot = ? ORDER BY rank, part"
+        )))
         .bind(id)
+        .fetch_all(self.pool())
+        .await?;
+        Ok(rows.into_iter().map(row_to_file).collect())
+    }
+
+    /// Every file of the complete snapshots of `run`, with its snapshot's
+    /// id: what a restore chooses each rank's state from.
+    pub async fn complete_files(&self, run: &str) -> Result<Vec<(String, FileRow)>, StoreError> {
+        let rows = sqlx::query(&self.sql(&format!(
+            "SELECT f.snapshot, {} FROM snapshot_files f JOIN snapshots s ON s.id = f.snapshot \
+             WHERE s.run = ? AND s.status = 'complete' ORDER BY f.snapshot, f.rank, f.part",
+            FILE_COLUMNS
+                .split(", ")
+                .map(|c| format!("f.{c}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))
+        .bind(run)
         .fetch_all(self.pool())
         .await?;
         Ok(rows
             .into_iter()
-            .map(|row| FileRow {
-                rank: row.get::<i64, _>("rank") as u32,
-                part: row.get("part"),
-                path: row.get("path"),
-                sha256: row.get("sha256"),
-                bytes: row.get::<i64, _>("bytes") as u64,
-                step: row.get::<i64, _>("step") as u64,
-                state: row.get("state"),
-            })
+            .map(|row| (row.get::<String, _>("snapshot"), row_to_file(row)))
             .collect())
     }
 
@@ -359,6 +485,7 @@ mod tests {
             bytes,
             step: 8,
             state: "{}".into(),
+            fence: None,
         }
     }
 
@@ -387,7 +514,7 @@ mod tests {
                     assert_eq!((step, bytes), (8, 60));
                 }
                 PartOutcome::Waiting { ranks } => assert!(ranks < 3),
-                PartOutcome::Gone => panic!("the snapshot is pending"),
+                other => panic!("the snapshot is pending and unfenced: {other:?}"),
             }
         }
         assert_eq!(complete, 1);
@@ -410,5 +537,74 @@ mod tests {
         assert!(matches!(late, PartOutcome::Gone));
         let got = store.snapshot("r", "s2").await.unwrap().unwrap();
         assert_eq!(got.status, SnapshotStatus::Failed);
+    }
+
+    fn fenced(rank: u32, node: &str, epoch: u64) -> FileRow {
+        FileRow {
+            fence: Some(Fence {
+                node_id: node.into(),
+                epoch,
+                captured_at_ms: 1,
+            }),
+            ..file(rank, 10)
+        }
+    }
+
+    /// A part captured in an epoch the rank's placement has left (a node
+    /// paused past its lease, whose rank another node claimed) is refused
+    /// in the transaction that would record it: nothing of it is kept, and
+    /// the new owner's part completes the snapshot.
+    #[tokio::test]
+    async fn a_part_from_a_stale_epoch_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with_run(dir.path()).await;
+        let row = SnapshotRow::pending("s1", "r", 8, SnapshotKind::State, vec!["a".into()]);
+        store.insert_snapshot(&row).await.unwrap();
+        let first = store
+            .add_snapshot_part("s1", &[fenced(1, "n2", 1)], 3, 1)
+            .await
+            .unwrap();
+        assert_eq!(first, PartOutcome::Waiting { ranks: 1 });
+        // n1 holds no lease: n3 takes rank 0 at epoch 2.
+        let won = store
+            .claim_ranks("r", "n3", &[(0, Some(1))], 2)
+            .await
+            .unwrap();
+        assert_eq!(won.len(), 1);
+        let stale = store
+            .add_snapshot_part("s1", &[fenced(0, "n1", 1), fenced(2, "n1", 1)], 3, 3)
+            .await
+            .unwrap();
+        assert_eq!(
+            stale,
+            PartOutcome::Fenced {
+                rank: 0,
+                epoch: 1,
+                now: Some(("n3".into(), 2))
+            }
+        );
+        // The right epoch on the wrong node is refused too.
+        let wrong_node = store
+            .add_snapshot_part("s1", &[fenced(0, "n1", 2)], 3, 3)
+            .await
+            .unwrap();
+        assert!(matches!(wrong_node, PartOutcome::Fenced { rank: 0, .. }));
+        let got = store.snapshot("r", "s1").await.unwrap().unwrap();
+        assert_eq!((got.status, got.bytes), (SnapshotStatus::Pending, 10));
+        assert_eq!(store.snapshot_files("s1").await.unwrap().len(), 1);
+        let done = store
+            .add_snapshot_part("s1", &[fenced(0, "n3", 2), fenced(2, "n1", 1)], 3, 4)
+            .await
+            .unwrap();
+        assert_eq!(done, PartOutcome::Complete { step: 8, bytes: 30 });
+        let files = store.complete_files("r").await.unwrap();
+        let epochs: Vec<(u32, Option<u64>)> = files
+            .iter()
+            .map(|(id, f)| {
+                assert_eq!(id, "s1");
+                (f.rank, f.fence.as_ref().map(|x| x.epoch))
+            })
+            .collect();
+        assert_eq!(epochs, [(0, Some(2)), (1, Some(1)), (2, Some(1))]);
     }
 }

@@ -83,14 +83,18 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
                 }),
             );
         }
-        CaptureEvent::Captured(capture) => write_capture(state.clone(), *capture),
+        CaptureEvent::Captured(capture) => {
+            let fence = fence_of(state, &capture);
+            write_capture(state.clone(), *capture, fence)
+        }
         CaptureEvent::Failed { snapshot, reason } => fail(state, &snapshot, &reason).await,
     }
 }
 
 /// Serialises one rank's capture and uploads its parts to the object store
-/// (a blocking thread builds each part; its bytes stream to the store).
-pub(super) fn write_capture(state: Snaps, capture: RankCapture) {
+/// (a blocking thread builds each part; its bytes stream to the store),
+/// each part carrying `fence` (see [`fence_of`]).
+pub(super) fn write_capture(state: Snaps, capture: RankCapture, fence: Fence) {
     let id = capture.snapshot.clone();
     let rank = capture.rank;
     if !state.pending.start_writing(&id, rank) {
@@ -101,11 +105,29 @@ pub(super) fn write_capture(state: Snaps, capture: RankCapture) {
             fail(&state, &id, &format!("rank {rank} not written: {e}")).await;
             return;
         }
-        match write_rank(&state, capture).await {
+        match write_rank(&state, capture, fence).await {
             Ok(files) => rank_written(&state, &id, rank, files).await,
             Err(e) => fail(&state, &id, &format!("writing rank {rank} failed: {e}")).await,
         }
     });
+}
+
+/// The fencing token a capture's parts carry: this node and the epoch this
+/// node holds the rank in as far as it knows, read as soon as the capture
+/// arrives. A rank this node does not think it holds gets epoch 0, which
+/// no placement has: the catalog refuses it.
+pub(super) fn fence_of(state: &Snaps, capture: &RankCapture) -> Fence {
+    let me = state.registry.node_id();
+    let epoch = state
+        .run(&capture.run)
+        .and_then(|run| run.owner(capture.rank))
+        .filter(|owner| owner.node_id == me)
+        .map_or(0, |owner| owner.epoch);
+    Fence {
+        node_id: me.to_string(),
+        epoch,
+        captured_at_ms: capture.captured_at_ms,
+    }
 }
 
 /// Bytes of tensor data a capture writes (headers aside).
@@ -138,6 +160,7 @@ async fn blocking<T: Send + 'static>(
 pub(super) async fn write_rank(
     state: &Snaps,
     capture: RankCapture,
+    fence: Fence,
 ) -> Result<Vec<FileRow>, SnapshotError> {
     let dir = files::snapshot_rel_dir(&capture.run, &capture.snapshot);
     let meta_json = meta::encode_rank_meta(&capture.meta);
@@ -192,6 +215,7 @@ pub(super) async fn write_rank(
             bytes: uploaded.bytes,
             step: capture.step,
             state: meta_json.clone(),
+            fence: Some(fence.clone()),
         });
     }
     Ok(rows)
@@ -307,6 +331,21 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
                 );
             }
         }
+        Ok(PartOutcome::Fenced { rank, epoch, now }) => {
+            // Captured in an epoch the rank's placement has left (this
+            // node was paused or cut off past its lease): none of it may
+            // be listed, and the snapshot cannot complete.
+            let now = match now {
+                Some((node, e)) => format!("node `{node}` holds it in epoch {e}"),
+                None => "it is not placed".to_string(),
+            };
+            let reason = format!(
+                "fenced: rank {rank} was captured by node `{}` in placement epoch {epoch}; {now}",
+                state.registry.node_id()
+            );
+            state.metrics.snapshot_parts_fenced.inc();
+            fail_taken(state, id, p, &reason).await;
+        }
         Ok(PartOutcome::Gone) => {
             // Deleted or failed meanwhile: its files go.
             remove_files(state, &p.run, id).await;
@@ -356,6 +395,11 @@ pub async fn fail(state: &Snaps, id: &str, reason: &str) {
     let Some(p) = state.pending.take(id) else {
         return;
     };
+    fail_taken(state, id, p, reason).await;
+}
+
+/// [`fail`] for a snapshot already taken out of the registry.
+async fn fail_taken(state: &Snaps, id: &str, p: Pending, reason: &str) {
     tracing::warn!(run = %p.run, snapshot = %id, "snapshot failed: {reason}");
     if let Some(run) = state.run(&p.run) {
         run.engines.cancel_cut(&p.run, id).await;

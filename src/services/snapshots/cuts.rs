@@ -202,6 +202,10 @@ pub async fn finish(
     label: Option<String>,
 ) -> Result<(RunFinish, Option<SnapshotRow>), SnapshotError> {
     let name = run.config.name.clone();
+    // One finish at a time per run: a caller that waited here finds the
+    // run finished and answers with the same final snapshot.
+    let finisher = state.pending.finisher(&name);
+    let _one = finisher.lock().await;
     if let Some(done) = run.finished() {
         let row = match &done.snapshot {
             Some(id) => state.store.snapshot(&name, id).await?,

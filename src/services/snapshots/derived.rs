@@ -870,6 +870,8 @@ fn write_outputs(
                 bytes: w.bytes,
                 step: job.step,
                 state: state_json.clone(),
+                // Weights no rank ever held: nothing to fence.
+                fence: None,
             });
         }
     }

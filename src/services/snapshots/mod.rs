@@ -64,7 +64,7 @@ pub use crate::services::error::SnapshotError;
 use crate::services::Context;
 use crate::snapshot::meta::{self, MetaError};
 use crate::snapshot::{assemble, compare, files, format};
-use crate::store::snapshots::{FileRow, SnapshotRow};
+use crate::store::snapshots::{Fence, FileRow, SnapshotRow};
 use crate::store::writer::CatalogWriter;
 use crate::store::RunFinish;
 use crate::store::Store;
@@ -96,6 +96,13 @@ pub struct SnapshotService {
     pub(crate) metrics: Arc<Metrics>,
     /// Snapshots being written, compare results, progress of derived jobs.
     pub pending: Snapshots,
+    /// This node's lease: a node whose lease lapsed writes no state for
+    /// ranks it may have lost.
+    lease: Arc<crate::node::Lease>,
+    /// The server's capture backlog (`--capture-backlog`), in MiB permits:
+    /// a state snapshot holds its estimated bytes from capture until it
+    /// completes or fails.
+    captures: Arc<tokio::sync::Semaphore>,
 }
 
 /// How the snapshot service is held.
@@ -112,6 +119,10 @@ impl SnapshotService {
             registry: ctx.registry.clone(),
             events: ctx.events.clone(),
             metrics: ctx.metrics.clone(),
+            lease: ctx.lease.clone(),
+            captures: Arc::new(tokio::sync::Semaphore::new(backlog_permits(
+                ctx.args.capture_backlog.0,
+            ))),
         })
     }
 
@@ -133,6 +144,11 @@ impl SnapshotService {
     ) {
         crate::services::record_rank(&self.catalog, run, rank, summary, layout);
     }
+}
+
+/// MiB (rounded up) of `bytes`, at least one: the capture backlog's unit.
+fn backlog_permits(bytes: u64) -> usize {
+    bytes.div_ceil(1 << 20).max(1) as usize
 }
 
 /// Starts the task that writes what the engines capture, and the ticker

@@ -44,6 +44,12 @@ pub struct Snapshots {
     compare_cache: Mutex<HashMap<String, Arc<CompareResult>>>,
     /// When each run's last state snapshot was attempted.
     last_state: Mutex<HashMap<String, Instant>>,
+    /// Per run, held while one of its state snapshots is captured and
+    /// written: at most one in flight.
+    state_writers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per run, held while it is being finished: concurrent finishes take
+    /// one final snapshot, and the later ones answer with it.
+    finishers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Derived snapshots being written: how far along.
     progress: Mutex<HashMap<String, derived::Progress>>,
     /// Failures the catalog did not take yet (`id -> reason`), retried by
@@ -58,6 +64,8 @@ impl Snapshots {
             pending: Mutex::new(HashMap::new()),
             compare_cache: Mutex::new(HashMap::new()),
             last_state: Mutex::new(HashMap::new()),
+            state_writers: Mutex::new(HashMap::new()),
+            finishers: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),
             unrecorded: Mutex::new(HashMap::new()),
         }
@@ -184,6 +192,29 @@ impl Snapshots {
         let mut last = self.last_state.lock().expect("state lock");
         let at = *last.entry(run.to_string()).or_insert_with(Instant::now);
         at.elapsed() >= every
+    }
+
+    /// The lock a run's state snapshot holds while it is in flight.
+    pub(super) fn state_writer(&self, run: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut writers = self.state_writers.lock().expect("state writers lock");
+        writers.entry(run.to_string()).or_default().clone()
+    }
+
+    /// The lock a finish of `run` holds.
+    pub(super) fn finisher(&self, run: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut finishers = self.finishers.lock().expect("finishers lock");
+        finishers.entry(run.to_string()).or_default().clone()
+    }
+
+    /// Forgets a deleted run's locks (a run created again under its name
+    /// starts with fresh ones; whoever holds the old ones keeps them).
+    pub(super) fn forget_run(&self, run: &str) {
+        self.state_writers
+            .lock()
+            .expect("state writers lock")
+            .remove(run);
+        self.finishers.lock().expect("finishers lock").remove(run);
+        self.last_state.lock().expect("state lock").remove(run);
     }
 
     /// Keeps a failure the catalog did not take; returns how many are kept.

@@ -6,17 +6,71 @@ use super::*;
 /// Takes a `state` snapshot of `run` now (each rank at its own last step),
 /// unless nothing changed since the last one and `force` is false.
 /// Returns the snapshot id, once complete.
+///
+/// One at a time per run: a call while another is in flight waits for it
+/// (the periodic ones are skipped instead, see [`persist_due`]), and for
+/// room in the server's capture backlog.
 pub async fn persist_state(
     state: &Snaps,
     run: &RunHandle,
     force: bool,
+) -> Result<Option<String>, SnapshotError> {
+    let one = state
+        .pending
+        .state_writer(&run.config.name)
+        .lock_owned()
+        .await;
+    let permits = capture_permits(state, run);
+    let room = state
+        .captures
+        .clone()
+        .acquire_many_owned(permits)
+        .await
+        .map_err(|e| SnapshotError::Internal(e.to_string()))?;
+    persist_held(state, run, force, (one, room)).await
+}
+
+/// A state capture's share of the capture backlog (its run's bytes, never
+/// more than the whole backlog: one is always allowed).
+fn capture_permits(state: &Snaps, run: &RunHandle) -> u32 {
+    let whole = backlog_permits(state.args.capture_backlog.0);
+    backlog_permits(run.resident_bytes()).min(whole) as u32
+}
+
+/// What a state snapshot holds while it is in flight: its run's turn, and
+/// its share of the capture backlog (both given back when it ends).
+type InFlight = (
+    tokio::sync::OwnedMutexGuard<()>,
+    tokio::sync::OwnedSemaphorePermit,
+);
+
+/// The state snapshot itself, its run's turn and backlog share held.
+async fn persist_held(
+    state: &Snaps,
+    run: &RunHandle,
+    force: bool,
+    _held: InFlight,
 ) -> Result<Option<String>, SnapshotError> {
     // Counted as an attempt even when refused, so a full disk is reported
     // once per interval, not on every tick.
     state
         .pending
         .set_state_attempt(&run.config.name, Instant::now());
+    // A lease is not a lock: after a lapse another node may hold these
+    // ranks, so nothing is captured until the renewal that follows has
+    // read the placement again (services::nodes). A capture already past
+    // this point is refused by the catalog (its epoch is stale).
+    if let Some(age) = state.lease.fenced() {
+        return Err(SnapshotError::LeaseLost(format!(
+            "this node's lease was last renewed {:.1} s ago (lease {:.1} s): it may no longer \
+             hold the ranks of run `{}` and writes no state for them until it renews",
+            age.as_secs_f64(),
+            state.lease.length().as_secs_f64(),
+            run.config.name
+        )));
+    }
     disk::check(state, run.resident_bytes())?;
+    let epochs = held_epochs(state, run);
     let id = snapshot_id(SnapshotKind::State, 0);
     let captures = run
         .engines
@@ -27,6 +81,21 @@ pub async fn persist_state(
     };
     if captures.is_empty() {
         return Ok(None);
+    }
+    // Each part's fencing token, read with no await since the capture: a
+    // rank that changed hands meanwhile (a sync let it go, or took it
+    // again in a later epoch) is written under neither epoch.
+    let fences: Vec<Fence> = captures.iter().map(|c| fence_of(state, c)).collect();
+    if let Some(c) = captures
+        .iter()
+        .zip(&fences)
+        .find(|(c, f)| epochs.get(&c.rank) != Some(&f.epoch))
+        .map(|(c, _)| c)
+    {
+        return Err(SnapshotError::LeaseLost(format!(
+            "rank {} of run `{}` changed hands while its state was captured",
+            c.rank, run.config.name
+        )));
     }
     let step = captures.iter().map(|c| c.step).max().unwrap_or(0);
     let profiles = run
@@ -59,8 +128,8 @@ pub async fn persist_state(
             "state snapshot abandoned".into(),
         ));
     };
-    for c in captures {
-        write_capture(state.clone(), c);
+    for (c, fence) in captures.into_iter().zip(fences) {
+        write_capture(state.clone(), c, fence);
     }
     match rx.await {
         Ok(Finished::Complete) => {
@@ -78,32 +147,87 @@ pub async fn persist_state(
     }
 }
 
+/// The placement epoch of each rank of `run` this node holds, as it knows
+/// them.
+fn held_epochs(state: &Snaps, run: &RunHandle) -> BTreeMap<u32, u64> {
+    let me = state.registry.node_id();
+    run.owners()
+        .into_iter()
+        .enumerate()
+        .filter(|(rank, owner)| owner.node_id == me && run.holds(*rank as u32))
+        .map(|(rank, owner)| (rank as u32, owner.epoch))
+        .collect()
+}
+
 /// How soon a failed state snapshot is tried again (never later than the
 /// run's own interval).
 const STATE_RETRY: Duration = Duration::from_secs(2);
 
-/// State snapshots of runs whose `persist_every_secs` has elapsed.
+/// State snapshots of runs whose `persist_every_secs` has elapsed. A run
+/// whose last one is still being written, or a capture the server's
+/// backlog has no room for, is skipped until its next interval (and
+/// counted): a stalled object store never piles captures up in memory.
 pub(super) async fn persist_due(state: &Snaps) {
+    if state.lease.fenced().is_some() {
+        // Nothing is captured for ranks this node may have lost; its next
+        // renewal reads the placement again (see `persist_held`).
+        return;
+    }
     let runs: Vec<Arc<RunHandle>> = state.all_runs();
     for run in runs {
         let every = run.config.persist_every_secs;
         if every == 0 {
             continue;
         }
-        let due = state
-            .pending
-            .state_due(&run.config.name, Duration::from_secs(every));
-        if due {
-            let state = state.clone();
-            // Off the ticker, so a long write does not delay deadlines.
-            tokio::spawn(async move {
-                if let Err(e) = persist_state(&state, &run, false).await {
-                    tracing::warn!(run = %run.config.name, error = %e, "state snapshot failed; retrying");
-                    retry_state_soon(&state, &run.config.name, every);
-                }
-            });
+        let name = run.config.name.clone();
+        if !state.pending.state_due(&name, Duration::from_secs(every)) {
+            continue;
         }
+        let one = state.pending.state_writer(&name).try_lock_owned();
+        let room = state
+            .captures
+            .clone()
+            .try_acquire_many_owned(capture_permits(state, &run));
+        let (one, room) = match (one, room) {
+            (Ok(one), Ok(room)) => (one, room),
+            (Err(_), _) => {
+                skip_state(
+                    state,
+                    &name,
+                    "the run's last state snapshot is still being written",
+                );
+                continue;
+            }
+            (_, Err(_)) => {
+                skip_state(
+                    state,
+                    &name,
+                    "the server's capture backlog (--capture-backlog) is full",
+                );
+                continue;
+            }
+        };
+        let state = state.clone();
+        // Off the ticker, so a long write does not delay deadlines.
+        tokio::spawn(async move {
+            if let Err(e) = persist_held(&state, &run, false, (one, room)).await {
+                tracing::warn!(run = %name, error = %e, "state snapshot failed; retrying");
+                retry_state_soon(&state, &name, every);
+            }
+        });
     }
+}
+
+/// A due state snapshot not taken: counted, and due again a whole
+/// interval from now (so a long stall counts one skip per interval).
+fn skip_state(state: &Snaps, run: &str, why: &str) {
+    state.pending.set_state_attempt(run, Instant::now());
+    state
+        .metrics
+        .state_persist_skipped
+        .with_label_values(&[run])
+        .inc();
+    tracing::debug!(run = %run, "due state snapshot skipped: {why}");
 }
 
 /// Makes a run's next state snapshot due [`STATE_RETRY`] from now.

@@ -131,9 +131,25 @@ pub struct NewestState {
     pub state: RestoredRank,
 }
 
-/// Per rank of `ranks`: its state from the newest complete restorable
-/// snapshot (by completion) that holds a file for it, or `None` when none
-/// does. The ranks of a run spread over nodes may come from different
+/// How a restore ranks the stored states of one rank, newest first: the
+/// latest placement epoch (the catalog records a part only while its
+/// epoch is the rank's placement, so a later epoch's owner took over from
+/// whatever the earlier one had; a part of an older epoch that completed
+/// later never wins), then the latest capture of that owner (its captures
+/// follow its steps, except across a `resume`, which goes back on purpose;
+/// a cut that took long to write does not pass a later state snapshot),
+/// then the furthest step. Parts recorded before fencing existed count
+/// as epoch 0, captured when their snapshot completed.
+fn restore_key(file: &FileRow, completed_at_ms: Option<i64>) -> (u64, i64, u64) {
+    match &file.fence {
+        Some(f) => (f.epoch, f.captured_at_ms, file.step),
+        None => (0, completed_at_ms.unwrap_or(0), file.step),
+    }
+}
+
+/// Per rank of `ranks`: its state from the complete restorable snapshot
+/// that holds the newest state of it ([`restore_key`]), or `None` when
+/// none does. The ranks of a run spread over nodes may come from different
 /// snapshots: each node's `state` snapshots hold only its own ranks, a cut
 /// holds them all.
 pub async fn newest_states(
@@ -142,35 +158,27 @@ pub async fn newest_states(
     config: &Arc<RunConfig>,
     ranks: &[u32],
 ) -> Result<BTreeMap<u32, Option<NewestState>>, SnapshotError> {
-    let mut rows: Vec<SnapshotRow> = store
+    let rows: HashMap<String, SnapshotRow> = store
         .snapshots(&config.name)
         .await?
         .into_iter()
         .filter(|r| restorable(config, r))
+        .map(|r| (r.id.clone(), r))
         .collect();
-    rows.sort_by_key(|r| std::cmp::Reverse((r.completed_at_ms, r.step)));
-    let mut wanted: BTreeSet<u32> = ranks.iter().copied().collect();
-    let mut chosen: Vec<(String, FileRow)> = Vec::new();
-    for row in rows {
-        if wanted.is_empty() {
-            break;
-        }
-        for f in store.snapshot_files(&row.id).await? {
-            if wanted.contains(&f.rank) {
-                chosen.push((row.id.clone(), f));
-            }
-        }
-        for (_, f) in chosen.iter().filter(|(id, _)| *id == row.id) {
-            wanted.remove(&f.rank);
-        }
-    }
-    let mut snapshot_of: BTreeMap<u32, String> = BTreeMap::new();
-    let files: Vec<FileRow> = chosen
+    let wanted: BTreeSet<u32> = ranks.iter().copied().collect();
+    let candidates: Vec<(String, FileRow)> = store
+        .complete_files(&config.name)
+        .await?
         .into_iter()
-        .map(|(id, f)| {
-            snapshot_of.insert(f.rank, id);
-            f
-        })
+        .filter(|(id, f)| wanted.contains(&f.rank) && rows.contains_key(id))
+        .collect();
+    let snapshot_of = choose_newest(&candidates, |id| {
+        rows.get(id).and_then(|r| r.completed_at_ms)
+    });
+    let files: Vec<FileRow> = candidates
+        .into_iter()
+        .filter(|(id, f)| snapshot_of.get(&f.rank) == Some(id))
+        .map(|(_, f)| f)
         .collect();
     let (objects, for_load) = (objects.clone(), config.clone());
     let loaded = tokio::task::spawn_blocking(move || load_restorable(&objects, &for_load, files))
@@ -181,13 +189,35 @@ pub async fn newest_states(
         out.insert(
             rank,
             Some(NewestState {
-                snapshot: snapshot_of.remove(&rank).unwrap_or_default(),
+                snapshot: snapshot_of.get(&rank).cloned().unwrap_or_default(),
                 step: state.meta.last_step.unwrap_or(0),
                 state,
             }),
         );
     }
     Ok(out)
+}
+
+/// Per rank: the snapshot (of `candidates`, `(snapshot id, file)`) whose
+/// file holds its newest state by [`restore_key`]; `completed` gives a
+/// snapshot's completion time.
+fn choose_newest(
+    candidates: &[(String, FileRow)],
+    completed: impl Fn(&str) -> Option<i64>,
+) -> BTreeMap<u32, String> {
+    let mut best: BTreeMap<u32, ((u64, i64, u64), &str)> = BTreeMap::new();
+    for (id, f) in candidates {
+        let key = restore_key(f, completed(id));
+        let better = best
+            .get(&f.rank)
+            .is_none_or(|(k, b)| key > *k || (key == *k && id.as_str() > *b));
+        if better {
+            best.insert(f.rank, (key, id));
+        }
+    }
+    best.into_iter()
+        .map(|(rank, (_, id))| (rank, id.to_string()))
+        .collect()
 }
 
 /// Restores the ranks this node holds of a run spread over nodes, each
@@ -403,65 +433,116 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
         if run.held_ranks().is_empty() {
             continue;
         }
-        if run.is_spread() {
-            // Each node's `state` snapshots hold its own ranks: each rank
-            // from the newest snapshot that holds it.
-            match restore_held(state, &run).await {
-                Ok(restored) => {
-                    for (rank, (snapshot, step)) in &restored {
-                        tracing::info!(run = %run.config.name, rank, step, snapshot = %snapshot, "rank resumed from snapshot");
-                    }
-                    let mut by_snapshot: BTreeMap<&str, BTreeMap<u32, u64>> = BTreeMap::new();
-                    for (rank, (snapshot, step)) in &restored {
-                        by_snapshot
-                            .entry(snapshot)
-                            .or_default()
-                            .insert(*rank, *step);
-                    }
-                    for (snapshot, steps) in by_snapshot {
-                        let top = steps.values().copied().max();
-                        state.events.emit(
-                            &run.config.name,
-                            None,
-                            top,
-                            Event::Restored(Restored {
-                                snapshot: snapshot.to_string(),
-                                rank_steps: steps,
-                            }),
-                        );
-                    }
+        // Each rank from the snapshot holding its newest state (a spread
+        // run's nodes each write their own ranks' `state` snapshots).
+        match restore_held(state, &run).await {
+            Ok(restored) => {
+                for (rank, (snapshot, step)) in &restored {
+                    tracing::info!(run = %run.config.name, rank, step, snapshot = %snapshot, "rank resumed from snapshot");
                 }
-                Err(e) => {
-                    tracing::error!(run = %run.config.name, error = %e, "restoring failed")
+                let mut by_snapshot: BTreeMap<&str, BTreeMap<u32, u64>> = BTreeMap::new();
+                for (rank, (snapshot, step)) in &restored {
+                    by_snapshot
+                        .entry(snapshot)
+                        .or_default()
+                        .insert(*rank, *step);
                 }
-            }
-            continue;
-        }
-        let rows = state.store.snapshots(&run.config.name).await?;
-        let newest = rows
-            .iter()
-            .filter(|r| restorable(&run.config, r))
-            .max_by_key(|r| (r.completed_at_ms, r.step));
-        let Some(row) = newest else { continue };
-        match restore_from(state, &run, row).await {
-            Ok(steps) => {
-                for (rank, step) in &steps {
-                    tracing::info!(run = %run.config.name, rank, step, snapshot = %row.id, "rank resumed from snapshot");
+                for (snapshot, steps) in by_snapshot {
+                    let top = steps.values().copied().max();
+                    state.events.emit(
+                        &run.config.name,
+                        None,
+                        top,
+                        Event::Restored(Restored {
+                            snapshot: snapshot.to_string(),
+                            rank_steps: steps,
+                        }),
+                    );
                 }
-                state.events.emit(
-                    &run.config.name,
-                    None,
-                    Some(row.step),
-                    Event::Restored(Restored {
-                        snapshot: row.id.clone(),
-                        rank_steps: steps,
-                    }),
-                );
             }
             Err(e) => {
-                tracing::error!(run = %run.config.name, snapshot = %row.id, error = %e, "restoring failed")
+                tracing::error!(run = %run.config.name, error = %e, "restoring failed")
             }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::snapshots::Fence;
+
+    fn part(rank: u32, step: u64, fence: Option<(&str, u64, i64)>) -> FileRow {
+        FileRow {
+            rank,
+            part: "c".into(),
+            path: String::new(),
+            sha256: String::new(),
+            bytes: 0,
+            step,
+            state: String::new(),
+            fence: fence.map(|(node, epoch, at)| Fence {
+                node_id: node.into(),
+                epoch,
+                captured_at_ms: at,
+            }),
+        }
+    }
+
+    /// Each rank's state comes from the newest epoch, then the newest
+    /// capture, never from the order snapshots completed in.
+    #[test]
+    fn a_restore_takes_the_newest_epoch_then_the_newest_capture() {
+        let completed: HashMap<&str, i64> = [
+            ("a-old", 100),
+            ("b-new", 200),
+            ("a-stale", 300),
+            ("cut", 900),
+            ("state", 500),
+            ("before-resume", 50),
+            ("after-resume", 60),
+            ("legacy", 10_000),
+        ]
+        .into();
+        let candidates: Vec<(String, FileRow)> = [
+            // Rank 0: a held it in epoch 1 (steps 4, then 10 written late),
+            // b took it over in epoch 2 and wrote step 19.
+            ("a-old", part(0, 4, Some(("a", 1, 90)))),
+            ("b-new", part(0, 19, Some(("b", 2, 190)))),
+            ("a-stale", part(0, 10, Some(("a", 1, 95)))),
+            // Rank 1: a cut at step 50 captured before a state snapshot at
+            // step 60, but completed after it.
+            ("cut", part(1, 50, Some(("a", 1, 400)))),
+            ("state", part(1, 60, Some(("a", 1, 450)))),
+            // Rank 2: resumed from step 5 after step 80 was stored: the
+            // capture after the resume is the newest state.
+            ("before-resume", part(2, 80, Some(("a", 1, 40)))),
+            ("after-resume", part(2, 7, Some(("a", 1, 55)))),
+            // Rank 3: a part from before fencing loses to any fenced one.
+            ("legacy", part(3, 99, None)),
+            ("state", part(3, 60, Some(("a", 1, 450)))),
+        ]
+        .into_iter()
+        .map(|(id, f)| (id.to_string(), f))
+        .collect();
+        let chosen = choose_newest(&candidates, |id| completed.get(id).copied());
+        let want: BTreeMap<u32, String> = [
+            (0, "b-new"),
+            (1, "state"),
+            (2, "after-resume"),
+            (3, "state"),
+        ]
+        .into_iter()
+        .map(|(r, id)| (r, id.to_string()))
+        .collect();
+        assert_eq!(chosen, want);
+        // Among parts from before fencing: the snapshot completed last.
+        let legacy = vec![
+            ("x".to_string(), part(4, 9, None)),
+            ("legacy".to_string(), part(4, 3, None)),
+        ];
+        let chosen = choose_newest(&legacy, |id| completed.get(id).copied());
+        assert_eq!(chosen[&4], "legacy");
+    }
 }

@@ -11,6 +11,7 @@ pub async fn remove_run_files(state: &Snaps, run: &str) -> Result<(), SnapshotEr
     for id in pending {
         fail(state, &id, "the run was deleted").await;
     }
+    state.pending.forget_run(run);
     let prefix = files::run_rel_dir(run);
     state
         .objects
