@@ -133,19 +133,26 @@ def test_kill_9_in_a_loop(fresh_server, backends):
             ranks = c.get(f"/v1/runs/{RUN}/ranks").json()
             restorable = [s for s in seen["complete"]]
             if restorable:
-                newest = max(restorable, key=lambda s: (s["completed_at_ms"], s["step"]))
-                files = c.get(f"/v1/runs/{RUN}/snapshots/{newest['id']}").json()["files"]
-                want = {f["rank"]: f["step"] for f in files}
+                # Each rank from the snapshot holding its newest capture:
+                # without a resume, its furthest step (never the snapshot
+                # that happened to complete last).
+                newest: dict[int, tuple[int, str]] = {}
+                for snap in restorable:
+                    files = c.get(f"/v1/runs/{RUN}/snapshots/{snap['id']}").json()["files"]
+                    for f in files:
+                        if f["step"] > newest.get(f["rank"], (-1, ""))[0]:
+                            newest[f["rank"]] = (f["step"], snap["id"])
+                want = {rank: step for rank, (step, _) in newest.items()}
                 got = {x["rank"]: x["last_step"] for x in ranks if x["status"] == "live"}
-                assert got == want, (i, newest["id"], got, want)
+                assert got == want, (i, newest, got, want)
                 restored_any = True
                 # The restored EMA is the snapshot's, byte for byte.
-                for rank, step in want.items():
+                for rank, (step, sid) in newest.items():
                     live = c.get(
                         f"/v1/runs/{RUN}/ranks/{rank}/ema", params={"profile": "a"}
                     ).content
                     stored = c.get(
-                        f"/v1/runs/{RUN}/snapshots/{newest['id']}/download",
+                        f"/v1/runs/{RUN}/snapshots/{sid}/download",
                         params={"layout": "rank", "rank": rank, "profile": "a"},
                     ).content
                     assert safetensors.torch.load(live)["w"].equal(
