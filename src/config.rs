@@ -24,6 +24,20 @@ pub struct Cli {
 pub enum Command {
     /// Run the HTTP server.
     Serve(ServeArgs),
+    /// Reread every part of every complete snapshot in the store and
+    /// report (JSON on stdout) those whose size or sha256 is not the one
+    /// recorded; exits 1 when any does not match. Takes the server's
+    /// `--data-dir`, `--catalog`, `--store` and `--s3-endpoint`.
+    Verify(VerifyArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct VerifyArgs {
+    /// Only this run's snapshots (default every run's).
+    #[arg(long)]
+    pub run: Option<String>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -205,6 +219,29 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
 
+    /// Snapshot downloads sent at once. A download gives its connection's
+    /// `--max-connections` slot back, so downloads nobody reads cannot
+    /// keep probes and control calls out; one past this budget is answered
+    /// 503 `too_many_downloads`. Default: `--max-connections`.
+    #[arg(long, env = "POLYAK_MAX_DOWNLOADS")]
+    pub max_downloads: Option<usize>,
+
+    /// Seconds the client may leave a response unread (its socket refusing
+    /// bytes) beyond what `--send-min-rate` earns; then the connection is
+    /// closed.
+    #[arg(long, env = "POLYAK_SEND_TIMEOUT", default_value_t = 30)]
+    pub send_timeout_secs: u64,
+
+    /// Bytes per second a response's reader must keep up with: each such
+    /// amount sent extends `--send-timeout-secs` by one second.
+    #[arg(long, env = "POLYAK_SEND_MIN_RATE", default_value = "64KiB")]
+    pub send_min_rate: ByteSize,
+
+    /// Hosts (`host` or `host:port`, comma-separated) alert webhooks may be
+    /// sent to; empty: any host (only the admin token sets a webhook).
+    #[arg(long, env = "POLYAK_WEBHOOK_ALLOW", value_delimiter = ',')]
+    pub webhook_allow: Vec<String>,
+
     /// Free space to keep on the data dir's filesystem: a snapshot or state
     /// write that would leave less is refused before it starts.
     #[arg(long, env = "POLYAK_DISK_RESERVE", default_value = "512MiB")]
@@ -255,6 +292,12 @@ impl ServeArgs {
         if self.max_connections == 0 {
             return Err("--max-connections must be at least 1".into());
         }
+        if self.max_downloads == Some(0) {
+            return Err("--max-downloads must be at least 1".into());
+        }
+        if self.send_min_rate.0 == 0 {
+            return Err("--send-min-rate must be at least 1 byte per second".into());
+        }
         if self.body_min_rate.0 == 0 {
             return Err("--body-min-rate must be at least 1 byte per second".into());
         }
@@ -289,7 +332,9 @@ impl ServeArgs {
     /// bind address (tests and embedding).
     pub fn with(bind: SocketAddr, data_dir: PathBuf) -> Self {
         let cli = Cli::parse_from(["polyak", "serve"]);
-        let Command::Serve(mut args) = cli.command;
+        let Command::Serve(mut args) = cli.command else {
+            unreachable!("`polyak serve` parses as serve")
+        };
         args.bind = bind;
         args.data_dir = data_dir;
         args

@@ -151,6 +151,9 @@ string_enum! {
         /// next push, the steps its EMA lost).
         Failover = "failover",
         Annotated = "annotated",
+        /// A stored part read back other than it was written (size or
+        /// sha256): the read was refused.
+        SnapshotCorrupt = "snapshot_corrupt",
         Alert = "alert",
         /// Metric posts, for live subscribers only (not stored).
         Metrics = "metrics",

@@ -238,6 +238,8 @@ pub enum Event {
     /// One rank's failover (the event's rank is set).
     Failover(crate::node::Failover),
     Annotated(Annotated),
+    /// A stored part read back other than it was written.
+    SnapshotCorrupt(SnapshotCorrupt),
     /// The alert as the alerts service lists it.
     Alert(serde_json::Value),
     Metrics(Metrics),
@@ -257,6 +259,7 @@ impl Event {
             Event::Restored(_) => EventKind::Restored,
             Event::Failover(_) => EventKind::Failover,
             Event::Annotated(_) => EventKind::Annotated,
+            Event::SnapshotCorrupt(_) => EventKind::SnapshotCorrupt,
             Event::Alert(_) => EventKind::Alert,
             Event::Metrics(_) => EventKind::Metrics,
         }
@@ -289,6 +292,7 @@ impl Event {
             Event::Restored(p) => json(p),
             Event::Failover(p) => json(p),
             Event::Annotated(p) => json(p),
+            Event::SnapshotCorrupt(p) => json(p),
             Event::Alert(v) => v.clone(),
             Event::Metrics(p) => json(p),
         };
@@ -331,6 +335,18 @@ pub struct Rejection {
     pub status: u16,
     pub code: &'static str,
     pub message: String,
+}
+
+/// `snapshot_corrupt`: a stored part whose size or sha256 is not the one
+/// recorded when it was written; what read it (`download`, `compare`,
+/// `resume`, `restore`, `failover`, `posthoc`, `merge`, `verify`) refused it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotCorrupt {
+    pub snapshot: String,
+    /// The part's key in the store.
+    pub part: String,
+    pub reason: String,
+    pub during: &'static str,
 }
 
 /// `mirror_mismatch`: a keyframe found the mirror diverged; it was repaired.

@@ -13,6 +13,16 @@ fn main() -> anyhow::Result<()> {
                 .build()?;
             runtime.block_on(polyak::server::serve(args))
         }
+        Command::Verify(args) => {
+            polyak::telemetry::init_logging(args.serve.log_format);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            if !runtime.block_on(polyak::server::verify(args))? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
     }
 }
 

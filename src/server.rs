@@ -85,6 +85,18 @@ pub async fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `polyak verify`: rereads every complete snapshot's parts, prints the
+/// report as JSON; true when every part matched.
+pub async fn verify(args: crate::config::VerifyArgs) -> anyhow::Result<bool> {
+    let store = open_catalog(&args.serve).await?;
+    let objects = open_objects(&args.serve)?;
+    let report =
+        crate::services::snapshots::verify::verify_store(&store, &objects, args.run.as_deref())
+            .await?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(report.clean)
+}
+
 /// Opens the object store of `--store` (default: files under the data dir).
 fn open_objects(args: &ServeArgs) -> anyhow::Result<ObjectStore> {
     let url = args
@@ -173,12 +185,12 @@ impl MetricsListener {
         let (stop, rx) = tokio::sync::oneshot::channel::<()>();
         let app = crate::http::metrics_router(state.clone());
         let limits = ConnLimits::from_args(state.args());
-        let open = state.metrics().connections.clone();
+        let gauges = crate::http::conn::ConnGauges::of(state.metrics());
         let task = tokio::spawn(crate::http::conn::serve(
             listener,
             app,
             limits,
-            open,
+            gauges,
             async move {
                 let _ = rx.await;
             },
@@ -203,8 +215,8 @@ pub async fn run(
     let drain = Duration::from_secs(state.args().shutdown_timeout_secs);
     let limits = ConnLimits::from_args(state.args());
     let app = crate::http::router(state.clone());
-    let open = state.metrics().connections.clone();
-    crate::http::conn::serve(listener, app, limits, open, shutdown, drain).await;
+    let gauges = crate::http::conn::ConnGauges::of(state.metrics());
+    crate::http::conn::serve(listener, app, limits, gauges, shutdown, drain).await;
     drop(state);
     Ok(())
 }

@@ -90,6 +90,12 @@ pub struct Metrics {
     pub disk_reserve_bytes: IntGauge,
     /// Snapshot failures not yet recorded in the catalog (retried).
     pub unrecorded_failures: IntGauge,
+    /// Reads of a stored part whose size or sha256 is not the recorded
+    /// one, by run.
+    pub snapshot_corrupt: IntCounterVec,
+    /// Downloads being sent (each on a connection of its own, outside
+    /// `--max-connections`).
+    pub downloads: IntGauge,
 }
 
 impl Metrics {
@@ -281,6 +287,17 @@ impl Metrics {
                 "polyak_snapshot_failures_unrecorded",
                 "Failed snapshots whose failure the catalog has not yet taken (retried)",
             ),
+            snapshot_corrupt: int_counters(
+                &r,
+                "polyak_snapshot_corrupt_total",
+                "Reads of a stored snapshot part whose size or sha256 is not the recorded one",
+                &["run"],
+            ),
+            downloads: int_gauge(
+                &r,
+                "polyak_downloads_open",
+                "Snapshot downloads being sent, on connections outside --max-connections",
+            ),
             registry: r,
         }
     }
@@ -294,6 +311,7 @@ impl Metrics {
         let _ = self.push_wire_bytes.remove_label_values(&[run]);
         let _ = self.push_logical_bytes.remove_label_values(&[run]);
         let _ = self.mirror_mismatches.remove_label_values(&[run]);
+        let _ = self.snapshot_corrupt.remove_label_values(&[run]);
         for stage in ["encode", "decode"] {
             let _ = self.codec_seconds.remove_label_values(&[run, stage]);
         }

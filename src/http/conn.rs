@@ -13,6 +13,17 @@
 //!   `--body-timeout-secs` ([`TimedBody`]); a slower one fails the request, which
 //!   is answered 408 and the connection closed.
 //!
+//! - a response must keep up with `--send-min-rate` once the client stops
+//!   reading: the time the socket refuses bytes may not pass
+//!   `--send-timeout-secs` plus one second per `--send-min-rate` bytes the
+//!   response sent, else the connection is closed (a reader that never
+//!   reads holds nothing for long);
+//! - downloads (responses marked [`Download`]) give their connection's
+//!   slot back and count against `--max-downloads` instead, closing the
+//!   connection when done: downloads nobody reads never take the slots
+//!   probes and control calls need; one past that budget is answered 503
+//!   `too_many_downloads`.
+//!
 //! The head and idle clocks live in [`GuardedIo`], the socket wrapper: it
 //! is what hyper polls while it waits for a head, and a request in flight
 //! (counted by [`Activity`] from the handler's start to the end of its
@@ -49,6 +60,32 @@ pub struct ConnLimits {
     /// Bytes per second that extend the body's deadline by one second.
     pub body_min_rate: u64,
     pub max_connections: usize,
+    /// How long the socket may refuse a response's bytes beyond what
+    /// `send_min_rate` earns.
+    pub send: Duration,
+    pub send_min_rate: u64,
+    pub max_downloads: usize,
+}
+
+/// Marks a response as a download: its connection leaves the
+/// `--max-connections` budget for `--max-downloads`.
+#[derive(Debug, Clone, Copy)]
+pub struct Download;
+
+/// The gauges a listener keeps: connections served, downloads sent.
+#[derive(Clone)]
+pub struct ConnGauges {
+    pub open: prometheus::IntGauge,
+    pub downloads: prometheus::IntGauge,
+}
+
+impl ConnGauges {
+    pub fn of(metrics: &crate::telemetry::Metrics) -> Self {
+        ConnGauges {
+            open: metrics.connections.clone(),
+            downloads: metrics.downloads.clone(),
+        }
+    }
 }
 
 impl ConnLimits {
@@ -59,22 +96,26 @@ impl ConnLimits {
             body: Duration::from_secs(args.body_timeout_secs.max(1)),
             body_min_rate: args.body_min_rate.0.max(1),
             max_connections: args.max_connections.max(1),
+            send: Duration::from_secs(args.send_timeout_secs.max(1)),
+            send_min_rate: args.send_min_rate.0.max(1),
+            max_downloads: args.max_downloads.unwrap_or(args.max_connections).max(1),
         }
     }
 }
 
 /// Serves `app` on `listener` until `shutdown` resolves; then stops
 /// accepting and waits up to `drain` for the connections in flight.
-/// `open` counts the connections being served (a gauge).
+/// `gauges` count the connections being served and the downloads.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnLimits,
-    open: prometheus::IntGauge,
+    gauges: ConnGauges,
     shutdown: impl Future<Output = ()> + Send + 'static,
     drain: Duration,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let downloads = Arc::new(Semaphore::new(limits.max_downloads));
     let graceful = GracefulShutdown::new();
     let mut builder = Builder::new(TokioExecutor::new());
     // Our own clocks (GuardedIo) time the head; hyper's header timer would
@@ -108,8 +149,14 @@ pub async fn serve(
         let activity = Arc::new(Activity::new());
         let io = TokioIo::new(GuardedIo::new(stream, activity.clone(), limits));
         let app = app.clone();
+        // The connection's slot, given back early when it turns into a
+        // download.
+        let slot = Arc::new(Mutex::new(Some(slot)));
+        let (conn_slot, budget, download_gauge) =
+            (slot.clone(), downloads.clone(), gauges.downloads.clone());
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
             let guard = ActiveGuard::start(activity.clone());
+            let http1 = req.version() <= http::Version::HTTP_11;
             let req = req.map(|body| {
                 let body = Body::new(body);
                 if http_body::Body::is_end_stream(&body) {
@@ -119,21 +166,51 @@ pub async fn serve(
                 }
             });
             let app = app.clone();
+            let (slot, downloads, gauge) =
+                (conn_slot.clone(), budget.clone(), download_gauge.clone());
             async move {
                 let response = app.oneshot(req).await?;
+                let (response, download) = if response.extensions().get::<Download>().is_some() {
+                    match downloads.try_acquire_owned() {
+                        Ok(permit) => {
+                            let mut response = response;
+                            if http1 {
+                                // One request at a time on this connection:
+                                // the download is all it does from now on.
+                                slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+                                response.headers_mut().insert(
+                                    http::header::CONNECTION,
+                                    http::HeaderValue::from_static("close"),
+                                );
+                            }
+                            gauge.inc();
+                            (
+                                response,
+                                Some(DownloadSlot {
+                                    _permit: permit,
+                                    gauge,
+                                }),
+                            )
+                        }
+                        Err(_) => (too_many_downloads(), None),
+                    }
+                } else {
+                    (response, None)
+                };
                 // The request counts as in flight until its response body
                 // is sent (downloads and event streams included).
                 Ok::<_, std::convert::Infallible>(response.map(|body| {
                     Body::new(GuardedBody {
                         body,
                         _guard: guard,
+                        _download: download,
                     })
                 }))
             }
         });
         let conn = builder.serve_connection_with_upgrades(io, service);
         let conn = graceful.watch(conn.into_owned());
-        let open = open.clone();
+        let open = gauges.open.clone();
         tokio::spawn(async move {
             open.inc();
             if let Err(e) = conn.await {
@@ -168,6 +245,9 @@ struct ActivityState {
     head_started: Option<Instant>,
     /// No request has started on this connection yet.
     fresh: bool,
+    /// Counts the times the connection went from idle to busy: the send
+    /// clock starts over with each.
+    busy_spells: u64,
     /// The task polling the socket, woken when the connection goes idle
     /// so that it arms the idle clock.
     reader: Option<Waker>,
@@ -181,6 +261,7 @@ impl Activity {
                 idle_since: Instant::now(),
                 head_started: None,
                 fresh: true,
+                busy_spells: 0,
                 reader: None,
             }),
         }
@@ -221,6 +302,9 @@ impl ActiveGuard {
     fn start(activity: Arc<Activity>) -> Self {
         {
             let mut s = activity.lock();
+            if s.in_flight == 0 {
+                s.busy_spells += 1;
+            }
             s.in_flight += 1;
             s.fresh = false;
             s.head_started = None;
@@ -247,11 +331,24 @@ impl Drop for ActiveGuard {
     }
 }
 
-/// The socket, with the head and idle clocks on its read side.
+/// The socket, with the head and idle clocks on its read side and the
+/// send clock on its write side.
 struct GuardedIo {
     io: TcpStream,
     activity: Arc<Activity>,
     limits: ConnLimits,
+    timer: Option<(Instant, Pin<Box<Sleep>>)>,
+    send: SendClock,
+}
+
+/// How long the socket has refused a busy spell's bytes, against what the
+/// bytes it took earned (`--send-timeout-secs`, `--send-min-rate`).
+#[derive(Default)]
+struct SendClock {
+    spell: u64,
+    sent: u64,
+    blocked: Duration,
+    blocked_since: Option<Instant>,
     timer: Option<(Instant, Pin<Box<Sleep>>)>,
 }
 
@@ -262,6 +359,65 @@ impl GuardedIo {
             activity,
             limits,
             timer: None,
+            send: SendClock::default(),
+        }
+    }
+
+    /// Counts a write's outcome on the send clock: `Err` once the socket
+    /// has refused bytes for longer than the sent bytes allow.
+    fn clock_write(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: Poll<std::io::Result<usize>>,
+    ) -> Poll<std::io::Result<usize>> {
+        let spell = self.activity.lock().busy_spells;
+        let clock = &mut self.send;
+        if clock.spell != spell {
+            *clock = SendClock {
+                spell,
+                ..SendClock::default()
+            };
+        }
+        match out {
+            Poll::Ready(Ok(n)) => {
+                if let Some(since) = clock.blocked_since.take() {
+                    clock.blocked += since.elapsed();
+                }
+                clock.sent += n as u64;
+                clock.timer = None;
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending => {
+                let now = Instant::now();
+                let since = *clock.blocked_since.get_or_insert(now);
+                let earned =
+                    Duration::from_secs_f64(clock.sent as f64 / self.limits.send_min_rate as f64);
+                let left = (self.limits.send + earned).saturating_sub(clock.blocked);
+                let deadline = since + left;
+                let stalled = || {
+                    tracing::info!(
+                        sent = clock.sent,
+                        "a response was not read for too long; closing its connection"
+                    );
+                    Poll::Ready(Err(timed_out("response not read (send timeout)")))
+                };
+                match &mut clock.timer {
+                    Some((at, sleep)) if *at == deadline => {
+                        if sleep.as_mut().poll(cx).is_ready() {
+                            return stalled();
+                        }
+                    }
+                    _ => {
+                        let mut sleep = Box::pin(tokio::time::sleep_until(deadline));
+                        if sleep.as_mut().poll(cx).is_ready() {
+                            return stalled();
+                        }
+                        clock.timer = Some((deadline, sleep));
+                    }
+                }
+                Poll::Pending
+            }
+            other => other,
         }
     }
 }
@@ -318,7 +474,9 @@ impl AsyncWrite for GuardedIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+        let this = self.get_mut();
+        let out = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.clock_write(cx, out)
     }
 
     fn poll_write_vectored(
@@ -326,7 +484,9 @@ impl AsyncWrite for GuardedIo {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let out = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.clock_write(cx, out)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -443,10 +603,41 @@ pub fn is_body_timeout(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// A response body that keeps its request counted as in flight.
+/// A download's place in the `--max-downloads` budget, held until its
+/// body is sent or dropped.
+struct DownloadSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    gauge: prometheus::IntGauge,
+}
+
+impl Drop for DownloadSlot {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// 503 `too_many_downloads`: every download slot is taken.
+fn too_many_downloads() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut resp = super::error::ApiError::new(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "too_many_downloads",
+        "every download slot (--max-downloads) is taken; retry later",
+    )
+    .into_response();
+    resp.headers_mut().insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("1"),
+    );
+    resp
+}
+
+/// A response body that keeps its request counted as in flight (and a
+/// download's slot taken).
 struct GuardedBody {
     body: Body,
     _guard: ActiveGuard,
+    _download: Option<DownloadSlot>,
 }
 
 impl http_body::Body for GuardedBody {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -78,6 +78,24 @@ pub fn meta_of_spec(spec: &RunSpec) -> Result<RunMeta, FieldError> {
     )
 }
 
+/// Refuses a webhook `--webhook-allow` does not list (422
+/// `webhook_not_allowed`).
+pub fn check_webhook(state: &AppState, alerts: &AlertRules) -> Result<(), ApiError> {
+    let allow = &state.args().webhook_allow;
+    match &alerts.webhook {
+        Some(url) if !crate::run::alerts::webhook_allowed(url, allow) => {
+            Err(ApiError::unprocessable(
+                "webhook_not_allowed",
+                format!(
+                    "alerts.webhook `{url}`: the server sends only to {} (--webhook-allow)",
+                    allow.join(", ")
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Stores a run's annotations and installs them on its handle.
 pub async fn store_meta(state: &AppState, run: &RunHandle, meta: RunMeta) -> Result<(), ApiError> {
     state
@@ -110,6 +128,18 @@ pub async fn patch_run(
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
     let old = run.meta.lock().expect("meta lock").clone();
+    if let Some(alerts) = &patch.alerts {
+        // The server POSTs to the webhook: where it sends is the admin's
+        // call, not a trainer's (whose write token is on every machine).
+        if alerts.webhook != old.alerts.webhook && !caller.is_admin() {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "webhook_needs_admin",
+                "setting or changing alerts.webhook needs the admin token",
+            ));
+        }
+        check_webhook(&state, alerts)?;
+    }
     let meta = checked_meta(
         patch.tags.unwrap_or(old.tags),
         patch.note.unwrap_or(old.note),

@@ -45,7 +45,7 @@ use openapi::Contract;
     info(title = "polyak", description = "A network-served EMA service for PyTorch training (API v1)."),
     modifiers(&Contract),
     paths(
-        ops::livez, ops::readyz, ops::metrics, nodes::list, route::sync, route::held_steps, route::take_cut, route::withdraw_cut, route::finish_phase,
+        ops::livez, ops::readyz, ops::metrics, ops::verify, nodes::list, route::sync, route::held_steps, route::take_cut, route::withdraw_cut, route::finish_phase,
         runs::create_run, runs::list_runs, runs::get_run, runs::delete_run,
         runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run, runs::placement,
         push::push,
@@ -63,7 +63,8 @@ use openapi::Contract;
         runs::RunView, runs::CreatedRun, runs::RunList, runs::FinishRequest,
         runs::FinishResponse, crate::store::RunFinish,
         runs::RankView, runs::RankPlacement, nodes::NodeView, nodes::NodeList, crate::services::cluster::Synced, crate::services::ingest::PushResponse, crate::engine::rank::PushOutcome,
-        crate::store::StoredEvent, ops::Health,
+        crate::store::StoredEvent, ops::Health, crate::services::snapshots::verify::VerifyReport,
+        crate::services::snapshots::verify::BadPart,
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
@@ -180,6 +181,7 @@ pub fn router(state: AppState) -> Router {
         .route("/livez", get(ops::livez))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
+        .route("/v1/admin/verify", axum::routing::post(ops::verify))
         .route("/openapi.json", get(ops::openapi_json))
         .route("/docs", get(ops::docs))
         .route("/", get(ops::index))

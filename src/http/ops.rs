@@ -113,6 +113,37 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 /// Prometheus text exposition. With auth on it needs the admin token: the
 /// series name every run. (`--metrics-bind` serves it without one on a
 /// separate, loopback address, for scrapers.)
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+pub struct VerifyQuery {
+    /// Only this run's snapshots (default every run's).
+    pub run: Option<String>,
+}
+
+/// Reread every part of every complete snapshot and report those whose
+/// size or sha256 is not the recorded one (admin token). Each one found
+/// is also a `snapshot_corrupt` event of its run.
+#[utoipa::path(post, path = "/v1/admin/verify", tag = "ops", params(VerifyQuery),
+    responses((status = 200, body = crate::services::snapshots::verify::VerifyReport),
+              (status = 403, body = ErrorBody, description = "this needs the admin token")))]
+pub async fn verify(
+    State(state): State<AppState>,
+    caller: Caller,
+    super::extract::ApiQuery(q): super::extract::ApiQuery<VerifyQuery>,
+) -> Result<Json<crate::services::snapshots::verify::VerifyReport>, ApiError> {
+    use crate::services::snapshots::verify;
+    caller.require_admin()?;
+    let shared = state.shared();
+    let report = verify::verify_store(&shared.store, &shared.objects, q.run.as_deref()).await?;
+    for bad in report.bad.iter().filter(|b| b.problem == "mismatch") {
+        let m = crate::snapshot::source::PartMismatch {
+            key: bad.key.clone(),
+            what: bad.detail.clone(),
+        };
+        verify::report_mismatch(&shared.events, &shared.metrics, &m, "verify");
+    }
+    Ok(Json(report))
+}
+
 #[utoipa::path(get, path = "/metrics", tag = "ops",
     responses((status = 200, content_type = "text/plain", body = String),
               (status = 401, body = ErrorBody, description = "auth is on and no valid token was given"),

@@ -157,6 +157,7 @@ pub async fn create_run(
 ) -> Result<(StatusCode, Json<CreatedRun>), ApiError> {
     caller.require_admin()?;
     let meta = super::insight::meta_of_spec(&spec)?;
+    super::insight::check_webhook(&state, &meta.alerts)?;
     let registry = state.registry();
     let config = spec.validate(registry.default_device(), |d| registry.device_for(d))?;
     if let Some(existing) = state.run(&config.name) {

@@ -262,7 +262,12 @@ pub async fn download(
     let dl = tokio::task::spawn_blocking(move || {
         assemble::build(&sid, meta, &parts, layout, cast, mtime)
     })
-    .await??;
+    .await?
+    .inspect_err(|e| {
+        if let assemble::AssembleError::Io(e) = e {
+            report_download_mismatch(&state, e);
+        }
+    })?;
     let etag = HeaderValue::from_str(&dl.etag).map_err(ApiError::internal)?;
     if headers
         .get(header::IF_NONE_MATCH)
@@ -293,8 +298,25 @@ pub async fn download(
         Some(r) => (StatusCode::PARTIAL_CONTENT, r),
         None => (StatusCode::OK, 0..len),
     };
+    // Sizes before the first byte; sha256 while the bytes stream, the last
+    // chunk held until every part read has matched.
     let file = Arc::new(dl.file);
-    let mut resp = Response::new(Body::from_stream(file.stream(span.clone())));
+    let (sized, checked) = (file.clone(), span.clone());
+    tokio::task::spawn_blocking(move || sized.check_sizes(checked))
+        .await?
+        .map_err(|e| {
+            report_download_mismatch(&state, &e);
+            snap::SnapshotError::Io(e)
+        })?;
+    let (events, metrics) = (
+        state.shared().events.clone(),
+        state.shared().metrics.clone(),
+    );
+    let stream = file.stream_verified(span.clone(), move |m| {
+        snap::verify::report_mismatch(&events, &metrics, m, "download")
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    resp.extensions_mut().insert(super::conn::Download);
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(
@@ -318,6 +340,13 @@ pub async fn download(
         }
     }
     Ok(resp)
+}
+
+/// Reports a part a download found other than recorded.
+fn report_download_mismatch(state: &AppState, e: &std::io::Error) {
+    if let Some(m) = crate::snapshot::source::PartMismatch::of(e) {
+        snap::verify::report_mismatch(state.events(), state.metrics(), m, "download");
+    }
 }
 
 /// `bytes=a-b`, `bytes=a-`, `bytes=-n` (one range; several are answered
@@ -411,7 +440,13 @@ pub async fn compare(
         compare::compare(&layouts, |r| side_a.load(r), |r| side_b.load(r))
     })
     .await?
-    .map_err(|m| ApiError::unprocessable("not_comparable", m))?;
+    .map_err(|e| match e {
+        CompareFail::NotComparable(m) => ApiError::unprocessable("not_comparable", m),
+        CompareFail::Read(e) => {
+            report_compare_mismatch(&state, &e);
+            snap::SnapshotError::Io(e).into()
+        }
+    })?;
     let result = Arc::new(result);
     if q.b != "live" {
         state.snapshots().pending.cache_compare(key, result.clone());
@@ -423,6 +458,26 @@ pub async fn compare(
         profile_b,
         result: (*result).clone(),
     }))
+}
+
+/// Why one side of a comparison could not be loaded.
+enum CompareFail {
+    /// The two sides do not line up (422).
+    NotComparable(String),
+    /// A stored part could not be read, or does not match its record.
+    Read(std::io::Error),
+}
+
+impl From<String> for CompareFail {
+    fn from(m: String) -> Self {
+        CompareFail::NotComparable(m)
+    }
+}
+
+fn report_compare_mismatch(state: &AppState, e: &std::io::Error) {
+    if let Some(m) = crate::snapshot::source::PartMismatch::of(e) {
+        snap::verify::report_mismatch(state.events(), state.metrics(), m, "compare");
+    }
 }
 
 /// One side of a comparison.
@@ -445,19 +500,19 @@ impl Side {
         }
     }
 
-    fn load(&self, rank: u32) -> Result<RankTensors, String> {
+    fn load(&self, rank: u32) -> Result<RankTensors, CompareFail> {
         match self {
             Side::Stored(parts) => {
                 let part = parts
                     .iter()
                     .find(|p| p.rank == rank)
                     .ok_or_else(|| format!("rank {rank} has no file"))?;
-                compare::read_part(part)
+                Ok(compare::read_part(part).map_err(CompareFail::Read)??)
             }
-            Side::Live(ranks) => ranks
+            Side::Live(ranks) => Ok(ranks
                 .get(&rank)
                 .map(|(_, t)| t.clone())
-                .ok_or_else(|| format!("rank {rank} holds no live EMA")),
+                .ok_or_else(|| format!("rank {rank} holds no live EMA"))?),
         }
     }
 }

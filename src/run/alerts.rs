@@ -133,7 +133,7 @@ impl AlertRules {
 }
 
 /// Every alert kind.
-pub const KINDS: [&str; 7] = [
+pub const KINDS: [&str; 8] = [
     "stale_rank",
     "nonfinite",
     "metric_above",
@@ -141,7 +141,33 @@ pub const KINDS: [&str; 7] = [
     "no_improvement",
     "disk_full",
     "snapshot_failed",
+    "snapshot_corrupt",
 ];
+
+/// Whether the server may send to `url` under `--webhook-allow`: any host
+/// when the list is empty, else only a listed `host` (any port) or
+/// `host:port`, compared without case.
+pub fn webhook_allowed(url: &str, allow: &[String]) -> bool {
+    let allow: Vec<&str> = allow
+        .iter()
+        .map(|a| a.trim())
+        .filter(|a| !a.is_empty())
+        .collect();
+    if allow.is_empty() {
+        return true;
+    }
+    let Ok(parsed) = url::Url::parse(url) else {
+        return false;
+    };
+    let Some(host) = parsed.host_str() else {
+        return false;
+    };
+    let port = parsed.port_or_known_default().unwrap_or(80);
+    let with_port = format!("{host}:{port}");
+    allow
+        .iter()
+        .any(|a| a.eq_ignore_ascii_case(host) || a.eq_ignore_ascii_case(&with_port))
+}
 
 /// Checks a metric name: 1..=128 printable characters.
 pub fn valid_metric_name(name: &str) -> bool {
@@ -151,6 +177,28 @@ pub fn valid_metric_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn webhooks_go_only_to_allowed_hosts() {
+        let url = "http://hooks.example:8080/alerts";
+        assert!(webhook_allowed(url, &[]));
+        assert!(webhook_allowed(url, &[" ".into()]));
+        assert!(webhook_allowed(url, &["HOOKS.example".into()]));
+        assert!(webhook_allowed(
+            url,
+            &["x".into(), "hooks.example:8080".into()]
+        ));
+        assert!(!webhook_allowed(url, &["hooks.example:80".into()]));
+        assert!(!webhook_allowed(url, &["evil.example".into()]));
+        assert!(!webhook_allowed(
+            "http://hooks.example.evil.example/",
+            &["hooks.example".into()]
+        ));
+        assert!(!webhook_allowed(
+            "http://169.254.169.254/",
+            &["hooks.example".into()]
+        ));
+    }
 
     #[test]
     fn metric_names_are_short_and_printable() {

@@ -39,10 +39,11 @@ pub struct Alert {
     /// holding the rank; a run's: the node that received what fired it).
     pub node: String,
     /// The condition: `stale_rank:R`, `nonfinite:R`, `metric_above:NAME`,
-    /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`.
+    /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`,
+    /// `snapshot_corrupt:SNAPSHOT`.
     pub key: String,
     /// `stale_rank`, `nonfinite`, `metric_above`, `metric_below`,
-    /// `no_improvement`, `disk_full` or `snapshot_failed`.
+    /// `no_improvement`, `disk_full`, `snapshot_failed` or `snapshot_corrupt`.
     pub kind: String,
     pub rank: Option<u32>,
     pub metric: Option<String>,
@@ -360,6 +361,8 @@ pub struct AlertService {
     events: Arc<EventBus>,
     metrics: Arc<Metrics>,
     data_dir: PathBuf,
+    /// `--webhook-allow`: where webhooks may go (empty: anywhere).
+    webhook_allow: Vec<String>,
     pub alerts: Alerts,
 }
 
@@ -373,6 +376,7 @@ impl AlertService {
             events: ctx.events.clone(),
             metrics: ctx.metrics.clone(),
             data_dir: ctx.args.data_dir.clone(),
+            webhook_allow: ctx.args.webhook_allow.clone(),
             alerts: {
                 let bus = ctx.events.clone();
                 Alerts::new(ctx.registry.node_id().to_string(), move || {
@@ -492,6 +496,24 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
             }
             _ => {}
         },
+        EventKind::SnapshotCorrupt => {
+            let snapshot = event.detail["snapshot"].as_str().unwrap_or("?");
+            alerts.fire(
+                out,
+                name,
+                format!("snapshot_corrupt:{snapshot}"),
+                "snapshot_corrupt",
+                None,
+                None,
+                event.step,
+                format!(
+                    "snapshot {snapshot}: stored part `{}` does not match its record ({}), found by {}",
+                    event.detail["part"].as_str().unwrap_or("?"),
+                    event.detail["reason"].as_str().unwrap_or(""),
+                    event.detail["during"].as_str().unwrap_or("?"),
+                ),
+            );
+        }
         EventKind::Metrics => {
             if let (Some(step), Some(values)) = (event.step, event.detail["values"].as_object()) {
                 alerts.on_metric(out, name, &rules, event.rank, step, values);
@@ -609,7 +631,15 @@ fn announce(state: &AlertsSvc, out: Vec<Transition>) {
                 .store(by_kind.values().sum::<i64>() as usize, Ordering::Relaxed);
         }
         let webhook = run.and_then(|r| rules_of(&r).webhook);
-        if let Some(url) = webhook {
+        // A webhook set before `--webhook-allow` narrowed the list is not
+        // sent to either.
+        if let Some(url) = webhook.filter(|url| {
+            let ok = crate::run::alerts::webhook_allowed(url, &state.webhook_allow);
+            if !ok {
+                tracing::warn!(run = %t.run, url = %url, "webhook not in --webhook-allow; not sent");
+            }
+            ok
+        }) {
             let body = serde_json::json!({"run": t.run, "alert": detail});
             if state
                 .alerts

@@ -316,9 +316,13 @@ async fn install_taken(
 ) -> Result<(), ServiceError> {
     let name = &run.config.name;
     let wanted: Vec<u32> = ranks.iter().map(|(r, _)| *r).collect();
-    let newest =
+    let newest = crate::services::snapshots::verify::noted(
+        &ctx.events,
+        &ctx.metrics,
+        "failover",
         crate::services::snapshots::newest_states(&ctx.store, &ctx.objects, &run.config, &wanted)
-            .await?;
+            .await,
+    )?;
     let history = ctx.store.placement_log(name).await?;
     let seen: std::collections::HashMap<u32, Option<u64>> = ctx
         .store

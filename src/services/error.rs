@@ -108,6 +108,10 @@ impl ServiceError {
                 )
             };
         }
+        if let Some(m) = crate::snapshot::source::PartMismatch::of(&e) {
+            // Naming the part is what an operator needs to act on it.
+            return Self::new(500, "snapshot_corrupt", m.to_string());
+        }
         let code = if e.kind() == std::io::ErrorKind::NotFound {
             "snapshot_part_missing"
         } else {

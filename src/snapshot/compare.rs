@@ -148,11 +148,11 @@ pub fn contributions(layouts: &BTreeMap<u32, RankLayout>) -> BTreeMap<u32, Vec<S
 
 /// Compares side A and side B; `load_a(rank)` / `load_b(rank)` give one
 /// rank's tensors at a time.
-pub fn compare(
+pub fn compare<E: From<String>>(
     layouts: &BTreeMap<u32, RankLayout>,
-    mut load_a: impl FnMut(u32) -> Result<RankTensors, String>,
-    mut load_b: impl FnMut(u32) -> Result<RankTensors, String>,
-) -> Result<CompareResult, String> {
+    mut load_a: impl FnMut(u32) -> Result<RankTensors, E>,
+    mut load_b: impl FnMut(u32) -> Result<RankTensors, E>,
+) -> Result<CompareResult, E> {
     let mut acc: BTreeMap<String, Acc> = BTreeMap::new();
     let mut shapes: HashMap<String, Vec<i64>> = HashMap::new();
     let mut only_a = Vec::new();
@@ -164,9 +164,9 @@ pub fn compare(
             match (a.get(&name), b.get(&name)) {
                 (Some(x), Some(y)) => {
                     if x.1.len() / x.0.size() != y.1.len() / y.0.size() {
-                        return Err(format!(
+                        return Err(E::from(format!(
                             "`{name}` has different sizes on the two sides (rank {rank})"
-                        ));
+                        )));
                     }
                     acc.entry(name.clone())
                         .or_default()
@@ -240,15 +240,14 @@ fn stats(name: String, shape: Vec<i64>, a: Acc) -> TensorStats {
     }
 }
 
-/// Reads a stored rank file into name -> (dtype, bytes).
-/// Reads a stored part of one rank whole, for comparing.
-pub fn read_part(part: &super::assemble::StoredPart) -> Result<RankTensors, String> {
-    let bytes = part
-        .path
-        .open()
-        .and_then(|mut r| r.read_all())
-        .map_err(|e| e.to_string())?;
-    read_rank_file(Bytes::from(bytes))
+/// Reads a stored part of one rank whole, for comparing, held to its
+/// recorded size and sha256 (the outer error: the part could not be read
+/// or does not match; the inner: its bytes do not parse).
+pub fn read_part(
+    part: &super::assemble::StoredPart,
+) -> std::io::Result<Result<RankTensors, String>> {
+    let bytes = part.path.read_verified()?;
+    Ok(read_rank_file(Bytes::from(bytes)))
 }
 
 pub fn read_rank_file(bytes: Bytes) -> Result<RankTensors, String> {
@@ -350,7 +349,7 @@ mod tests {
                 ("b".to_string(), f32s(&[1.0, 1.0])),
             ]))
         };
-        let res = compare(&layouts, a, b).unwrap();
+        let res = compare::<String>(&layouts, a, b).unwrap();
         let w = res.tensors.iter().find(|t| t.name == "w").unwrap();
         assert_eq!(w.shape, vec![4]);
         assert!((w.norm_a - 5.0).abs() < 1e-12);

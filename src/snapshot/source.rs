@@ -4,24 +4,82 @@
 //! file reads always have; an object read blocks that thread on the
 //! runtime until its bytes arrive. A store that cannot be reached reads
 //! as `io::ErrorKind::NotConnected` (answered 503 `store_unavailable`).
+//!
+//! A part the catalog recorded carries its size and sha256
+//! ([`PartLoc::recorded`]): [`PartLoc::check_size`], [`PartLoc::verify`]
+//! and [`PartLoc::read_verified`] hold the bytes to that record, and a part
+//! that does not match reads as an `io::ErrorKind::InvalidData` error
+//! holding a [`PartMismatch`] (answered 500 `snapshot_corrupt`).
 
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use sha2::{Digest, Sha256};
 
 use crate::objstore::{ObjectStore, StoreError};
 
-/// A stored part: its key in the store, and how to reach it.
+/// A stored part: its key in the store, how to reach it, and what the
+/// catalog recorded of it when it was written.
 #[derive(Clone)]
 pub struct PartLoc {
     key: String,
     at: At,
+    recorded: Option<Recorded>,
 }
+
+/// The size and sha256 a part had when it was written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// A stored part whose bytes are not the ones recorded when it was written
+/// (a flipped bit, a cut, a replaced object).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("stored part `{key}` does not match its record: {what}")]
+pub struct PartMismatch {
+    pub key: String,
+    pub what: String,
+}
+
+impl PartMismatch {
+    fn error(key: &str, what: String) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            PartMismatch {
+                key: key.to_string(),
+                what,
+            },
+        )
+    }
+
+    /// The mismatch `e` carries, if it is one.
+    pub fn of(e: &io::Error) -> Option<&PartMismatch> {
+        e.get_ref()?.downcast_ref::<PartMismatch>()
+    }
+
+    /// `(run, snapshot)` from the key (`runs/<run>/snapshots/<id>/<file>`).
+    pub fn snapshot(&self) -> Option<(&str, &str)> {
+        let mut parts = self.key.split('/');
+        match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some("runs"), Some(run), Some("snapshots"), Some(id)) => Some((run, id)),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes hashed per read while verifying a whole part: a file's come from
+/// the page cache (a small buffer, since one is held per download being
+/// verified); an object's are one ranged GET each.
+const VERIFY_FILE_READ: usize = 1 << 20;
+const VERIFY_OBJECT_READ: usize = 4 << 20;
 
 #[derive(Clone)]
 enum At {
@@ -39,7 +97,104 @@ impl PartLoc {
         Arc::new(PartLoc {
             key: key.to_string(),
             at,
+            recorded: None,
         })
+    }
+
+    /// The part stored under `key`, recorded as `bytes` long with `sha256`.
+    pub fn recorded(store: &ObjectStore, key: &str, bytes: u64, sha256: &str) -> Arc<Self> {
+        let mut loc = Arc::unwrap_or_clone(Self::new(store, key));
+        loc.recorded = Some(Recorded {
+            bytes,
+            sha256: sha256.to_string(),
+        });
+        Arc::new(loc)
+    }
+
+    /// What the catalog recorded of the part, when known.
+    pub fn record(&self) -> Option<&Recorded> {
+        self.recorded.as_ref()
+    }
+
+    /// Fails with a [`PartMismatch`] when the stored size is not the
+    /// recorded one (a stat or HEAD: cheap enough before a first byte).
+    pub fn check_size(&self) -> io::Result<()> {
+        let Some(rec) = &self.recorded else {
+            return Ok(());
+        };
+        let size = self.open()?.size()?;
+        if size != rec.bytes {
+            return Err(PartMismatch::error(
+                &self.key,
+                format!("{size} bytes stored, {} recorded", rec.bytes),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rereads the whole part, hashing it on the way, and fails with a
+    /// [`PartMismatch`] when its size or sha256 is not the recorded one;
+    /// `cancel` turning true stops it early (answered `Ok`).
+    pub fn verify(&self, cancel: &AtomicBool) -> io::Result<()> {
+        if self.recorded.is_none() {
+            return Ok(());
+        }
+        self.check_size()?;
+        let mut reader = self.open()?;
+        let mut hasher = Sha256::new();
+        let mut buf = vec![
+            0u8;
+            match self.at {
+                At::File(_) => VERIFY_FILE_READ,
+                At::Object(_) => VERIFY_OBJECT_READ,
+            }
+        ];
+        let mut seen = 0u64;
+        loop {
+            if cancel.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let n = reader.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            seen += n as u64;
+        }
+        self.compare(seen, hasher)
+    }
+
+    /// The whole part, once its size and sha256 are checked.
+    pub fn read_verified(&self) -> io::Result<Vec<u8>> {
+        self.check_size()?;
+        let bytes = self.open()?.read_all()?;
+        if self.recorded.is_some() {
+            let mut hasher = Sha256::new();
+            hasher.update(&bytes);
+            self.compare(bytes.len() as u64, hasher)?;
+        }
+        Ok(bytes)
+    }
+
+    /// Checks `seen` bytes hashed into `hasher` against the record.
+    pub fn compare(&self, seen: u64, hasher: Sha256) -> io::Result<()> {
+        let Some(rec) = &self.recorded else {
+            return Ok(());
+        };
+        if seen != rec.bytes {
+            return Err(PartMismatch::error(
+                &self.key,
+                format!("{seen} bytes read, {} recorded", rec.bytes),
+            ));
+        }
+        let sha = hex::encode(hasher.finalize());
+        if !sha.eq_ignore_ascii_case(&rec.sha256) {
+            return Err(PartMismatch::error(
+                &self.key,
+                format!("sha256 {sha}, {} recorded", rec.sha256),
+            ));
+        }
+        Ok(())
     }
 
     /// A part that is a file outside any store (tests, local staging).
@@ -47,6 +202,7 @@ impl PartLoc {
         Arc::new(PartLoc {
             key: path.to_string_lossy().into_owned(),
             at: At::File(path),
+            recorded: None,
         })
     }
 

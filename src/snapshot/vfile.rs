@@ -4,20 +4,35 @@
 //! from it piece by piece, so the server never holds a whole checkpoint; any
 //! byte range can be produced without producing what comes before it
 //! (HTTP `Range`).
+//!
+//! [`VirtualFile::stream_verified`] holds what it streams to the parts'
+//! records: the sizes are checked before the first byte, and every part a
+//! range touches is hashed while the bytes go out (the bytes themselves
+//! when the file is one whole part, else a second read of each part beside
+//! the stream). The last chunk waits for the verdict: a part that does not
+//! match ends the stream with an error instead of a clean end.
 
 use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use futures::Stream;
+use sha2::{Digest, Sha256};
 
-use super::source::{PartLoc, PartReader};
+use super::source::{PartLoc, PartMismatch, PartReader};
 use crate::wire::DType;
 
-/// Bytes produced at a time.
+/// Bytes produced at a time from stored bytes (mapped: page cache, not
+/// the server's memory).
 const CHUNK: u64 = 4 << 20;
+/// Bytes produced at a time where they are computed (casts, gathers'
+/// slices): these live in the server's memory until the socket takes them.
+const CAST_CHUNK: u64 = 1 << 20;
+/// Chunks queued between the producing thread and the socket.
+const QUEUED: usize = 2;
 
 /// One chunk of a tensor stored in a file.
 #[derive(Debug, Clone)]
@@ -183,7 +198,7 @@ impl VirtualFile {
 
     /// Streams `range` from a blocking thread, with back-pressure.
     pub fn stream(self: Arc<Self>, range: Range<u64>) -> impl Stream<Item = io::Result<Bytes>> {
-        let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(4);
+        let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(QUEUED);
         tokio::task::spawn_blocking(move || {
             let result = self.produce(range, |b| tx.blocking_send(Ok(b)).is_ok());
             if let Err(e) = result {
@@ -191,6 +206,158 @@ impl VirtualFile {
             }
         });
         tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+
+    /// The stored parts whose bytes `range` reads (each once).
+    pub fn parts_in(&self, range: Range<u64>) -> Vec<Arc<PartLoc>> {
+        let mut out: Vec<Arc<PartLoc>> = Vec::new();
+        let mut add = |p: &Arc<PartLoc>| {
+            if !out.iter().any(|q| q.key() == p.key()) {
+                out.push(p.clone());
+            }
+        };
+        for (i, piece) in self.pieces.iter().enumerate() {
+            let start = self.starts[i];
+            if start >= range.end || start + piece.len() <= range.start {
+                continue;
+            }
+            match piece {
+                Piece::Bytes(_) => {}
+                Piece::File { path, .. } | Piece::Cast { path, .. } => add(path),
+                Piece::Gather(g) => g.chunks.iter().for_each(|c| add(&c.path)),
+            }
+        }
+        out
+    }
+
+    /// The one recorded part this file is, byte for byte, if it is one.
+    fn whole_part(&self) -> Option<&Arc<PartLoc>> {
+        match self.pieces.as_slice() {
+            [Piece::File {
+                path,
+                offset: 0,
+                len,
+            }] if path.record().is_some_and(|r| r.bytes == *len) => Some(path),
+            _ => None,
+        }
+    }
+
+    /// Checks the recorded size of every part `range` reads (before the
+    /// first byte is sent).
+    pub fn check_sizes(&self, range: Range<u64>) -> io::Result<()> {
+        for part in self.parts_in(range) {
+            part.check_size()?;
+        }
+        Ok(())
+    }
+
+    /// Streams `range` as [`VirtualFile::stream`] does, holding it to the
+    /// parts' recorded sha256: a part that does not match ends the stream
+    /// with an error before its last byte (the client sees a cut body,
+    /// never a clean end), after `on_mismatch` heard of it.
+    pub fn stream_verified(
+        self: Arc<Self>,
+        range: Range<u64>,
+        on_mismatch: impl Fn(&PartMismatch) + Send + 'static,
+    ) -> impl Stream<Item = io::Result<Bytes>> {
+        let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(QUEUED);
+        let handle = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let out = self.produce_verified(range, &handle, |b| tx.blocking_send(Ok(b)).is_ok());
+            if let Err(e) = out {
+                if let Some(m) = PartMismatch::of(&e) {
+                    tracing::error!(part = %m.key, "{m}; the download was cut");
+                    on_mismatch(m);
+                }
+                let _ = tx.blocking_send(Err(e));
+            }
+        });
+        tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+
+    fn produce_verified(
+        &self,
+        range: Range<u64>,
+        handle: &tokio::runtime::Handle,
+        mut send: impl FnMut(Bytes) -> bool,
+    ) -> io::Result<()> {
+        // A whole part sent as is is hashed as it goes out; anything else
+        // has its parts reread and hashed beside the stream.
+        let inline = self
+            .whole_part()
+            .filter(|_| range == (0..self.len))
+            .cloned();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let verdict: Arc<Mutex<Option<io::Error>>> = Arc::new(Mutex::new(None));
+        let side = match &inline {
+            Some(_) => None,
+            None => {
+                let parts = self.parts_in(range.clone());
+                let (cancel, verdict) = (cancel.clone(), verdict.clone());
+                Some(handle.spawn_blocking(move || {
+                    for part in parts {
+                        if let Err(e) = part.verify(&cancel) {
+                            *verdict.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                            return;
+                        }
+                    }
+                }))
+            }
+        };
+        // Stops the side reader whatever way this returns.
+        struct Cancel(Arc<AtomicBool>);
+        impl Drop for Cancel {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _cancel = Cancel(cancel);
+        let failed = |verdict: &Mutex<Option<io::Error>>| {
+            verdict.lock().unwrap_or_else(|e| e.into_inner()).take()
+        };
+        let mut hasher = inline.as_ref().map(|_| Sha256::new());
+        let mut seen = 0u64;
+        let mut held: Option<Bytes> = None;
+        let mut early: Option<io::Error> = None;
+        let mut gone = false;
+        self.produce(range, |b| {
+            if let Some(h) = &mut hasher {
+                h.update(&b);
+                seen += b.len() as u64;
+            }
+            if let Some(e) = failed(&*verdict) {
+                early = Some(e);
+                return false;
+            }
+            match held.replace(b) {
+                Some(prev) => {
+                    gone = !send(prev);
+                    !gone
+                }
+                None => true,
+            }
+        })?;
+        if let Some(e) = early {
+            return Err(e);
+        }
+        if gone {
+            return Ok(());
+        }
+        if let (Some(part), Some(h)) = (&inline, hasher) {
+            part.compare(seen, h)?;
+        }
+        if let Some(side) = side {
+            handle
+                .block_on(side)
+                .map_err(|e| io::Error::other(format!("verifying a part: {e}")))?;
+            if let Some(e) = failed(&*verdict) {
+                return Err(e);
+            }
+        }
+        if let Some(last) = held {
+            send(last);
+        }
+        Ok(())
     }
 }
 
@@ -289,7 +456,7 @@ fn produce_piece(
             let mut pos = local.start;
             while pos < local.end {
                 // Whole elements covering [pos, pos + CHUNK).
-                let want_end = (pos + CHUNK).min(local.end);
+                let want_end = (pos + CAST_CHUNK).min(local.end);
                 let first_el = pos / ts;
                 let last_el = want_end.div_ceil(ts);
                 let raw = read_at(

@@ -84,6 +84,9 @@ class EventKind(str, Enum):
     #: push, with ``lost_steps``.
     FAILOVER = "failover"
     ANNOTATED = "annotated"
+    #: A stored part read back other than it was written (size or sha256);
+    #: the read was refused.
+    SNAPSHOT_CORRUPT = "snapshot_corrupt"
     ALERT = "alert"
     METRICS = "metrics"
 

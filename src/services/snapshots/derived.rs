@@ -593,6 +593,31 @@ async fn start(
         }
         files.push(rows);
     }
+    // Every source part is reread and held to its recorded size and
+    // sha256 before anything is recorded: a corrupt source refuses the
+    // request (500 snapshot_corrupt) instead of being averaged in.
+    let sources_read: Vec<std::sync::Arc<PartLoc>> = files
+        .iter()
+        .flatten()
+        .map(|f| PartLoc::recorded(&state.objects, &f.path, f.bytes, &f.sha256))
+        .collect();
+    let checked = tokio::task::spawn_blocking(move || {
+        let cancel = std::sync::atomic::AtomicBool::new(false);
+        sources_read.iter().try_for_each(|p| p.verify(&cancel))
+    })
+    .await
+    .map_err(|e| SnapshotError::Worker(e.to_string()))?;
+    let during = if kind == SnapshotKind::Merge {
+        "merge"
+    } else {
+        "posthoc"
+    };
+    super::verify::noted(
+        &state.events,
+        &state.metrics,
+        during,
+        checked.map_err(SnapshotError::Io),
+    )?;
     let total: u64 = files.iter().flatten().map(|f| f.bytes).sum();
     // Each output is about the size of one source: refuse early rather than
     // fail on a full disk halfway.
@@ -823,7 +848,7 @@ fn write_outputs(
             let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
                 SnapshotError::Internal(format!("rank {rank} is missing from a source snapshot"))
             })?;
-            paths.push(PartLoc::new(objects, &f.path));
+            paths.push(PartLoc::recorded(objects, &f.path, f.bytes, &f.sha256));
         }
         let base_file = job.files[job.base]
             .iter()

@@ -13,6 +13,8 @@
 //! - [`disk`]: free space, checked before every snapshot or state write.
 //! - [`derived`]: post-hoc and merged-checkpoint snapshots (plan, catalog,
 //!   background job, progress).
+//! - [`verify`]: parts held to their recorded sha256: reports, and the
+//!   store-wide check.
 //!
 //! Life of a snapshot: a catalog row is inserted `pending`; the engine
 //! captures each rank right after it applies the step (a device-side copy)
@@ -30,6 +32,7 @@ mod persist;
 mod restore;
 mod retention;
 pub mod spread;
+pub mod verify;
 
 use capture::*;
 pub use capture::{fail, record_failure};

@@ -18,7 +18,7 @@ pub async fn parts_of(
         let meta = meta::decode_rank_meta(&f.state)?;
         out.push(assemble::StoredPart {
             rank: f.rank,
-            path: PartLoc::new(&state.objects, &f.path),
+            path: PartLoc::recorded(&state.objects, &f.path, f.bytes, &f.sha256),
             sha256: f.sha256,
             meta: Arc::new(meta),
         });
@@ -41,7 +41,11 @@ pub(super) fn load_restorable(
         let meta = meta::decode_rank_meta(&files[0].state)?;
         let read = |part: &str| -> Result<Option<Vec<u8>>, SnapshotError> {
             match files.iter().find(|f| f.part == part) {
-                Some(f) => Ok(Some(PartLoc::new(objects, &f.path).open()?.read_all()?)),
+                // Held to the recorded size and sha256: a part that does
+                // not match refuses the restore (500 snapshot_corrupt).
+                Some(f) => Ok(Some(
+                    PartLoc::recorded(objects, &f.path, f.bytes, &f.sha256).read_verified()?,
+                )),
                 None => Ok(None),
             }
         };
@@ -309,7 +313,12 @@ pub async fn resume(
         )));
     }
     let row = row.clone();
-    let steps = restore_from(state, run, &row).await?;
+    let steps = super::verify::noted(
+        &state.events,
+        &state.metrics,
+        "resume",
+        restore_from(state, run, &row).await,
+    )?;
     if older {
         tracing::warn!(run = %run.config.name, snapshot = %row.id, asked = step, restored = lowest,
             "resumed from an older snapshot (allow_older)");
@@ -435,7 +444,8 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
         }
         // Each rank from the snapshot holding its newest state (a spread
         // run's nodes each write their own ranks' `state` snapshots).
-        match restore_held(state, &run).await {
+        let restored = restore_held(state, &run).await;
+        match super::verify::noted(&state.events, &state.metrics, "restore", restored) {
             Ok(restored) => {
                 for (rank, (snapshot, step)) in &restored {
                     tracing::info!(run = %run.config.name, rank, step, snapshot = %snapshot, "rank resumed from snapshot");
