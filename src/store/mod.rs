@@ -130,6 +130,8 @@ pub struct StoredRank {
     pub last_push_at_ms: Option<i64>,
     /// The rank's last failover (see [`crate::node::Failover`]).
     pub failover: Option<serde_json::Value>,
+    /// The rank's wire figures (see [`crate::wire::stats::WireStats`]).
+    pub wire: Option<serde_json::Value>,
 }
 
 /// Where a reading of a run's events starts: after an event id, or after
@@ -423,7 +425,7 @@ impl Store {
     }
 
     pub async fn list_ranks(&self, run: &str) -> Result<Vec<StoredRank>, StoreError> {
-        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms, failover \
+        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms, failover, wire \
              FROM ranks WHERE run = ? ORDER BY rank"))
         .bind(run)
         .fetch_all(self.pool())
@@ -443,6 +445,10 @@ impl Store {
                     failover: row
                         .get::<Option<String>, _>("failover")
                         .map(|f| serde_json::from_str(&f))
+                        .transpose()?,
+                    wire: row
+                        .get::<Option<String>, _>("wire")
+                        .map(|w| serde_json::from_str(&w))
                         .transpose()?,
                 })
             })
