@@ -67,6 +67,20 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// Whether the database gave up the statement for another one it ran
+    /// at the same time (PostgreSQL's deadlock 40P01 or serialization
+    /// failure 40001): the same statement again may well go through.
+    pub fn is_contention(&self) -> bool {
+        match self {
+            StoreError::Sql(sqlx::Error::Database(e)) => e
+                .code()
+                .is_some_and(|c| matches!(c.as_ref(), "40P01" | "40001")),
+            _ => false,
+        }
+    }
+}
+
 /// Whether a database error code says the catalog is there but cannot
 /// take queries now, rather than that the query or its data is wrong:
 /// PostgreSQL's SQLSTATEs (five characters) of a connection exception
