@@ -63,6 +63,9 @@ pub struct RankSummary {
 /// least (see [`RankSummary::stale_after_ms`]).
 pub const STALE_AFTER_MS: i64 = 60_000;
 
+/// Locks run names are hashed over (creation and deletion are rare).
+const NAME_LOCKS: usize = 64;
+
 /// Pushes remembered per rank for its throughput.
 const RECENT_PUSHES: usize = 32;
 
@@ -132,6 +135,10 @@ impl RankSummary {
             numel,
             live: false,
             failover: row.failover.and_then(|f| serde_json::from_value(f).ok()),
+            wire: row
+                .wire
+                .and_then(|w| serde_json::from_value(w).ok())
+                .unwrap_or_default(),
             ..Default::default()
         }
     }
@@ -147,6 +154,7 @@ impl RankSummary {
             resident_bytes: self.resident_bytes,
             last_push_at_ms: self.last_push_at_ms,
             failover: None,
+            wire: serde_json::to_value(&self.wire).ok(),
         }
     }
 }
@@ -193,6 +201,9 @@ pub struct RunHandle {
     pub alerts_firing: std::sync::atomic::AtomicUsize,
     /// Set once the run is finished (`POST .../finish`).
     pub finished: Mutex<Option<RunFinish>>,
+    /// Set when the run leaves the registry (deleted): a request or job
+    /// still holding the handle then knows its failures come from that.
+    pub deleted: std::sync::atomic::AtomicBool,
 }
 
 impl RunHandle {
@@ -251,6 +262,11 @@ impl RunHandle {
         self.finished.lock().expect("run finish lock").clone()
     }
 
+    /// Whether the run was deleted (removed from the registry).
+    pub fn is_deleted(&self) -> bool {
+        self.deleted.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Bytes the ranks this node holds keep resident (what its cuts and
     /// state snapshots write).
     pub fn resident_bytes(&self) -> u64 {
@@ -270,6 +286,10 @@ pub struct Registry {
     engines: Mutex<HashMap<String, (EngineHandle, usize)>>,
     /// Engine threads a CPU run's ranks are spread over (`--engines`).
     cpu_engines: usize,
+    /// Creating and deleting a run take its name's lock (names hashed over
+    /// a few locks): a delete never frees the engines, files or alerts of
+    /// a run of the same name created while it ran.
+    name_locks: [tokio::sync::Mutex<()>; NAME_LOCKS],
     /// The device new runs get when they do not name one (`cpu`, `cuda`
     /// or `cuda:N`).
     default_device: String,
@@ -301,6 +321,7 @@ impl Registry {
             runs: RwLock::new(BTreeMap::new()),
             engines: Mutex::new(HashMap::new()),
             cpu_engines: cpu_engines.max(1),
+            name_locks: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
             default_device,
             gpus,
             engine_queue_depth,
@@ -310,6 +331,16 @@ impl Registry {
             node_id,
             node_url,
         }
+    }
+
+    /// Holds `name`'s lock (see `name_locks`) until the guard drops.
+    pub async fn lock_name(&self, name: &str) -> tokio::sync::MutexGuard<'_, ()> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        name.hash(&mut h);
+        self.name_locks[h.finish() as usize % NAME_LOCKS]
+            .lock()
+            .await
     }
 
     /// This node's id.
@@ -712,6 +743,7 @@ impl Registry {
             meta: Mutex::new(crate::store::meta::RunMeta::default()),
             alerts_firing: Default::default(),
             finished: Mutex::new(None),
+            deleted: Default::default(),
         });
         let mut runs = self.runs.write().expect("runs lock");
         runs.insert(config.name.clone(), handle.clone());
@@ -756,6 +788,8 @@ impl Registry {
         self.runs_gauge.set(runs.len() as i64);
         drop(runs);
         if let Some(run) = &removed {
+            run.deleted
+                .store(true, std::sync::atomic::Ordering::Release);
             self.unplace(run);
         }
         removed

@@ -8,12 +8,17 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
 
-/// Logs go to stderr; `RUST_LOG` overrides the default filter.
+/// Logs go to stderr; `RUST_LOG` overrides the default filter. Colours
+/// only on a terminal, and never with `NO_COLOR` set (no-color.org): a log
+/// written to a file or a collector holds no escape codes.
 pub fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("polyak=info,tower_http=warn"));
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal() && !no_color)
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => builder.try_init(),

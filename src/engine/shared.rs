@@ -216,6 +216,13 @@ impl RunShared {
         }
     }
 
+    /// What one rank's buffers hold.
+    pub fn resident(&self, rank: u32) -> u64 {
+        self.resident
+            .get(rank as usize)
+            .map_or(0, |r| r.load(Ordering::Relaxed))
+    }
+
     /// What every rank's buffers hold (a whole cut's bytes).
     pub fn resident_bytes(&self) -> u64 {
         self.resident

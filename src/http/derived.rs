@@ -10,7 +10,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson, ApiQuery};
+use super::extract::{bounded_step, run_named, ApiJson, ApiQuery};
 use crate::services::snapshots::derived::{self, MergeSelection, MergeWeights, Plan};
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
@@ -86,11 +86,12 @@ pub async fn posthoc(
         SigmaRel::One(s) => (vec![s], false),
         SigmaRel::Many(list) => (list, true),
     };
+    let step = req.step.map(|s| bounded_step("step", s)).transpose()?;
     let started = derived::posthoc(
         state.snapshots(),
         &run,
         &sigmas,
-        req.step,
+        step,
         req.name,
         req.profiles.as_deref(),
     )
@@ -143,14 +144,8 @@ pub async fn plan(
             .map(str::to_string)
             .collect()
     });
-    let plan = derived::plan(
-        state.snapshots(),
-        &run,
-        &sigmas,
-        q.step,
-        profiles.as_deref(),
-    )
-    .await?;
+    let step = q.step.map(|s| bounded_step("step", s)).transpose()?;
+    let plan = derived::plan(state.snapshots(), &run, &sigmas, step, profiles.as_deref()).await?;
     Ok(Json(plan))
 }
 

@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
 use crate::registry::RunHandle;
-use crate::run::valid_name;
+use crate::run::{valid_name, MAX_STEP};
 use crate::state::AppState;
 use std::sync::Arc;
 
@@ -96,9 +96,11 @@ pub fn run_named(state: &AppState, name: &str) -> Result<Arc<RunHandle>, ApiErro
             "run names match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
         ));
     }
-    state
+    let run = state
         .run(name)
-        .ok_or_else(|| ApiError::not_found("run_not_found", format!("no run `{name}`")))
+        .ok_or_else(|| ApiError::not_found("run_not_found", format!("no run `{name}`")))?;
+    super::vanished::note_run(&run);
+    Ok(run)
 }
 
 /// Parses a rank segment and checks it against the world size.
@@ -118,12 +120,25 @@ pub fn rank_of(run: &RunHandle, segment: &str) -> Result<u32, ApiError> {
     Ok(rank)
 }
 
-/// Parses a step segment.
+/// Parses a step segment (at most [`MAX_STEP`]).
 pub fn step_of(segment: &str) -> Result<u64, ApiError> {
-    segment.parse().map_err(|_| {
+    let step = segment.parse().map_err(|_| {
         ApiError::bad_request(
             "invalid_step",
             format!("step `{segment}` is not a non-negative integer"),
         )
-    })
+    })?;
+    bounded_step("step", step)
+}
+
+/// A step taken from a body or a query, named `what` in the error: `400
+/// invalid_step` past [`MAX_STEP`] (beyond it a step would wrap or round).
+pub fn bounded_step(what: &str, step: u64) -> Result<u64, ApiError> {
+    if step > MAX_STEP {
+        return Err(ApiError::bad_request(
+            "invalid_step",
+            format!("{what}: {step} is past the largest step, 2^53 = {MAX_STEP}"),
+        ));
+    }
+    Ok(step)
 }

@@ -66,6 +66,7 @@ pub fn checked_meta(
         tags: clean,
         note,
         alerts,
+        model_config: None,
     })
 }
 
@@ -113,7 +114,14 @@ pub struct MetaPatch {
     pub tags: Option<Vec<String>>,
     pub note: Option<String>,
     pub alerts: Option<AlertRules>,
+    /// The model's configuration (a JSON object, at most 1 MiB): written as
+    /// `config.json` into `hf` downloads.
+    #[schema(value_type = Option<Object>)]
+    pub model_config: Option<serde_json::Value>,
 }
+
+/// The largest model configuration a run keeps, as JSON.
+const MAX_MODEL_CONFIG_BYTES: usize = 1 << 20;
 
 /// Change a run's tags, note or alert rules.
 #[utoipa::path(patch, path = "/v1/runs/{run}", tag = "runs",
@@ -140,11 +148,22 @@ pub async fn patch_run(
         }
         check_webhook(&state, alerts)?;
     }
-    let meta = checked_meta(
+    let mut meta = checked_meta(
         patch.tags.unwrap_or(old.tags),
         patch.note.unwrap_or(old.note),
         patch.alerts.unwrap_or(old.alerts),
     )?;
+    meta.model_config = match patch.model_config {
+        None => old.model_config,
+        Some(c) if !c.is_object() || c.to_string().len() > MAX_MODEL_CONFIG_BYTES => {
+            return Err(FieldError {
+                field: "model_config".into(),
+                message: "a JSON object of at most 1 MiB".into(),
+            }
+            .into())
+        }
+        Some(c) => Some(c),
+    };
     store_meta(&state, &run, meta.clone()).await?;
     state.events().emit(
         &name,

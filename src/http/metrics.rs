@@ -12,7 +12,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson, ApiQuery};
+use super::extract::{bounded_step, run_named, ApiJson, ApiQuery};
 use crate::clock::now_ms;
 use crate::events::{self, Event};
 use crate::run::alerts::valid_metric_name;
@@ -62,6 +62,7 @@ pub async fn post(
     let at_ms = now_ms();
     let mut points = Vec::new();
     for (i, p) in posts.iter().enumerate() {
+        bounded_step(&format!("[{i}].step"), p.step)?;
         if let Some(rank) = p.rank {
             if rank >= run.config.world_size {
                 return Err(ApiError::unprocessable(

@@ -7,6 +7,9 @@
 //! - [`runs`]: runs and ranks, a rank's live EMA.
 //! - [`push`]: the push endpoint.
 //! - [`snapshots`]: snapshots, downloads, compare, resume.
+//! - [`conditional`]: `If-None-Match`, `If-Range` and coding lists as the
+//!   RFCs read them; unknown transfer codings refused.
+//! - [`vanished`]: a request whose run was deleted under it answers 404.
 //! - [`derived`]: post-hoc EMA (plan, sweep) and checkpoint merging.
 //! - [`metrics`]: trainer scalars and the server's own series.
 //! - [`events`]: Server-Sent Events.
@@ -16,6 +19,7 @@
 //! - [`openapi`]: what the document says of every operation (auth, errors).
 
 pub mod auth;
+pub mod conditional;
 pub mod conn;
 pub mod derived;
 pub mod error;
@@ -30,6 +34,7 @@ pub mod push;
 pub mod route;
 pub mod runs;
 pub mod snapshots;
+pub mod vanished;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
@@ -102,7 +107,11 @@ pub fn router(state: AppState) -> Router {
             put(push::push).post(push::push),
         )
         // The push handler enforces its own (much larger) limit while reading.
-        .layer(DefaultBodyLimit::disable());
+        .layer(DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            vanished::run_vanished,
+        ));
     let api = Router::new()
         .route("/v1/runs", get(runs::list_runs).post(runs::create_run))
         .route("/v1/nodes", get(nodes::list))
@@ -176,7 +185,11 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/runs/{run}/posthoc/plan", get(derived::plan))
         .route("/v1/runs/{run}/merge", axum::routing::post(derived::merge))
-        .layer(DefaultBodyLimit::max(body_limit));
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            vanished::run_vanished,
+        ));
     Router::new()
         .route("/livez", get(ops::livez))
         .route("/readyz", get(ops::readyz))
@@ -189,6 +202,7 @@ pub fn router(state: AppState) -> Router {
         .merge(push_routes)
         .merge(api)
         .fallback(|| async { error::ApiError::not_found("not_found", "no such endpoint") })
+        .layer(axum::middleware::from_fn(conditional::transfer_codings))
         .layer(TraceLayer::new_for_http().make_span_with(request_span))
         .with_state(state)
 }

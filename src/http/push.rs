@@ -87,7 +87,10 @@ async fn answer(
             .get(name)
             .map(|v: &header::HeaderValue| v.to_str().unwrap_or("?").to_string())
     };
-    let encoding = text_of(header::CONTENT_ENCODING.as_str());
+    // Several lines are one list (RFC 9110 §5.3), read as the service reads
+    // a single line.
+    let codings = super::conditional::list_members(&headers, &header::CONTENT_ENCODING);
+    let encoding = (!codings.is_empty()).then(|| codings.join(", "));
     let prev_step = text_of(PREV_STEP);
     let encode_seconds = text_of(ENCODE_SECONDS);
     let rank = match rank_of(&run, &rank) {

@@ -160,6 +160,8 @@ pub async fn create_run(
     super::insight::check_webhook(&state, &meta.alerts)?;
     let registry = state.registry();
     let config = spec.validate(registry.default_device(), |d| registry.device_for(d))?;
+    // Creators and deleters of one name take turns (see `lock_name`).
+    let _name = registry.lock_name(&config.name).await;
     if let Some(existing) = state.run(&config.name) {
         let differences = config_differences(&existing.config, &config);
         if q.exist_ok && differences.is_empty() {
@@ -367,8 +369,12 @@ pub async fn delete_run(
     caller: Caller,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let run = run_named(&state, &name)?;
+    run_named(&state, &name)?;
     caller.require_admin()?;
+    // Creators and deleters of one name take turns (see `lock_name`); the
+    // run is looked up again under the lock (another delete may have won).
+    let _name = state.registry().lock_name(&name).await;
+    let run = run_named(&state, &name)?;
     runs::delete(state.shared(), state.snapshots(), state.alerts(), &run).await?;
     state.ingest().forget_run(&run.config.name);
     cluster::tell_peers(state.shared()).await;

@@ -15,7 +15,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{run_named, ApiJson, ApiQuery, MaybeJson};
+use super::extract::{bounded_step, run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::engine::rank::RankLayout;
 use crate::services::snapshots::{self as snap, SnapshotStatus};
 use crate::snapshot::assemble::{self, Layout};
@@ -69,7 +69,8 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<SnapshotRow>), ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let row = snap::create(state.snapshots(), &run, req.step, req.profiles, req.label).await?;
+    let step = req.step.map(|s| bounded_step("step", s)).transpose()?;
+    let row = snap::create(state.snapshots(), &run, step, req.profiles, req.label).await?;
     Ok((StatusCode::ACCEPTED, Json(row)))
 }
 
@@ -251,12 +252,16 @@ pub async fn download(
             format!("snapshot `{id}` holds no `{part}` files"),
         ));
     }
-    let meta = BTreeMap::from([
+    let mut meta = BTreeMap::from([
         ("polyak.run".to_string(), name.clone()),
         ("polyak.snapshot".to_string(), id.clone()),
         ("polyak.step".to_string(), row.step.to_string()),
         ("polyak.profile".to_string(), part.clone()),
     ]);
+    let model_config = run.meta.lock().expect("meta lock").model_config.clone();
+    if let Some(config) = model_config.and_then(|c| serde_json::to_string_pretty(&c).ok()) {
+        meta.insert(assemble::HF_CONFIG_META.to_string(), config);
+    }
     let sid = id.clone();
     let mtime = (row.completed_at_ms.unwrap_or(row.created_at_ms).max(0) / 1000) as u64;
     let dl = tokio::task::spawn_blocking(move || {
@@ -269,14 +274,16 @@ pub async fn download(
         }
     })?;
     let etag = HeaderValue::from_str(&dl.etag).map_err(ApiError::internal)?;
-    if headers
-        .get(header::IF_NONE_MATCH)
-        .is_some_and(|v| v.as_bytes() == dl.etag.as_bytes() || v == "*")
-    {
+    if super::conditional::none_match(&headers, &dl.etag) {
         return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response());
     }
     let len = dl.file.len();
-    let range = match headers.get(header::RANGE).and_then(|v| v.to_str().ok()) {
+    // A `Range` under an `If-Range` that does not match is ignored.
+    let range_spec = headers
+        .get(header::RANGE)
+        .filter(|_| super::conditional::range_allowed(&headers, &dl.etag))
+        .and_then(|v| v.to_str().ok());
+    let range = match range_spec {
         None => None,
         Some(spec) => match parse_range(spec, len) {
             Ok(r) => r,
@@ -531,9 +538,15 @@ async fn side(state: &AppState, run: &str, which: &str, profile: &str) -> Result
         ));
     }
     let part = part_name(&row, Some(profile))?;
-    Ok(Side::Stored(
-        snap::parts_of(state.snapshots(), &row, &part).await?,
-    ))
+    let parts = snap::parts_of(state.snapshots(), &row, &part).await?;
+    // `online` on a snapshot without a mirror: nothing to compare.
+    if parts.is_empty() {
+        return Err(ApiError::not_found(
+            "not_in_snapshot",
+            format!("snapshot `{which}` holds no `{profile}` files"),
+        ));
+    }
+    Ok(Side::Stored(parts))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -578,6 +591,7 @@ pub async fn resume(
 ) -> Result<Json<ResumeResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
+    bounded_step("step", req.step)?;
     let resumed = snap::resume(state.snapshots(), &run, req.step, req.allow_older).await?;
     // The ranks' steps went back: pipelined pushes start a new order.
     state.ingest().forget_run(&name);

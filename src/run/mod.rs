@@ -23,6 +23,21 @@ pub fn valid_name(name: &str) -> bool {
         .is_match(name)
 }
 
+/// The largest step the service takes: 2^53, the last integer a JSON
+/// number is exact at in a browser (and an `f64` in the post-hoc solver).
+/// Beyond it steps would wrap or round; every place a step comes in
+/// refuses it.
+pub const MAX_STEP: u64 = 1 << 53;
+
+/// Profile names a run may not use: `online` names the mirror in downloads
+/// and comparisons, `__mirror__` is the mirror's part in a snapshot.
+pub const RESERVED_PROFILES: [&str; 2] = ["online", "__mirror__"];
+
+/// Whether `name` is reserved (see [`RESERVED_PROFILES`]).
+pub fn reserved_profile(name: &str) -> bool {
+    RESERVED_PROFILES.contains(&name)
+}
+
 /// A configuration value that is wrong, with the dotted path of its field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{field}: {message}")]
@@ -197,6 +212,12 @@ impl ProfileSpec {
                 "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
             ));
         }
+        if reserved_profile(self.name()) {
+            return Err(field_err(
+                format!("{at}.name"),
+                "is reserved (`online` names the mirror in downloads and comparisons)",
+            ));
+        }
         let unit_open = |field: &str, v: f64| -> Result<(), FieldError> {
             if v.is_finite() && (0.0..1.0).contains(&v) {
                 Ok(())
@@ -211,8 +232,17 @@ impl ProfileSpec {
                 inv_gamma,
                 power,
                 min_value,
+                update_after_step,
                 ..
-            } => check_warmup(at, *beta, *inv_gamma, *power, *min_value)?,
+            } => {
+                check_warmup(at, *beta, *inv_gamma, *power, *min_value)?;
+                if *update_after_step > MAX_STEP {
+                    return Err(field_err(
+                        format!("{at}.update_after_step"),
+                        "must be <= 2^53",
+                    ));
+                }
+            }
             ProfileSpec::Power {
                 sigma_rel, gamma, ..
             } => power_exponents(at, sigma_rel, gamma)?,
@@ -230,7 +260,11 @@ impl ProfileSpec {
                     }
                 }
             }
-            ProfileSpec::Swa { .. } => {}
+            ProfileSpec::Swa { start_step, .. } => {
+                if *start_step > MAX_STEP {
+                    return Err(field_err(format!("{at}.start_step"), "must be <= 2^53"));
+                }
+            }
         }
         Ok(())
     }
@@ -343,6 +377,9 @@ impl RunSpec {
         }
         if self.update_every == 0 {
             return Err(field_err("update_every", "must be >= 1"));
+        }
+        if self.update_every > MAX_STEP {
+            return Err(field_err("update_every", "must be <= 2^53"));
         }
         if self.keyframe_every == 0 {
             return Err(field_err("keyframe_every", "must be >= 1"));

@@ -543,11 +543,14 @@ fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
         let rules = rules_of(&run);
         let name = run.config.name.as_str();
         let alerts = &state.alerts;
+        // A finished run's ranks stopped on purpose, and a deleted one's
+        // are gone (the tick may hold its handle still): never stale.
+        let stopped = run.finished().is_some() || run.is_deleted();
         for r in 0..run.config.world_size {
             let key = format!("stale_rank:{r}");
             // A rank's staleness is its owner's to judge (once over the
             // service); a rank another node took over resolves here.
-            if !run.holds(r) {
+            if stopped || !run.holds(r) {
                 alerts.resolve(out, name, &key, None);
                 continue;
             }

@@ -116,11 +116,20 @@ impl PushHeaders {
         prev_step: Option<&str>,
         encode_seconds: Option<&str>,
     ) -> Result<Self, ServiceError> {
-        let encoding = match encoding {
-            None | Some("identity") => Encoding::Identity,
-            Some("zstd") => Encoding::Zstd,
-            Some(codec::ENCODING) => Encoding::ByteGroup,
-            Some(other) => {
+        // The codings in the order they were applied (RFC 9110 §8.4);
+        // `identity` applies nothing. One real coding at most is accepted.
+        let applied: Vec<String> = encoding
+            .unwrap_or("")
+            .split(',')
+            .map(|c| c.trim().to_ascii_lowercase())
+            .filter(|c| !c.is_empty() && c != "identity")
+            .collect();
+        let encoding = match applied.as_slice() {
+            [] => Encoding::Identity,
+            [c] if c == "zstd" => Encoding::Zstd,
+            [c] if c == codec::ENCODING => Encoding::ByteGroup,
+            _ => {
+                let other = encoding.unwrap_or("");
                 return Err(ServiceError::new(
                     415,
                     "unsupported_encoding",
@@ -128,7 +137,7 @@ impl PushHeaders {
                         "Content-Encoding `{other}`: only zstd, {} (or none) is accepted",
                         codec::ENCODING
                     ),
-                ))
+                ));
             }
         };
         let prev_step = match prev_step {

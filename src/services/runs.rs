@@ -15,6 +15,9 @@ use crate::registry::RunHandle;
 use crate::snapshot::compare::RankTensors;
 use crate::wire::DType;
 
+/// Tries of the catalog delete that met a deadlock, at most.
+const DELETE_TRIES: u32 = 6;
+
 /// Deletes a run: out of the registry and the catalog, its EMA freed on
 /// its engine, its metrics and alerts forgotten, its files removed.
 pub async fn delete(
@@ -25,7 +28,23 @@ pub async fn delete(
 ) -> Result<(), ServiceError> {
     let name = run.config.name.clone();
     ctx.registry.remove_run(&name);
-    ctx.store.delete_run(&name).await?;
+    // The cascade over the run's rows can deadlock with a request on the
+    // run inserting a row at the same moment; the run is out of the
+    // registry already, so tries again find nothing new to wait for.
+    let mut tries = 0;
+    loop {
+        match ctx.store.delete_run(&name).await {
+            Err(e) if e.is_contention() && tries < DELETE_TRIES => {
+                tries += 1;
+                tracing::info!(run = %name, tries, "deleting the run's rows met another write; again");
+                tokio::time::sleep(std::time::Duration::from_millis(20 << tries)).await;
+            }
+            done => {
+                done?;
+                break;
+            }
+        }
+    }
     run.engines.drop_run(&name).await;
     ctx.metrics.forget_run(&name);
     alerts.alerts.forget(&name);

@@ -352,12 +352,17 @@ fn tar_file(out: &mut Vec<Piece>, name: &str, pieces: Vec<Piece>, mtime: u64) {
     out.push(tar_padding(len));
 }
 
+/// The entry of `meta` (given to [`build`]) holding the model's
+/// configuration as JSON: written as `config.json` into `hf` downloads,
+/// never into a file's safetensors metadata.
+pub const HF_CONFIG_META: &str = "polyak.hf_config";
+
 /// Builds the download of `profile` of a snapshot in `layout`. Files in a
 /// tar carry `mtime` (seconds since the epoch: when the snapshot was
 /// taken), so unpacked files tell their age.
 pub fn build(
     snapshot_id: &str,
-    meta: BTreeMap<String, String>,
+    mut meta: BTreeMap<String, String>,
     parts: &[StoredPart],
     layout: Layout,
     cast: Option<DType>,
@@ -368,9 +373,13 @@ pub fn build(
             "the snapshot holds no rank files".into(),
         ));
     }
+    let hf_config = meta.remove(HF_CONFIG_META);
     let mut hasher = Sha256::new();
     hasher.update(snapshot_id.as_bytes());
     hasher.update(format!("{layout:?}{cast:?}").as_bytes());
+    if let (Layout::Hf { .. }, Some(config)) = (layout, &hf_config) {
+        hasher.update(config.as_bytes());
+    }
     for p in parts {
         hasher.update(p.sha256.as_bytes());
     }
@@ -447,6 +456,16 @@ pub fn build(
                 vec![Piece::Bytes(index)],
                 mtime,
             );
+            // `from_pretrained` builds the model from it; without it a
+            // default model is built and the weights do not fit.
+            if let Some(config) = hf_config {
+                tar_file(
+                    &mut out,
+                    "config.json",
+                    vec![Piece::Bytes(Bytes::from(config.into_bytes()))],
+                    mtime,
+                );
+            }
             out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
             (
                 out,

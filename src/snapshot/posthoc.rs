@@ -90,6 +90,12 @@ pub fn solve(
             b.push(p_dot_p(si, tj));
         }
     }
+    // Inputs LAPACK would choke on (and print about) are refused before it.
+    if !a.iter().chain(&b).all(|v| v.is_finite()) {
+        return Err(PosthocError::Solve(
+            "the profiles' inner products are not finite".into(),
+        ));
+    }
     let x = lapack_solve(&a, &b, n, m)?;
     let mut fits = Vec::with_capacity(m);
     for (j, &target) in targets.iter().enumerate() {

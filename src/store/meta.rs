@@ -11,6 +11,10 @@ pub struct RunMeta {
     pub tags: Vec<String>,
     pub note: String,
     pub alerts: AlertRules,
+    /// The model's configuration as the client knows it (a transformers
+    /// model's `config.to_dict()`): `config.json` of every `hf` download.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_config: Option<serde_json::Value>,
 }
 
 /// One rank's per-tensor sums of squares for one profile at one step.
@@ -37,13 +41,15 @@ impl Store {
         meta: &RunMeta,
         at_ms: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query(&self.sql("INSERT INTO run_meta (run, tags, note, alert_rules, updated_at_ms) VALUES (?, ?, ?, ?, ?) \
+        sqlx::query(&self.sql("INSERT INTO run_meta (run, tags, note, alert_rules, model_config, updated_at_ms) VALUES (?, ?, ?, ?, ?, ?) \
              ON CONFLICT(run) DO UPDATE SET tags = excluded.tags, note = excluded.note, \
-             alert_rules = excluded.alert_rules, updated_at_ms = excluded.updated_at_ms"))
+             alert_rules = excluded.alert_rules, model_config = excluded.model_config, \
+             updated_at_ms = excluded.updated_at_ms"))
         .bind(run)
         .bind(serde_json::to_string(&meta.tags)?)
         .bind(&meta.note)
         .bind(serde_json::to_string(&meta.alerts)?)
+        .bind(meta.model_config.as_ref().map(|c| c.to_string()))
         .bind(at_ms)
         .execute(self.pool())
         .await?;
@@ -52,9 +58,11 @@ impl Store {
 
     /// Every run's annotations, by run name.
     pub async fn run_metas(&self) -> Result<Vec<(String, RunMeta)>, StoreError> {
-        let rows = sqlx::query(&self.sql("SELECT run, tags, note, alert_rules FROM run_meta"))
-            .fetch_all(self.pool())
-            .await?;
+        let rows = sqlx::query(
+            &self.sql("SELECT run, tags, note, alert_rules, model_config FROM run_meta"),
+        )
+        .fetch_all(self.pool())
+        .await?;
         rows.into_iter()
             .map(|row| {
                 Ok((
@@ -63,6 +71,10 @@ impl Store {
                         tags: serde_json::from_str(row.get::<&str, _>("tags"))?,
                         note: row.get("note"),
                         alerts: serde_json::from_str(row.get::<&str, _>("alert_rules"))?,
+                        model_config: row
+                            .get::<Option<String>, _>("model_config")
+                            .map(|c| serde_json::from_str(&c))
+                            .transpose()?,
                     },
                 ))
             })

@@ -67,6 +67,20 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// Whether the database gave up the statement for another one it ran
+    /// at the same time (PostgreSQL's deadlock 40P01 or serialization
+    /// failure 40001): the same statement again may well go through.
+    pub fn is_contention(&self) -> bool {
+        match self {
+            StoreError::Sql(sqlx::Error::Database(e)) => e
+                .code()
+                .is_some_and(|c| matches!(c.as_ref(), "40P01" | "40001")),
+            _ => false,
+        }
+    }
+}
+
 /// Whether a database error code says the catalog is there but cannot
 /// take queries now, rather than that the query or its data is wrong:
 /// PostgreSQL's SQLSTATEs (five characters) of a connection exception
@@ -134,6 +148,8 @@ pub struct StoredRank {
     pub last_push_at_ms: Option<i64>,
     /// The rank's last failover (see [`crate::node::Failover`]).
     pub failover: Option<serde_json::Value>,
+    /// The rank's wire figures (see [`crate::wire::stats::WireStats`]).
+    pub wire: Option<serde_json::Value>,
 }
 
 /// Where a reading of a run's events starts: after an event id, or after
@@ -435,7 +451,7 @@ impl Store {
     }
 
     pub async fn list_ranks(&self, run: &str) -> Result<Vec<StoredRank>, StoreError> {
-        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms, failover \
+        let rows = sqlx::query(&self.sql("SELECT rank, layout, last_step, pushes, bytes_received, rejections, resident_bytes, last_push_at_ms, failover, wire \
              FROM ranks WHERE run = ? ORDER BY rank"))
         .bind(run)
         .fetch_all(self.pool())
@@ -455,6 +471,10 @@ impl Store {
                     failover: row
                         .get::<Option<String>, _>("failover")
                         .map(|f| serde_json::from_str(&f))
+                        .transpose()?,
+                    wire: row
+                        .get::<Option<String>, _>("wire")
+                        .map(|w| serde_json::from_str(&w))
                         .transpose()?,
                 })
             })

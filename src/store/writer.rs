@@ -330,7 +330,7 @@ async fn write(store: &Store, node: &str, batch: &Batch) -> Result<(), StoreErro
         // node was cut off must not turn back the row of a rank another
         // node took over meanwhile.
         sqlx::query(&store.sql("UPDATE ranks SET last_step = ?, pushes = ?, bytes_received = ?, rejections = ?, \
-             resident_bytes = ?, last_push_at_ms = ?, layout = COALESCE(?, layout) WHERE run = ? AND rank = ? \
+             resident_bytes = ?, last_push_at_ms = ?, layout = COALESCE(?, layout), wire = COALESCE(?, wire) WHERE run = ? AND rank = ? \
              AND NOT EXISTS (SELECT 1 FROM placements p WHERE p.run = ? AND p.rank = ? AND p.node_id <> ?)"))
         .bind(row.last_step.map(|s| s as i64))
         .bind(row.pushes as i64)
@@ -339,6 +339,7 @@ async fn write(store: &Store, node: &str, batch: &Batch) -> Result<(), StoreErro
         .bind(row.resident_bytes as i64)
         .bind(row.last_push_at_ms)
         .bind(layout)
+        .bind(row.wire.as_ref().map(|w| w.to_string()))
         .bind(run)
         .bind(*rank as i64)
         .bind(run)

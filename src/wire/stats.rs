@@ -1,10 +1,12 @@
 //! What the wire carried for a rank: bytes sent against the bytes they
 //! stand for, and the time spent encoding and decoding them.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// One rank's wire figures since the server started.
-#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
+/// One rank's wire figures over the run (kept in the catalog's rank row,
+/// so a restart keeps them).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(default)]
 pub struct WireStats {
     /// Body bytes received for applied pushes.
     pub wire_bytes: u64,

@@ -400,10 +400,16 @@ class Run:
         tags: Sequence[str] | None = None,
         note: str | None = None,
         alerts: Mapping[str, Any] | None = None,
+        model_config: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Changes the run's tags, note or alert rules (``PATCH /v1/runs/{run}``);
-        returns all three."""
+        """Changes the run's tags, note, alert rules or model configuration
+        (``PATCH /v1/runs/{run}``); returns them. ``model_config`` (a
+        transformers ``config.to_dict()``) is written as ``config.json``
+        into every ``layout="hf"`` download; a pusher sends it by itself at
+        its first push of a model that has a ``config``."""
         body: dict[str, Any] = {}
+        if model_config is not None:
+            body["model_config"] = dict(model_config)
         if tags is not None:
             body["tags"] = list(tags)
         if note is not None:

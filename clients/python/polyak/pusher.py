@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -100,6 +102,29 @@ class PushTarget(Protocol):
     @property
     def transport(self) -> Transport: ...
     def rank_ema(self, rank: int, profile: str | None = None) -> RankEma: ...
+
+
+def _send_model_config(run: PushTarget, rank: int, model: Any) -> None:
+    """Rank 0's first push of a model with a transformers-style ``config``
+    (``to_dict()``) stores it in the run's metadata, so ``hf`` downloads
+    carry its ``config.json``. Best effort: a failure only warns."""
+    # DDP and FSDP wrappers keep the model as `.module`.
+    config = getattr(model, "config", None) or getattr(
+        getattr(model, "module", None), "config", None
+    )
+    annotate = getattr(run, "annotate", None)
+    if rank != 0 or annotate is None or not callable(getattr(config, "to_dict", None)):
+        return
+    try:
+        # A JSON round trip: dtypes and other objects become their names.
+        as_json = json.loads(json.dumps(config.to_dict(), default=str))
+        annotate(model_config=as_json)
+    except Exception as e:  # the push itself must go on
+        warnings.warn(
+            f"polyak: the model's config was not stored with run {run.name!r} ({e}); "
+            "hf downloads will have no config.json",
+            stacklevel=3,
+        )
 
 
 class Pusher:
@@ -289,6 +314,8 @@ class Pusher:
             with self._queue.cond:
                 self._counters.skipped += 1
             return False
+        if self._last_queued is None:
+            _send_model_config(self.run, self.rank, model_or_state_dict)
         if self._last_queued is not None and step <= self._last_queued:
             raise PolyakError(
                 f"steps must increase; step {step} after {self._last_queued}",

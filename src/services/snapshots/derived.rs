@@ -242,7 +242,15 @@ pub async fn plan(
         .await
         .map_err(|e| SnapshotError::Worker(format!("solving the post-hoc weights: {e}")))?
         .map_err(|e| match e {
-            PosthocError::Solve(m) => SnapshotError::Invalid(m),
+            // The solver's own words (LAPACK, torch assertions) are ours
+            // to read, not the caller's.
+            PosthocError::Solve(m) => {
+                tracing::warn!(run = %config.name, step, error = %m, "post-hoc solve failed");
+                SnapshotError::Invalid(format!(
+                    "the post-hoc weights at step {step} cannot be solved from these snapshots \
+                     (their averaging profiles are too alike or too far apart)"
+                ))
+            }
             other => SnapshotError::Invalid(other.to_string()),
         })?;
     let targets = sigma_rels
@@ -406,13 +414,13 @@ pub async fn merge(
     name: Option<String>,
 ) -> Result<Started, SnapshotError> {
     let config = &run.config;
+    let name = profile_name(name, "merged")?;
     if !config.mirror {
         return Err(SnapshotError::Invalid(format!(
             "run `{}` keeps no online weights (create it with mirror: true to merge checkpoints)",
             config.name
         )));
     }
-    let name = profile_name(name, "merged")?;
     let alpha = merge_alpha(scheme, alpha)?;
     let rows = state.store.snapshots(&config.name).await?;
     // A mirror run captures the mirror in every cut; `start` reads each
@@ -530,6 +538,11 @@ fn profile_name(name: Option<String>, default: &str) -> Result<String, SnapshotE
     if !crate::run::valid_name(&name) || name == MIRROR_PART {
         return Err(SnapshotError::Invalid(format!(
             "name: `{name}` is not a valid profile name"
+        )));
+    }
+    if crate::run::reserved_profile(&name) {
+        return Err(SnapshotError::Invalid(format!(
+            "name: `{name}` is reserved (`online` names the mirror in downloads and comparisons)"
         )));
     }
     Ok(name)

@@ -120,9 +120,13 @@ pub async fn restore_from(
 /// restored step, or without data when `steps` has none for it.
 fn note_restored(state: &Snaps, run: &RunHandle, steps: &BTreeMap<u32, u64>) {
     for rank in run.held_ranks() {
+        // The engine counted the restored buffers: the figures read what
+        // it holds, not 0 until the next push.
+        let resident = run.engines.shared().resident(rank);
         let summary = run.update_rank(rank, |s| {
             s.last_step = steps.get(&rank).copied();
             s.live = s.last_step.is_some();
+            s.resident_bytes = resident;
         });
         state.record_rank(run, rank, &summary, None);
     }
