@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,7 +23,7 @@ from playwright.sync_api import Page, expect
 RUN = "gpt-medium-pretraining-lr3e-4-bs1024-warmup2000-cosine-seed1234-dec06"
 OTHER = "gpt-medium-pretraining-lr1e-4-bs1024-warmup2000-cosine-seed1234-dec06"
 WORLD_SIZE = 1024
-STEPS = 3  # 0..2, a snapshot at each
+STEPS = 2  # 0 and 1, a snapshot at each
 PROFILES = [
     {"name": "p05", "kind": "power", "sigma_rel": 0.05},
     {"name": "p10", "kind": "power", "sigma_rel": 0.10},
@@ -83,12 +84,13 @@ def large_run(dash_server):
                     json={"step": step, "values": {"loss": 1.0 / (step + 1)}},
                 )
                 assert r.status_code < 300, r.text
-        for _ in range(1200):
+        deadline = time.monotonic() + 120
+        while True:
             snaps = c.get(f"/v1/runs/{RUN}/snapshots", params={"status": "complete"}).json()
-            if len(snaps["snapshots"]) == 3:
+            if len(snaps["snapshots"]) == STEPS or time.monotonic() > deadline:
                 break
-            c.get("/livez")  # a pause that asks the server something
-        assert [s["step"] for s in snaps["snapshots"]] == [0, 1, 2]
+            time.sleep(0.05)
+        assert [s["step"] for s in snaps["snapshots"]] == [0, 1]
         ids = [s["id"] for s in snaps["snapshots"]]
     return {"snapshots": ids}
 
@@ -108,10 +110,10 @@ INSPECT = """() => {
   const doc = document.documentElement;
   const cut = [];
   for (const el of document.querySelectorAll('body *')) {
-    if (!el.getClientRects().length) continue;
+    if (el.scrollWidth <= el.clientWidth + 1 || !el.getClientRects().length) continue;
     const cs = getComputedStyle(el);
     const clips = cs.textOverflow === 'ellipsis' || cs.overflowX === 'hidden' || cs.overflowX === 'clip';
-    if (!clips || el.scrollWidth <= el.clientWidth + 1) continue;
+    if (!clips) continue;
     const text = (el.textContent || '').trim();
     if (!text || el.querySelector('canvas')) continue;
     const titled = el.closest('[title]');
@@ -139,15 +141,16 @@ INSPECT = """() => {
 }"""
 
 
-def check(page: Page, name: str) -> dict:
-    """Every check at both widths; a screenshot of each."""
+def check(page: Page, name: str, full_page: bool = True) -> dict:
+    """Every check at both widths; a screenshot of each (of the window
+    only with ``full_page=False``: /docs is tens of thousands of px tall)."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     seen = {}
     for width in WIDTHS:
         page.set_viewport_size({"width": width, "height": 900})
         settle(page)
         got = page.evaluate(INSPECT)
-        page.screenshot(path=str(SCREENSHOTS / f"layout-{name}-{width}.png"), full_page=True)
+        page.screenshot(path=str(SCREENSHOTS / f"layout-{name}-{width}.png"), full_page=full_page)
         where = f"{name} at {width} px"
         assert got["scrollWidth"] <= got["clientWidth"], (
             f"{where}: the page is {got['scrollWidth']} px wide in a {got['clientWidth']} px window"
@@ -178,14 +181,14 @@ def test_run_pages_fit_at_1280_and_800(page: Page, dash_server, large_run):
 
     page.goto(base)
     expect(page.get_by_test_id("ranks-seen")).to_have_text(f"{WORLD_SIZE} / {WORLD_SIZE}")
-    expect(page.get_by_test_id("last-step")).to_have_text("2")
+    expect(page.get_by_test_id("last-step")).to_have_text("1")
     check(page, "run")
 
     page.goto(f"{base}/snapshots")
     expect(page.locator("tbody tr").first).to_be_visible()
     check(page, "snapshots")
 
-    a, _, b = large_run["snapshots"]
+    a, b = large_run["snapshots"]
     page.goto(f"{base}/compare?a={a}&b={b}")
     expect(page.get_by_test_id("summary-rel-diff")).to_be_visible()
     check(page, "compare")
@@ -205,7 +208,7 @@ def test_run_pages_fit_at_1280_and_800(page: Page, dash_server, large_run):
 def test_docs_fit_at_1280_and_800(page: Page, dash_server):
     page.goto(f"{dash_server.url}/docs")
     expect(page.locator("section.op").first).to_be_visible()
-    check(page, "docs")
+    check(page, "docs", full_page=False)
 
 
 def test_one_toolbar_per_chart_after_redraws(page: Page, dash_server, large_run):
@@ -216,15 +219,15 @@ def test_one_toolbar_per_chart_after_redraws(page: Page, dash_server, large_run)
     for sigma in ("0.06", "0.07", "0.08", "0.09", "0.11"):
         page.get_by_test_id("sigma-value").fill(sigma)
         expect(page.get_by_test_id("plan-sigma")).to_contain_text(sigma)
-    page.get_by_test_id("posthoc-step").select_option("1")
-    expect(page.get_by_test_id("posthoc-step")).to_have_value("1")
+    page.get_by_test_id("posthoc-step").select_option("0")
+    expect(page.get_by_test_id("posthoc-step")).to_have_value("0")
     page.get_by_test_id("sigma-value").fill("0.12")
     expect(page.get_by_test_id("plan-sigma")).to_contain_text("0.12")
     assert page.locator(".chart-controls").count() == page.locator(".uplot").count() == 1
     check(page, "posthoc")
 
     # The compare tab redraws its chart when the scale or the filter changes.
-    a, _, b = large_run["snapshots"]
+    a, b = large_run["snapshots"]
     page.goto(f"{dash_server.url}/#/runs/{RUN}/compare?a={a}&b={b}")
     expect(page.get_by_test_id("summary-rel-diff")).to_be_visible()
     for _ in range(3):
