@@ -219,8 +219,12 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
   }
 
   let resetButton = null;
+  // The controls live beside the plot in `container`: a chart rebuilt in
+  // the same container (a new σ_rel, another profile) must take its own
+  // row away, or every rebuild stacks another one.
+  let bar = null;
   if (controls) {
-    const bar = document.createElement('div');
+    bar = document.createElement('div');
     bar.className = 'chart-controls';
     const button = (label, title, onClick, testid) => {
       const b = document.createElement('button');
@@ -276,6 +280,7 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
     destroy() {
       resize.disconnect();
       plot.destroy();
+      if (bar) bar.remove();
       if (registry()[name] === plot) delete registry()[name];
     },
   };
@@ -335,26 +340,57 @@ function download(name, type, text) {
   setTimeout(() => URL.revokeObjectURL(url), 10_000);
 }
 
+/** The axes' font (uPlot's default size), so that labels can be measured. */
+const AXIS_FONT_PX = 12;
+const AXIS_FONT = `${AXIS_FONT_PX}px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif`;
+/** Slanted category labels: the angle, and the room across their baselines. */
+const SLANT_DEG = 45;
+const SLANT_LINE_PX = AXIS_FONT_PX + 4;
+
+let measurer = null;
+function textWidth(text) {
+  if (!measurer) {
+    measurer = document.createElement('canvas').getContext('2d');
+    measurer.font = AXIS_FONT;
+  }
+  return measurer.measureText(text).width;
+}
+
 /**
  * The x options of a bar chart over categories `labels` (x = 0, 1, ...):
- * a half-bar margin on each side, as many labels as fit (slanted when
- * there are more than `slantAfter`), `short(label)` for the tick text.
+ * a half-bar margin on each side, `short(label)` for the tick text, level
+ * labels while each fits its category, slanted ones past `slantAfter`, and
+ * only every n-th label where even slanted ones would touch.
+ *
+ * Slanted labels are parallel strings: two ticks `d` px apart put their
+ * baselines `d * sin(angle)` apart, so a tick needs `line / sin(angle)` px
+ * whatever the labels' lengths; level labels need their own width.
  */
-export function categoryAxis(label, labels, { short = (s) => s, slantAfter = 6, pxPerLabel = 18 } = {}) {
+export function categoryAxis(label, labels, { short = (s) => s, slantAfter = 6 } = {}) {
+  const texts = labels.map((l) => short(String(l)));
+  const widest = texts.reduce((w, t) => Math.max(w, textWidth(t)), 0);
+  const slanted = labels.length > slantAfter;
+  const rad = (SLANT_DEG * Math.PI) / 180;
+  const need = slanted ? SLANT_LINE_PX / Math.sin(rad) : widest + 10;
   return {
     label,
     fmt: (i) => labels[Math.round(i)] ?? '',
     range: (u, min, max) => [(min ?? 0) - 0.5, (max ?? 0) + 0.5],
     axis: {
-      rotate: labels.length > slantAfter ? -35 : 0,
-      size: labels.length > slantAfter ? 90 : 40,
+      font: AXIS_FONT,
+      rotate: slanted ? -SLANT_DEG : 0,
+      // The slanted labels' height, up to a limit (longer ones are cut at the chart's edge).
+      size: slanted ? Math.min(160, Math.ceil(widest * Math.sin(rad) + SLANT_LINE_PX * Math.cos(rad) + 16)) : 40,
       splits: (u, axisIdx, min, max) => {
-        const every = Math.max(1, Math.ceil(labels.length / Math.max(1, Math.floor(u.bbox.width / devicePixelRatio / pxPerLabel))));
+        const first = Math.max(0, Math.ceil(min));
+        const last = Math.min(labels.length - 1, Math.floor(max));
+        const perCategory = last > first ? (u.valToPos(last, 'x') - u.valToPos(first, 'x')) / (last - first) : Infinity;
+        const every = Math.max(1, Math.ceil(need / perCategory));
         const out = [];
-        for (let i = Math.max(0, Math.ceil(min)); i <= Math.min(labels.length - 1, Math.floor(max)); i += every) out.push(i);
+        for (let i = first; i <= last; i += every) out.push(i);
         return out;
       },
-      values: (u, splits) => splits.map((i) => short(labels[i] ?? '')),
+      values: (u, splits) => splits.map((i) => texts[i] ?? ''),
     },
   };
 }

@@ -85,7 +85,8 @@ export function setCrumbs(items) {
   nav.replaceChildren(
     ...items.flatMap((item, i) => [
       ...(i ? [h('span', { class: 'sep' }, '/')] : []),
-      item.href ? h('a', { href: item.href }, item.text) : h('span', {}, item.text),
+      // A long run name is cut at the top bar's edge: the tooltip has it whole.
+      item.href ? h('a', { href: item.href, title: item.text }, item.text) : h('span', { title: item.text }, item.text),
     ]),
   );
   document.title = ['polyak', ...items.map((i) => i.text)].slice(-2).reverse().join(' · ');

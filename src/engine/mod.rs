@@ -420,7 +420,12 @@ impl Engine {
                      finish lands at or past it: retry shortly"
             )),
         })?;
-        let outcome = self.push_claimed(run, rank, step, push);
+        let outcome = match (self.push_claimed(run, rank, step, push), shared.finished()) {
+            // A script run again against a finished run: that the run is
+            // finished is the answer, not a hint to `resume` it.
+            (Err(EngineError::StepConflict(_)), Some(at)) => Err(finished_error(run, at)),
+            (outcome, _) => outcome,
+        };
         let state = self
             .runs
             .get(run)
@@ -902,7 +907,7 @@ fn capture_waiting(
 fn finished_error(run: &str, FinishedAt(last): FinishedAt) -> EngineError {
     let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
     EngineError::RunFinished(format!(
-        "run `{run}` was finished {at}; it takes no later pushes (create a new run to train on)"
+        "run `{run}` was finished {at}; it takes no more pushes (create a new run to train on)"
     ))
 }
 

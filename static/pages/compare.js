@@ -248,7 +248,7 @@ export function render(root, { run, query }, ctx) {
             COLUMNS.map((c) =>
               c.key === 'rel_diff'
                 ? h('td', { class: 'num rel-cell', dataset: { field: c.key } }, h('span', { class: 'rel-bar', style: `width:${Math.round((t.rel_diff / top) * 55)}%` }), h('span', { class: 'rel-text' }, c.fmt(t[c.key], t)))
-                : h('td', { class: `${c.num ? 'num' : 'mono'}${c.key === 'name' ? ' tensor-name' : ''}`, dataset: { field: c.key } }, c.fmt(t[c.key], t)),
+                : h('td', { class: `${c.num ? 'num' : 'mono'}${c.key === 'name' ? ' tensor-name' : ''}`, title: c.key === 'name' ? t.name : null, dataset: { field: c.key } }, c.fmt(t[c.key], t)),
             ),
           ),
         ),

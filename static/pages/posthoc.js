@@ -18,6 +18,8 @@ const SLIDER_STEPS = 1000;
 const PLAN_DEBOUNCE_MS = 120;
 const PENDING_REFRESH_MS = 1500;
 const MAX_SWEEP = 32;
+// Sources whose |weight| is at most this are counted, not listed.
+const WEIGHT_LISTED = 1e-6;
 
 const sliderToSigma = (v) => 10 ** (Math.log10(SIGMA_MIN) + (v / SLIDER_STEPS) * (Math.log10(SIGMA_MAX) - Math.log10(SIGMA_MIN)));
 const sigmaToSlider = (s) => Math.round(((Math.log10(s) - Math.log10(SIGMA_MIN)) / (Math.log10(SIGMA_MAX) - Math.log10(SIGMA_MIN))) * SLIDER_STEPS);
@@ -82,6 +84,7 @@ export function render(root, { run, query }, ctx) {
   );
 
   let chart = null;
+  let chartShape = null;
   let plan = null;
   let powerProfiles = [];
   let planSeq = 0;
@@ -164,17 +167,23 @@ export function render(root, { run, query }, ctx) {
         h('div', { class: 'stat-value' }, fmtNum(target.residual, 3)),
         badge(fitText, tone),
       ),
-      stat('sources', String(plan.sources.length)),
+      stat('sources', String(plan.sources.length), { title: 'stored snapshots the fit may use' }),
     );
     const labels = plan.sources.map((s) => `${s.profile}@${fmtStep(s.step)}`);
     const names = [...new Set(plan.sources.map((s) => s.profile))];
-    if (chart) chart.destroy();
-    chart = createChart(card.body, 'posthoc', {
-      series: names.map((n, i) => ({ label: n, color: color(i), fill: fade(color(i), 0.55), bars: true, fmt: (v) => fmtNum(v, 5) })),
-      x: categoryAxis('source (profile@step)', labels, { slantAfter: 8, pxPerLabel: 22 }),
-      y: { fmt: (v) => fmtNum(v, 3) },
-      height: 260,
-    });
+    // The same sources (another σ_rel): the chart keeps its controls' state
+    // and only its data changes; other sources make another chart.
+    const shape = JSON.stringify([names, labels]);
+    if (!chart || chartShape !== shape) {
+      if (chart) chart.destroy();
+      chart = createChart(card.body, 'posthoc', {
+        series: names.map((n, i) => ({ label: n, color: color(i), fill: fade(color(i), 0.55), bars: true, fmt: (v) => fmtNum(v, 5) })),
+        x: categoryAxis('source (profile@step)', labels, { slantAfter: 8 }),
+        y: { fmt: (v) => fmtNum(v, 3) },
+        height: 260,
+      });
+      chartShape = shape;
+    }
     // One bar series per profile, null where the source is another profile's.
     const xs = plan.sources.map((_, i) => i);
     const columns = names.map((n) => plan.sources.map((s, i) => (s.profile === n ? target.weights[i] : null)));
@@ -183,6 +192,17 @@ export function render(root, { run, query }, ctx) {
       target.weights.reduce((a, b) => a + b, 0),
       6,
     )}. A residual near 0 means the stored profiles express this length well; a large one asks for denser snapshots.`;
+    // The table lists the sources that carry weight; the solve leaves most
+    // of a long run's at 1e-40 or so, which only bury the few that count.
+    const listed = plan.sources.map((s, i) => ({ s, i })).filter(({ i }) => Math.abs(target.weights[i]) > WEIGHT_LISTED);
+    const unlisted = plan.sources.length - listed.length;
+    const unlistedNote = unlisted
+      ? h(
+          'p',
+          { class: 'muted small', dataset: { testid: 'unlisted-sources', count: String(unlisted) } },
+          `${unlisted} more source${unlisted === 1 ? '' : 's'} with |weight| ≤ ${WEIGHT_LISTED.toExponential()} (in the chart, not listed).`,
+        )
+      : '';
     planTable.replaceChildren(
       tableWrap(
         h(
@@ -192,10 +212,10 @@ export function render(root, { run, query }, ctx) {
           h(
             'tbody',
             {},
-            plan.sources.map((s, i) =>
+            listed.map(({ s, i }) =>
               h(
                 'tr',
-                { dataset: { step: String(s.step), profile: s.profile, weight: String(target.weights[i]) } },
+                { dataset: { index: String(i), step: String(s.step), profile: s.profile, weight: String(target.weights[i]) } },
                 h('td', { class: 'num' }, fmtStep(s.step)),
                 h('td', {}, s.profile),
                 h('td', { class: 'num' }, fmtNum(s.sigma_rel, 4)),
@@ -206,6 +226,7 @@ export function render(root, { run, query }, ctx) {
           ),
         ),
       ),
+      unlistedNote,
     );
     window.polyak.posthoc = { plan };
   }

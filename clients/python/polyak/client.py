@@ -24,6 +24,7 @@ import httpx
 import torch
 
 from . import downloads
+from ._progress import progress_bar
 from ._transport import Transport
 from .contract import snapshot_done, snapshot_id
 from .errors import PolyakError
@@ -587,8 +588,8 @@ class Run:
         with ``HuggingFaceStorageReader``) and ``"hf"`` HF-style shards with
         their index, both into a directory whose path is returned.
 
-        ``progress``: a tqdm bar on stderr (``False``: none; a text stream:
-        the bar goes there). ``on_progress(bytes_done, bytes_total)`` is
+        ``progress``: on stderr (``False``: none; a text stream: there), a
+        tqdm bar where that is a terminal, else a line per 10 %. ``on_progress(bytes_done, bytes_total)`` is
         called as the bytes arrive."""
         return downloads.download_to(
             self,
@@ -814,22 +815,14 @@ class Run:
     ) -> list[dict[str, Any]]:
         """Polls derived snapshots (written together) until all are complete,
         showing the server's progress (source bytes read) on a tqdm bar."""
-        from tqdm.auto import tqdm
-
         ids = [snapshot_id(r) for r in rows]
         # The server answers a derived snapshot with its job's total.
         total = next((r["progress"]["total"] for r in rows if r.get("progress")), None)
         deadline = time.monotonic() + timeout
         delay = min(0.05, poll)
         done: dict[str, dict[str, Any]] = {}
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=f"{self.name} {rows[0].get('kind', 'derived')} x{len(ids)}",
-            disable=progress is False,
-            file=None if isinstance(progress, bool) else progress,
+        with progress_bar(
+            progress, total=total, desc=f"{self.name} {rows[0].get('kind', 'derived')} x{len(ids)}"
         ) as bar:
             while True:
                 for sid in ids:

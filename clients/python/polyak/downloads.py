@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Protocol
 
+from ._progress import progress_bar
 from ._transport import BodySink, Transport
 from .contract import DownloadLayout, snapshot_done, snapshot_id
 from .errors import PolyakError
@@ -52,8 +53,6 @@ def _stream_into(
 ) -> None:
     """The snapshot's download (``layout``, ``profile``, ``dtype``) into
     ``out``, with a tqdm bar (``progress``) and ``on_progress(done, total)``."""
-    from tqdm.auto import tqdm
-
     sid = snapshot_id(snapshot)
     transport = run.transport
     r = transport.open_download(
@@ -62,15 +61,11 @@ def _stream_into(
         run.read_token if run.read_token is not None else transport.token,
     )
     with BodySink(r, out, transport.timeout) as sink:
-        with tqdm(
+        with progress_bar(
+            progress,
             total=sink.total,
             initial=sink.done,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
             desc=f"{run.name}/{sid}" + (f" {profile}" if profile else ""),
-            disable=progress is False,
-            file=None if isinstance(progress, bool) else progress,
         ) as bar:
             reported = 0
 

@@ -702,17 +702,45 @@ def _steps_text(steps: Sequence[int]) -> str:
     return f"{steps[0]}, {steps[1]}, ... {steps[-1]}"
 
 
+#: How long the process waits at exit for pushes still queued or in flight
+#: (a trainer that ends without ``flush``), all pushers together: the
+#: sender is a daemon thread, so what is not acknowledged by then is lost
+#: with the process.
+EXIT_WAIT_SECONDS = 10.0
+_exit_deadline: float | None = None
+
+
 def _warn_if_pending(ref: weakref.ref[Pusher]) -> None:
+    """At exit: waits briefly for what is still queued or in flight, then
+    names what the server has not acknowledged. Pushes in flight may still
+    be applied by the server after the process is gone, so they are "not
+    yet acknowledged", not "never delivered"."""
     pusher = ref()
     if pusher is None or pusher._closed:
         return
-    pending = pusher.stats().pending
-    if pending:
+    global _exit_deadline
+    if _exit_deadline is None:
+        _exit_deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    deadline = _exit_deadline
+    queue = pusher._queue
+    with queue.cond:
+        while queue.busy() and not queue.has_failure():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            queue.cond.wait(min(left, 0.5))
+        steps = queue.pending_steps()
+        in_flight = len(queue.in_flight)
+    if steps:
         log.warning(
-            "polyak: %d push(es) of run %s rank %d were never delivered; call pusher.flush() before exit",
-            pending,
+            "polyak: %d push(es) of run %s rank %d not yet acknowledged at exit "
+            "(steps %s; %d in flight, which the server may still apply); "
+            "call pusher.flush() before exit",
+            len(steps),
             pusher.run.name,
             pusher.rank,
+            _steps_text(steps),
+            in_flight,
         )
 
 

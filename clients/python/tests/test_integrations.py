@@ -51,10 +51,9 @@ def profiles() -> list[dict[str, object]]:
 # -- PyTorch Lightning -------------------------------------------------------
 
 
-def test_lightning_callback(client, run_name, tmp_path):
+def lightning_kit():
+    """The LightningModule and the trainer the Lightning tests train with."""
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import EMAWeightAveraging
-    from polyak.integrations.lightning import PolyakCallback
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -73,10 +72,7 @@ def test_lightning_callback(client, run_name, tmp_path):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=2e-2)
 
-    def loader() -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=False)
-
-    def trainer(epochs: int, callbacks: list) -> pl.Trainer:
+    def trainer(epochs: int, callbacks: list, root, checkpoints: bool = False) -> pl.Trainer:
         return pl.Trainer(
             max_epochs=epochs,
             accumulate_grad_batches=ACCUMULATE,
@@ -84,12 +80,29 @@ def test_lightning_callback(client, run_name, tmp_path):
             accelerator="cpu",
             devices=1,
             logger=False,
-            enable_checkpointing=False,
+            enable_checkpointing=checkpoints,
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
-            default_root_dir=tmp_path,
+            default_root_dir=root,
         )
+
+    return Module, trainer
+
+
+def lightning_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=False)
+
+
+def test_lightning_callback(client, run_name, tmp_path):
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from polyak.integrations.lightning import PolyakCallback
+
+    Module, make_trainer = lightning_kit()
+    loader = lightning_loader
+
+    def trainer(epochs: int, callbacks: list):
+        return make_trainer(epochs, callbacks, tmp_path)
 
     # Uninterrupted, beside Lightning's own EMA.
     straight = client.create_run(f"{run_name}-a", profiles=profiles())
@@ -131,6 +144,23 @@ def test_lightning_callback(client, run_name, tmp_path):
     x, y = data()[SAMPLES - BATCH :]
     with torch.no_grad():
         assert ema_loss == float(nn.functional.mse_loss(by_hand.net(x), y))
+
+
+def test_lightning_checkpoint_files_of_one_step_share_one_snapshot(client, run_name, tmp_path):
+    """``ModelCheckpoint(save_last=True)`` saves ``epoch=…ckpt`` and
+    ``last.ckpt`` for the same step: one snapshot of that step, not two."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from polyak.integrations.lightning import PolyakCallback
+
+    Module, make_trainer = lightning_kit()
+    run = client.create_run(run_name, profiles=profiles())
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1)
+    t = make_trainer(2, [PolyakCallback(run), saves], tmp_path, checkpoints=True)
+    t.fit(Module(), lightning_loader())
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == ["epoch=0-step=12.ckpt", "epoch=1-step=24.ckpt", "last.ckpt"], files
+    snaps = run.snapshots()
+    assert [(s["step"], s["label"]) for s in snaps] == [(11, "checkpoint"), (23, "checkpoint")]
 
 
 # -- HuggingFace transformers Trainer -----------------------------------------

@@ -18,7 +18,9 @@ What it does, in Lightning's terms:
   (``run.resume(steps_taken=global_step)``) and the others wait at a barrier.
 - ``on_save_checkpoint``: the checkpoint's step gets a snapshot (global rank
   0 asks for it and waits until it is durable), so resuming from that
-  checkpoint is exact.
+  checkpoint is exact. Lightning may save several files for one step
+  (``ModelCheckpoint(save_last=True)`` writes ``epoch=…ckpt`` and
+  ``last.ckpt``): they share that step's one snapshot.
 - Validation and test: with ``eval_profile``, the EMA of that profile is in
   the model for the loop and the online weights come back after it (never
   during the sanity check, which runs before any push).
@@ -75,6 +77,9 @@ class PolyakCallback(Callback):
         self.pusher: Pusher | None = None
         self._attachment: Attachment | None = None
         self._swapped: contextlib.ExitStack | None = None
+        #: The step whose snapshot this callback took last: another
+        #: checkpoint file of the same step reuses it.
+        self._snapshot_step: int | None = None
 
     @staticmethod
     def _module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
@@ -99,11 +104,17 @@ class PolyakCallback(Callback):
     ) -> None:
         if not self.snapshot_on_checkpoint or self.pusher is None or trainer.global_step == 0:
             return
+        step = trainer.global_step - 1
+        # Every rank sees the same global step, so all skip together (no
+        # rank waits at a barrier the others never reach).
+        if step == self._snapshot_step:
+            return
         self.pusher.flush()
         trainer.strategy.barrier("polyak-flush")
         if trainer.is_global_zero:
             # Every rank has pushed this step: the cut is taken at once.
-            self.run.snapshot(step=trainer.global_step - 1, label="checkpoint")
+            self.run.snapshot(step=step, label="checkpoint")
+        self._snapshot_step = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._attachment is not None:
