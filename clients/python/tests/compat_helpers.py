@@ -6,8 +6,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 
+import pytest
 import torch
 from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread. Spinning pool threads on a busy
+    machine make each step of these models tens of times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def small_model(seed: int = 0) -> nn.Module:

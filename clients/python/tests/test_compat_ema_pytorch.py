@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compat_helpers import Trainer, assert_differs, assert_same, steps, twins
+from compat_helpers import Trainer, assert_differs, assert_same, one_thread, steps, twins  # noqa: F401 (autouse)
 from ema_pytorch import EMA as Original
 from polyak.compat.ema_pytorch import EMA
 

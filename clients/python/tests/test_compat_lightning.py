@@ -6,7 +6,7 @@ Lightning's own checkpoint equal to the run that never stopped."""
 from __future__ import annotations
 
 import torch
-from compat_helpers import assert_same
+from compat_helpers import assert_same, one_thread  # noqa: F401 (autouse)
 from torch import nn
 
 STEPS_PER_EPOCH = 12

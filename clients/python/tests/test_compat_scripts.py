@@ -11,7 +11,7 @@ from pathlib import Path
 import polyak
 import pytest
 import torch
-from compat_helpers import Trainer, twins
+from compat_helpers import Trainer, one_thread, twins  # noqa: F401 (autouse)
 from polyak import PolyakError, RetryPolicy
 
 SCRIPTS = Path(__file__).parent / "compat_scripts"

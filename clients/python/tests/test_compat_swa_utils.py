@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from compat_helpers import Trainer, assert_differs, assert_same, steps, twins
+from compat_helpers import Trainer, assert_differs, assert_same, one_thread, steps, twins  # noqa: F401 (autouse)
 from polyak.compat import swa_utils as ours
 from torch.optim import swa_utils as theirs
 

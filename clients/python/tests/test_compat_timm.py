@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compat_helpers import Trainer, assert_differs, assert_same, steps, twins
+from compat_helpers import Trainer, assert_differs, assert_same, one_thread, steps, twins  # noqa: F401 (autouse)
 from polyak.compat.timm import ModelEmaV2, ModelEmaV3
 from timm.utils.model_ema import ModelEmaV2 as OriginalV2
 from timm.utils.model_ema import ModelEmaV3 as OriginalV3
