@@ -93,3 +93,59 @@ def test_copy_to_store_restore(server):
     assert_same(dict(ma.named_parameters()), dict(mb.named_parameters()))
     got.restore(mb.parameters())
     assert all(torch.equal(mb.state_dict()[k], v) for k, v in online.items())
+
+
+def test_save_pretrained_and_from_pretrained(server, tmp_path, monkeypatch):
+    """diffusers' own save/load: the EMA saved as a model with the EMA's
+    settings in its config, and loaded back into a new EMAModel whose next
+    steps go on from its optimization step."""
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+
+    class Tiny(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, width: int = 8) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(6, width)
+            self.b = torch.nn.Linear(width, 3)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    ma = Tiny()
+    mb = Tiny()
+    mb.load_state_dict(ma.state_dict())
+    opt_a = torch.optim.SGD(ma.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(mb.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(20)]
+
+    def train(model, opt, rows):
+        for x, y in rows:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            yield
+
+    kw = {"decay": 0.9, "model_cls": Tiny}
+    want = Original(ma.parameters(), model_config=ma.config, **kw)
+    got = EMAModel(mb.parameters(), model_config=mb.config, **kw, url=server.url)
+    for _ in zip(train(ma, opt_a, batches[:12]), train(mb, opt_b, batches[:12]), strict=True):
+        want.step(ma.parameters())
+        got.step(mb.parameters())
+    want.save_pretrained(tmp_path / "want")
+    got.save_pretrained(tmp_path / "got")
+    saved_want = Tiny.from_pretrained(tmp_path / "want")
+    saved_got = Tiny.from_pretrained(tmp_path / "got")
+    assert_same(saved_want.state_dict(), saved_got.state_dict())
+    assert saved_got.config["optimization_step"] == 12
+
+    monkeypatch.setenv("POLYAK_URL", server.url)
+    want = Original.from_pretrained(tmp_path / "want", Tiny)
+    again = EMAModel.from_pretrained(tmp_path / "got", Tiny)
+    assert again.optimization_step == want.optimization_step == 12
+    for _ in zip(train(ma, opt_a, batches[12:]), train(mb, opt_b, batches[12:]), strict=True):
+        want.step(ma.parameters())
+        again.step(mb.parameters())
+    assert_same(shadow(want), shadow(again))
