@@ -88,14 +88,25 @@ def test_reads_update_the_tensors_callers_hold(server):
 
 def test_optimizer_post_step_hook_and_copy_back(server):
     ma, mb = twins()
-    want = Original(ma, beta=0.9, update_after_step=1, update_every=1)
-    got = EMA(mb, beta=0.9, update_after_step=1, update_every=1, url=server.url)
+    kw = {
+        "beta": 0.9,
+        "update_after_step": 1,
+        "update_every": 1,
+        "forward_method_names": ("forward",),
+    }
+    want = Original(ma, **kw)
+    got = EMA(mb, **kw, url=server.url)
     ta, tb = Trainer(ma), Trainer(mb)
     want.add_to_optimizer_post_step_hook(ta.opt)
     got.add_to_optimizer_post_step_hook(tb.opt)
     for _ in steps(ta, tb, 12):
         pass
     assert int(got.step) == 12
+    x = torch.randn(5, 6)
+    # A forward method named in forward_method_names reads the server's EMA.
+    want.ema_model.eval()
+    got.ema_model.eval()
+    torch.testing.assert_close(got.forward(x), want.forward(x), rtol=1e-5, atol=1e-6)
     want.copy_params_from_ema_to_model()
     got.copy_params_from_ema_to_model()
     assert_same(ma.state_dict(), mb.state_dict())
