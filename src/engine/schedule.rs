@@ -89,6 +89,36 @@ pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -
         } => keep(Action::Lerp {
             weight: 1.0 - half_life_beta(*steps, *rampup_ratio, t, delta),
         }),
+        ProfileSpec::Diffusers {
+            decay,
+            min_decay,
+            update_after_step,
+            use_ema_warmup,
+            inv_gamma,
+            power,
+            ..
+        } => keep(step_decay_action(diffusers_decay(
+            step,
+            *decay,
+            *min_decay,
+            *update_after_step,
+            use_ema_warmup.then_some((*inv_gamma, *power)),
+        ))),
+        ProfileSpec::Timm {
+            decay,
+            min_decay,
+            update_after_step,
+            use_warmup,
+            warmup_gamma,
+            warmup_power,
+            ..
+        } => keep(step_decay_action(timm_decay(
+            step,
+            *decay,
+            *min_decay,
+            *update_after_step,
+            use_warmup.then_some((*warmup_gamma, *warmup_power)),
+        ))),
         ProfileSpec::Swa { start_step, .. } => {
             if step < *start_step {
                 // Before the averaging window the profile follows the weights.
@@ -135,6 +165,69 @@ pub fn warmup_decay(
     let value = 1.0f32 - (1.0f32 + epoch / inv_gamma as f32).powf(-(power as f32));
     // torch.clamp(min, max) = min(max(x, min), max)
     f64::from(value.max(min_value as f32).min(beta as f32))
+}
+
+/// A decay of 0 copies exactly (diffusers and timm before
+/// `update_after_step`); 1 leaves the EMA as it is.
+fn step_decay_action(decay: f64) -> Action {
+    if decay <= 0.0 {
+        Action::Copy
+    } else if decay >= 1.0 {
+        Action::Hold
+    } else {
+        Action::Lerp {
+            weight: 1.0 - decay,
+        }
+    }
+}
+
+/// The warmup both diffusers and timm share (@crowsonkb's):
+/// `1 - (1 + e / inv_gamma)^(-power)`, in float64 as they compute it.
+fn crowson_warmup(e: f64, inv_gamma: f64, power: f64) -> f64 {
+    1.0 - (1.0 + e / inv_gamma).powf(-power)
+}
+
+/// diffusers `EMAModel.get_decay(optimization_step)`:
+/// `e = max(0, step - update_after_step - 1)`, 0 when `e <= 0`; else the
+/// warmup (`warmup = (inv_gamma, power)`) or `(1 + e) / (10 + e)`, then
+/// `max(min(value, decay), min_decay)`.
+pub fn diffusers_decay(
+    step: u64,
+    decay: f64,
+    min_decay: f64,
+    update_after_step: u64,
+    warmup: Option<(f64, f64)>,
+) -> f64 {
+    let e = step.saturating_sub(update_after_step.saturating_add(1)) as f64;
+    if e <= 0.0 {
+        return 0.0;
+    }
+    let value = match warmup {
+        Some((inv_gamma, power)) => crowson_warmup(e, inv_gamma, power),
+        None => (1.0 + e) / (10.0 + e),
+    };
+    value.min(decay).max(min_decay)
+}
+
+/// timm `ModelEmaV3.get_decay(step)`: 0 while
+/// `step - update_after_step - 1 <= 0`; then with warmup
+/// `max(min(warmup, decay), min_decay)`, without it `decay` as is (timm
+/// applies `min_decay` only to the warmup).
+pub fn timm_decay(
+    step: u64,
+    decay: f64,
+    min_decay: f64,
+    update_after_step: u64,
+    warmup: Option<(f64, f64)>,
+) -> f64 {
+    let e = step.saturating_sub(update_after_step.saturating_add(1)) as f64;
+    if e <= 0.0 {
+        return 0.0;
+    }
+    match warmup {
+        Some((gamma, power)) => crowson_warmup(e, gamma, power).min(decay).max(min_decay),
+        None => decay,
+    }
 }
 
 /// EDM2 power-function EMA (`phema.power_function_beta`, paper eq. 3 with
@@ -260,6 +353,121 @@ mod tests {
             Action::Lerp { weight } => assert!((weight - 1.0 / 3.0).abs() < 1e-16),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// `(decay, min_decay, update_after_step, warmup, decay at STEPS)`.
+    type StepDecayCase = (f64, f64, u64, Option<(f64, f64)>, [f64; 7]);
+    const STEPS: [u64; 7] = [0, 1, 2, 3, 7, 50, 1000];
+
+    fn check_step_decay(
+        f: fn(u64, f64, f64, u64, Option<(f64, f64)>) -> f64,
+        cases: &[StepDecayCase],
+    ) {
+        for &(decay, min_decay, uas, warmup, expected) in cases {
+            for (step, want) in STEPS.iter().zip(expected) {
+                let got = f(*step, decay, min_decay, uas, warmup);
+                assert!((got - want).abs() <= 1e-15, "step {step}: {got} vs {want}");
+            }
+        }
+    }
+
+    /// Values printed by diffusers 0.42.1's `EMAModel.get_decay(step)`.
+    #[test]
+    fn diffusers_matches_get_decay() {
+        let cases: [StepDecayCase; 3] = [
+            (
+                0.9999,
+                0.0,
+                0,
+                None,
+                [
+                    0.0,
+                    0.0,
+                    0.181_818_181_818_181_82,
+                    0.25,
+                    0.4375,
+                    0.847_457_627_118_644,
+                    0.991_080_277_502_477_7,
+                ],
+            ),
+            (
+                0.9999,
+                0.5,
+                5,
+                None,
+                [
+                    0.0,
+                    0.0,
+                    0.0,
+                    0.0,
+                    0.5,
+                    0.833_333_333_333_333_4,
+                    0.991_035_856_573_705_2,
+                ],
+            ),
+            (
+                0.999,
+                0.0,
+                0,
+                Some((2.0, 0.75)),
+                [
+                    0.0,
+                    0.0,
+                    0.262_212_053_533_118_94,
+                    0.405_396_442_498_639_5,
+                    0.646_446_609_406_726_3,
+                    0.911_875_865_495_484_2,
+                    0.990_549_670_771_290_3,
+                ],
+            ),
+        ];
+        check_step_decay(diffusers_decay, &cases);
+    }
+
+    /// Values printed by timm 1.0.31's `ModelEmaV3.get_decay(step)`.
+    #[test]
+    fn timm_matches_get_decay() {
+        let cases: [StepDecayCase; 3] = [
+            (
+                0.9999,
+                0.0,
+                0,
+                None,
+                [0.0, 0.0, 0.9999, 0.9999, 0.9999, 0.9999, 0.9999],
+            ),
+            (0.99, 0.5, 5, None, [0.0, 0.0, 0.0, 0.0, 0.99, 0.99, 0.99]),
+            (
+                0.999,
+                0.1,
+                0,
+                Some((2.0, 0.75)),
+                [
+                    0.0,
+                    0.0,
+                    0.262_212_053_533_118_94,
+                    0.405_396_442_498_639_5,
+                    0.646_446_609_406_726_3,
+                    0.911_875_865_495_484_2,
+                    0.990_549_670_771_290_3,
+                ],
+            ),
+        ];
+        check_step_decay(timm_decay, &cases);
+        // A decay of 0 is an exact copy, not a lerp of weight 1.
+        let p = ProfileSpec::Timm {
+            name: "t".into(),
+            decay: 0.9,
+            min_decay: 0.0,
+            update_after_step: 3,
+            use_warmup: false,
+            warmup_gamma: 1.0,
+            warmup_power: 2.0 / 3.0,
+        };
+        assert_eq!(decide(&p, 4, Some(1), 0).action, Action::Copy);
+        assert_eq!(
+            decide(&p, 5, Some(4), 0).action,
+            Action::Lerp { weight: 1.0 - 0.9 }
+        );
     }
 
     #[test]

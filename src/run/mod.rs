@@ -144,6 +144,40 @@ pub enum ProfileSpec {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         rampup_ratio: Option<f64>,
     },
+    /// diffusers `EMAModel.get_decay(step)`, the step being diffusers'
+    /// `optimization_step` (1 at the first `EMAModel.step`).
+    Diffusers {
+        name: String,
+        #[serde(default = "defaults::warmup_beta")]
+        decay: f64,
+        #[serde(default)]
+        min_decay: f64,
+        #[serde(default)]
+        update_after_step: u64,
+        #[serde(default)]
+        use_ema_warmup: bool,
+        #[serde(default = "defaults::inv_gamma")]
+        inv_gamma: f64,
+        #[serde(default = "defaults::power")]
+        power: f64,
+    },
+    /// timm `ModelEmaV3.get_decay(step)`, the step being the one given to
+    /// `ModelEmaV3.update(model, step)`.
+    Timm {
+        name: String,
+        #[serde(default = "defaults::warmup_beta")]
+        decay: f64,
+        #[serde(default)]
+        min_decay: f64,
+        #[serde(default)]
+        update_after_step: u64,
+        #[serde(default)]
+        use_warmup: bool,
+        #[serde(default = "defaults::inv_gamma")]
+        warmup_gamma: f64,
+        #[serde(default = "defaults::power")]
+        warmup_power: f64,
+    },
     /// Equal-weight running average from `start_step` on.
     Swa {
         name: String,
@@ -189,6 +223,8 @@ impl ProfileSpec {
             | ProfileSpec::Warmup { name, .. }
             | ProfileSpec::Power { name, .. }
             | ProfileSpec::HalfLife { name, .. }
+            | ProfileSpec::Diffusers { name, .. }
+            | ProfileSpec::Timm { name, .. }
             | ProfileSpec::Swa { name, .. } => name,
         }
     }
@@ -199,6 +235,8 @@ impl ProfileSpec {
             ProfileSpec::Warmup { .. } => "warmup",
             ProfileSpec::Power { .. } => "power",
             ProfileSpec::HalfLife { .. } => "half_life",
+            ProfileSpec::Diffusers { .. } => "diffusers",
+            ProfileSpec::Timm { .. } => "timm",
             ProfileSpec::Swa { .. } => "swa",
         }
     }
@@ -259,6 +297,49 @@ impl ProfileSpec {
                         return Err(field_err(format!("{at}.rampup_ratio"), "must be > 0"));
                     }
                 }
+            }
+            ProfileSpec::Diffusers {
+                decay,
+                min_decay,
+                inv_gamma,
+                power,
+                update_after_step,
+                ..
+            } => {
+                if *update_after_step > MAX_STEP {
+                    return Err(field_err(
+                        format!("{at}.update_after_step"),
+                        "must be <= 2^53",
+                    ));
+                }
+                check_step_decay(
+                at,
+                [("decay", *decay), ("min_decay", *min_decay)],
+                [("inv_gamma", *inv_gamma), ("power", *power)],
+            )?
+            }
+            ProfileSpec::Timm {
+                decay,
+                min_decay,
+                warmup_gamma,
+                warmup_power,
+                update_after_step,
+                ..
+            } => {
+                if *update_after_step > MAX_STEP {
+                    return Err(field_err(
+                        format!("{at}.update_after_step"),
+                        "must be <= 2^53",
+                    ));
+                }
+                check_step_decay(
+                at,
+                [("decay", *decay), ("min_decay", *min_decay)],
+                [
+                    ("warmup_gamma", *warmup_gamma),
+                    ("warmup_power", *warmup_power),
+                ],
+            )?
             }
             ProfileSpec::Swa { start_step, .. } => {
                 if *start_step > MAX_STEP {
@@ -430,6 +511,26 @@ fn check_warmup(
     }
     if !(min_value.is_finite() && min_value >= 0.0 && min_value <= beta) {
         return Err(field_err(format!("{at}.min_value"), "must be in [0, beta]"));
+    }
+    Ok(())
+}
+
+/// A `diffusers` or `timm` profile's values: decays in [0, 1], warmup
+/// parameters > 0.
+fn check_step_decay(
+    at: &str,
+    unit: [(&str, f64); 2],
+    positive: [(&str, f64); 2],
+) -> Result<(), FieldError> {
+    for (field, v) in unit {
+        if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+            return Err(field_err(format!("{at}.{field}"), "must be in [0, 1]"));
+        }
+    }
+    for (field, v) in positive {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(field_err(format!("{at}.{field}"), "must be > 0"));
+        }
     }
     Ok(())
 }
@@ -613,6 +714,26 @@ mod tests {
                 serde_json::json!({"name": "r", "world_size": 1,
                     "profiles": [{"name": "w", "kind": "warmup", "min_value": 0.5, "beta": 0.4}]}),
                 "profiles[0].min_value",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "d", "kind": "diffusers", "decay": 1.5}]}),
+                "profiles[0].decay",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "d", "kind": "diffusers", "inv_gamma": 0.0}]}),
+                "profiles[0].inv_gamma",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "t", "kind": "timm", "min_decay": -0.1}]}),
+                "profiles[0].min_decay",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "t", "kind": "timm", "warmup_power": 0.0}]}),
+                "profiles[0].warmup_power",
             ),
         ];
         for (json, field) in cases {

@@ -47,6 +47,15 @@ LAYERS: list[tuple[str, set[str]]] = [
             "integrations.transformers",
         },
     ),
+    # The drop-ins' run: a pusher and the read-back (over the client).
+    ("drop-in core", {"compat", "compat._remote"}),
+    # One drop-in per original class.
+    (
+        "drop-ins",
+        {"compat.swa_utils", "compat.ema_pytorch", "compat.timm", "compat.diffusers"},
+    ),
+    # Lightning's callbacks over the AveragedModel drop-in.
+    ("drop-in callbacks", {"compat.lightning"}),
     ("package", {"__init__", "__main__"}),
 ]
 
