@@ -310,3 +310,14 @@ def test_download_best_from_the_shell(c, trained, server, tmp_path, capsys):
     # Neither a snapshot nor --best: a usage error.
     with pytest.raises(SystemExit):
         main(["--url", server.url, "download", run])
+
+
+def test_poorly_fitted_lengths_are_warned_about_by_the_cli(c, trained, server, capsys):
+    run = trained["run"]
+    plan = c.get(f"/v1/runs/{run}/posthoc/plan", params={"sigma_rel": "0.005,0.1"}).json()
+    residuals = {t["sigma_rel"]: t["residual"] for t in plan["targets"]}
+    assert residuals[0.005] > 0.05 >= residuals[0.1]
+    assert main(["--url", server.url, "posthoc", run, "--sigma-rel", "0.005,0.1"]) == 0
+    err = capsys.readouterr().err
+    assert "sigma_rel 0.005 is poorly fitted" in err
+    assert "sigma_rel 0.1 is poorly" not in err

@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -245,13 +244,10 @@ def test_posthoc_search_equals_synthesis_by_hand_and_best_serves_it(evaluated):
 
 
 def test_eval_script_without_the_functions_is_a_usage_error(server, tmp_path):
+    from polyak.cli import main
+
     script = tmp_path / "empty.py"
-    script.write_text(textwrap.dedent("x = 1\n"))
-    out = subprocess.run(
-        [sys.executable, "-m", "polyak", "--url", server.url, "eval", "r", "--script", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode != 0
-    assert "defines no build_model or evaluate()" in out.stderr
+    script.write_text("x = 1\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["--url", server.url, "eval", "r", "--script", str(script)])
+    assert "defines no build_model or evaluate()" in str(refused.value)
