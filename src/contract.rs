@@ -157,6 +157,32 @@ string_enum! {
         Alert = "alert",
         /// Metric posts, for live subscribers only (not stored).
         Metrics = "metrics",
+        /// An evaluation of a candidate was stored.
+        Eval = "eval",
+    }
+}
+
+string_enum! {
+    /// What an evaluated candidate is: which weights of a snapshot.
+    CandidateKind, "candidate kind" {
+        /// A live profile's EMA, as a cut (`manual` or `periodic`) stored it.
+        Ema = "ema",
+        /// The online weights (the run's mirror) stored with a cut.
+        Online = "online",
+        /// A post-hoc EMA synthesised for one `sigma_rel`.
+        Posthoc = "posthoc",
+        /// A merged checkpoint.
+        Merge = "merge",
+    }
+}
+
+string_enum! {
+    /// Which end of a metric is best (`GET .../best?mode=`).
+    BestMode, "mode" {
+        /// Lowest wins (a loss, an FID).
+        Min = "min",
+        /// Highest wins (an accuracy).
+        Max = "max",
     }
 }
 
@@ -186,6 +212,8 @@ mod tests {
         check(SnapshotEventStatus::ALL);
         check(CutKind::ALL);
         check(EventKind::ALL);
+        check(CandidateKind::ALL);
+        check(BestMode::ALL);
         assert_eq!(EventKind::MirrorMismatch.as_str(), "mirror_mismatch");
         assert_eq!(CutKind::NextUpdate.as_str(), "next_update");
     }

@@ -243,6 +243,7 @@ pub enum Event {
     /// The alert as the alerts service lists it.
     Alert(serde_json::Value),
     Metrics(Metrics),
+    Eval(EvalRecorded),
 }
 
 impl Event {
@@ -262,6 +263,7 @@ impl Event {
             Event::SnapshotCorrupt(_) => EventKind::SnapshotCorrupt,
             Event::Alert(_) => EventKind::Alert,
             Event::Metrics(_) => EventKind::Metrics,
+            Event::Eval(_) => EventKind::Eval,
         }
     }
 
@@ -295,6 +297,7 @@ impl Event {
             Event::SnapshotCorrupt(p) => json(p),
             Event::Alert(v) => v.clone(),
             Event::Metrics(p) => json(p),
+            Event::Eval(p) => json(p),
         };
         (kind, detail)
     }
@@ -436,6 +439,17 @@ pub struct Restored {
 pub struct Annotated {
     pub tags: Vec<String>,
     pub note: String,
+}
+
+/// `eval`: an evaluation of a candidate was stored (the event's step is
+/// the candidate's).
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalRecorded {
+    pub snapshot: String,
+    pub profile: String,
+    pub evaluator: String,
+    pub kind: crate::contract::CandidateKind,
+    pub metrics: BTreeMap<String, f64>,
 }
 
 /// `metrics`: a metric post (live subscribers only).

@@ -11,6 +11,7 @@ use crate::events::EventBus;
 use crate::objstore::ObjectStore;
 use crate::registry::Registry;
 use crate::services::alerts::{AlertService, AlertsSvc};
+use crate::services::evals::Evals;
 use crate::services::ingest::Ingest;
 use crate::services::snapshots::{Snaps, SnapshotService};
 use crate::services::{Context, Shared};
@@ -24,6 +25,7 @@ pub struct AppInner {
     ingest: Arc<Ingest>,
     snapshots: Snaps,
     alerts: AlertsSvc,
+    evals: Arc<Evals>,
 }
 
 pub type AppState = Arc<AppInner>;
@@ -76,6 +78,7 @@ impl AppInner {
             ingest: Arc::new(Ingest::new(shared.clone())),
             snapshots: SnapshotService::new(&shared),
             alerts: AlertService::new(&shared),
+            evals: Arc::new(Evals::new(&shared)),
             shared,
         });
         Ok((state, captures_rx))
@@ -100,6 +103,10 @@ impl AppInner {
 
     pub fn alerts(&self) -> &AlertsSvc {
         &self.alerts
+    }
+
+    pub fn evals(&self) -> &Evals {
+        &self.evals
     }
 
     pub fn args(&self) -> &ServeArgs {

@@ -177,7 +177,7 @@ export function byStreamOrder(a, b) {
   return ka - kb || a.id - b.id;
 }
 
-export const EVENT_KINDS = ['run_created', 'rank_registered', 'push', 'rejection', 'snapshot', 'metrics', 'restored', 'resumed', 'alert'];
+export const EVENT_KINDS = ['run_created', 'rank_registered', 'push', 'rejection', 'snapshot', 'metrics', 'restored', 'resumed', 'alert', 'eval'];
 
 /**
  * A run's event stream. `onEvent(event)` gets the parsed `{id, seq, kind,

@@ -293,6 +293,8 @@ fn openapi_enums_are_the_python_clients_and_the_docs() {
         "SnapshotEventStatus",
         "CutKind",
         "EventKind",
+        "CandidateKind",
+        "BestMode",
     ];
     for set in sets {
         let served: Vec<String> = schemas[set]["enum"]

@@ -11,6 +11,7 @@
 //!   RFCs read them; unknown transfer codings refused.
 //! - [`vanished`]: a request whose run was deleted under it answers 404.
 //! - [`derived`]: post-hoc EMA (plan, sweep) and checkpoint merging.
+//! - [`evals`]: evaluations of candidates, the best candidate of a metric.
 //! - [`metrics`]: trainer scalars and the server's own series.
 //! - [`events`]: Server-Sent Events.
 //! - [`insight`]: tags, notes, alert rules and alerts, per-tensor drift,
@@ -23,6 +24,7 @@ pub mod conditional;
 pub mod conn;
 pub mod derived;
 pub mod error;
+pub mod evals;
 pub mod events;
 pub mod extract;
 pub mod insight;
@@ -60,6 +62,7 @@ use openapi::Contract;
         events::events, metrics::post, metrics::get,
         insight::patch_run, insight::list_alerts, insight::ack_alert,
         insight::tensor_drift, insight::window,
+        evals::post, evals::list, evals::best,
     ),
     components(schemas(
         error::ErrorBody, error::ErrorDetail,
@@ -86,6 +89,8 @@ use openapi::Contract;
         insight::MetaPatch, insight::AlertList, insight::TensorDrift, insight::ProfileWindow,
         insight::WindowResponse, crate::store::meta::RunMeta, crate::run::alerts::AlertRules,
         crate::run::alerts::MetricRule, crate::run::alerts::Goal, crate::services::alerts::Alert,
+        crate::services::evals::NewEval, crate::services::evals::Evaluation, crate::services::evals::Best,
+        evals::EvalList, crate::contract::CandidateKind, crate::contract::BestMode,
     )),
     tags(
         (name = "runs", description = "Create, list and delete runs"),
@@ -93,6 +98,7 @@ use openapi::Contract;
         (name = "push", description = "Push parameter shards"),
         (name = "snapshots", description = "Consistent snapshots, downloads, compare, resume"),
         (name = "monitoring", description = "Events and metrics"),
+        (name = "evals", description = "Evaluations of EMA candidates, and the best one"),
         (name = "ops", description = "Health and metrics"),
     )
 )]
@@ -185,6 +191,8 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/runs/{run}/posthoc/plan", get(derived::plan))
         .route("/v1/runs/{run}/merge", axum::routing::post(derived::merge))
+        .route("/v1/runs/{run}/evals", get(evals::list).post(evals::post))
+        .route("/v1/runs/{run}/best", get(evals::best))
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -17,6 +17,8 @@
 //! - [`alerts`]: per-run alert rules evaluated from events and a tick;
 //!   webhooks.
 //! - [`runs`]: deleting a run, exporting its live EMA, engine liveness.
+//! - [`evals`]: evaluations of candidates (a snapshot's profile or its
+//!   online weights), and the best candidate of a metric.
 //! - [`snapshots`]: the snapshot lifecycle (cuts, capture writes,
 //!   retention, state persistence, restore and recovery) and derived
 //!   snapshots (post-hoc, merge).
@@ -24,6 +26,7 @@
 pub mod alerts;
 pub mod cluster;
 pub mod error;
+pub mod evals;
 pub mod ingest;
 pub mod monitor;
 pub mod nodes;

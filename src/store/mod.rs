@@ -11,6 +11,7 @@
 //! events) goes through [`writer::CatalogWriter`], which batches it into
 //! one transaction every few hundred milliseconds.
 
+pub mod evals;
 pub mod meta;
 pub mod nodes;
 pub mod placement;

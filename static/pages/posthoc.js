@@ -9,6 +9,7 @@ import { categoryAxis, chartCard, color, createChart, fade } from '../charts.js'
 import { badge, emptyBox, errorBox, h, loadingBox, setCrumbs, snapshotBadge, stat, tableWrap } from '../dom.js';
 import { fmtBytes, fmtNum, fmtRelative, fmtStep } from '../format.js';
 import { runHeader, runHref, setConnection } from './common.js';
+import { sigmaPanel } from './evals.js';
 
 // The slider spans these sigma_rel on a log axis (EDM2's range of interest;
 // 0.3 is the largest a power EMA can have).
@@ -51,6 +52,7 @@ export function render(root, { run, query }, ctx) {
   const card = chartCard('Source weights', 'each stored EMA\'s coefficient; they sum to 1');
   const planTable = h('div', {});
   const results = h('div', {}, loadingBox('Loading derived snapshots…'));
+  const sigmaUi = sigmaPanel(ctx, run);
 
   root.append(
     h(
@@ -79,6 +81,7 @@ export function render(root, { run, query }, ctx) {
           progressBox,
         ),
         h('section', { class: 'card' }, h('div', { class: 'card-head' }, h('h2', {}, 'Derived snapshots')), results),
+        sigmaUi.el,
       ),
     ),
   );
@@ -388,12 +391,17 @@ export function render(root, { run, query }, ctx) {
 
   init();
   loadDerived();
+  sigmaUi.start();
   // Progress of a job (transient events) and snapshot changes.
   let eventTimer = null;
   const stream = openEvents(run, {
-    kinds: ['snapshot'],
+    kinds: ['snapshot', 'eval'],
     since: null,
     onEvent: (ev) => {
+      if (ev.kind === 'eval') {
+        sigmaUi.onEvent();
+        return;
+      }
       const d = ev.detail || {};
       if (d.status === 'running' && Array.isArray(d.ids) && d.ids.some((id) => watching.has(id))) {
         progressBox.hidden = false;

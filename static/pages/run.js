@@ -8,6 +8,7 @@ import { alignByX, chartCard, color, createChart, fade, smoothEma } from '../cha
 import { badge, emptyBox, errorBox, h, healthBadge, loadingBox, rankStatusText, rankTone, setCrumbs, stat, tableWrap } from '../dom.js';
 import { fmtAge, fmtBytes, fmtClock, fmtInt, fmtNum, fmtRate, fmtRelative, fmtSeconds, fmtStep, fmtTime } from '../format.js';
 import { runHeader, setConnection } from './common.js';
+import { evalsPanel } from './evals.js';
 import { runExtras } from './runextras.js';
 
 const RUN_REFRESH_MS = 3000;
@@ -682,6 +683,7 @@ export function render(root, { run }, ctx) {
   let stats = null;
   let ranksUi = null;
   let trainer = null;
+  let evalsUi = null;
   let log = null;
   let renderTimer = null;
   let extras = null;
@@ -761,6 +763,7 @@ export function render(root, { run }, ctx) {
     if (e.kind === 'push') onPush(e);
     else if (e.kind === 'metrics') trainer.onEvent(e);
     else if (e.kind === 'alert') extras.refresh();
+    else if (e.kind === 'eval') evalsUi.onEvent(e);
     else if (e.kind === 'rank_registered' || e.kind === 'rejection' || e.kind === 'restored' || e.kind === 'resumed' || e.kind === 'finished') refreshRun();
   }
 
@@ -821,13 +824,15 @@ export function render(root, { run }, ctx) {
     stats = statsStrip();
     ranksUi = ranksPanel(first.config.world_size);
     trainer = trainerPanel(ctx, run);
+    evalsUi = evalsPanel(ctx, run, first.config);
     const server = serverPanel(ctx, run, first.config);
     log = eventsPanel(ctx);
     extras = runExtras(ctx, run, first);
     header.el.querySelector('.title-row').append(extras.badge);
-    body.replaceChildren(stats.el, extras.el, ranksUi.el, trainer.el, server.el, h('div', { class: 'split' }, log.el, configPanel(first)));
+    body.replaceChildren(stats.el, extras.el, ranksUi.el, trainer.el, evalsUi.el, server.el, h('div', { class: 'split' }, log.el, configPanel(first)));
     refreshRanks();
     trainer.start();
+    evalsUi.start();
     server.start();
     startEvents();
     ctx.every(RUN_REFRESH_MS, refreshRun);

@@ -7,6 +7,7 @@ import { api, isAbort, runPath, withQuery } from '../api.js';
 import { alignByX, chartCard, color, createChart, fade, smoothEma } from '../charts.js';
 import { emptyBox, errorBox, h, loadingBox, setCrumbs } from '../dom.js';
 import { fmtNum, fmtStep } from '../format.js';
+import { bestPerMetric, bestText } from './evals.js';
 import { matches } from './runs.js';
 
 /** Points per run and series fetched at most. */
@@ -43,6 +44,7 @@ export function render(root, { query }, ctx) {
   let allRuns = [];
   let chart = null;
   let series = {}; // run -> points of the chosen metric
+  let bests = {}; // run -> its best evaluated value per metric (legend)
 
   function keepInUrl() {
     const params = new URLSearchParams();
@@ -96,7 +98,9 @@ export function render(root, { query }, ctx) {
     const defs = [];
     runs.forEach((r, i) => {
       defs.push({ label: `${r} (raw)`, color: fade(color(i), 0.25), width: 1 });
-      defs.push({ label: r, color: color(i), width: 2 });
+      // The run's best evaluation per metric, where it has any.
+      const best = bests[r] && Object.keys(bests[r]).length ? ` · ${bestText(bests[r])}` : '';
+      defs.push({ label: `${r}${best}`, color: color(i), width: 2 });
       data.push(aligned[i + 1], smoothEma(aligned[i + 1], state.smooth));
     });
     chart = createChart(card.body, 'compare-runs', {
@@ -108,6 +112,7 @@ export function render(root, { query }, ctx) {
     chart.update(data);
     chart.plot.polyak.runs = runs;
     chart.plot.polyak.metric = state.metric;
+    chart.plot.polyak.bests = Object.fromEntries(runs.map((r) => [r, bests[r] || {}]));
   }
 
   async function loadSeries() {
@@ -120,6 +125,11 @@ export function render(root, { query }, ctx) {
         state.runs.map((r) => api(withQuery(runPath(r, '/metrics'), { rank: 'run', limit: LIMIT, ...(state.metric ? { names: state.metric } : {}) }), { signal: ctx.signal }).then((d) => [r, d])),
       );
       if (!ctx.active) return;
+      // Evaluations are optional: a run without any (or a server without
+      // the endpoint) shows no best.
+      const evalBests = await Promise.all(state.runs.map((r) => bestPerMetric(r, ctx.signal).catch(() => ({}))));
+      if (!ctx.active) return;
+      bests = Object.fromEntries(state.runs.map((r, i) => [r, evalBests[i]]));
       // The metric names of every chosen run (one more call when the first answer was filtered).
       for (const [r, d] of answers) {
         d.names.forEach((n) => names.add(n));

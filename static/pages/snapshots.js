@@ -5,6 +5,7 @@ import { api, authUrl, isAbort, openEvents, runPath, withQuery } from '../api.js
 import { badge, confirmDialog, emptyBox, errorBox, h, loadingBox, setCrumbs, snapshotBadge, tableWrap } from '../dom.js';
 import { fmtBytes, fmtRelative, fmtStep, fmtTime } from '../format.js';
 import { runHeader, runHref, setConnection } from './common.js';
+import { snapshotMetricColumns } from './evals.js';
 
 const PENDING_REFRESH_MS = 1500;
 const IDLE_REFRESH_MS = 10000;
@@ -58,6 +59,9 @@ export function render(root, { run }, ctx) {
   let loaded = false;
   let pendingTimer = null;
   const deleting = new Set();
+  // A column per evaluated metric (the shown profile's value, the best ★).
+  const metricCols = snapshotMetricColumns(run);
+  const profileOf = (row) => (row.profiles.includes(profileSelect.value) ? profileSelect.value : row.profiles[0]);
 
   function say(text, tone = 'info') {
     notice.hidden = !text;
@@ -101,6 +105,7 @@ export function render(root, { run }, ctx) {
       h('td', { dataset: { field: 'kind' } }, badge(row.kind, row.kind === 'manual' ? 'info' : 'muted')),
       h('td', { dataset: { field: 'status' } }, statusCell(row)),
       h('td', { class: 'num', dataset: { field: 'size' } }, row.status === 'complete' ? fmtBytes(row.bytes) : '—'),
+      metricCols.cells(row, profileOf(row)),
       h('td', { title: fmtTime(row.created_at_ms), dataset: { field: 'created' } }, fmtRelative(row.created_at_ms)),
       h('td', { dataset: { field: 'download' } }, downloads(row)),
       h(
@@ -114,7 +119,10 @@ export function render(root, { run }, ctx) {
 
   function draw() {
     const kind = kindSelect.value;
-    const matching = rows.filter((r) => !kind || r.kind === kind);
+    const matching = metricCols.sort(
+      rows.filter((r) => !kind || r.kind === kind),
+      profileOf,
+    );
     const shown = showAll ? matching : matching.slice(0, ROWS_SHOWN);
     const complete = rows.filter((r) => r.status === 'complete');
     count.textContent = rows.length ? `${rows.length} total · ${complete.length} complete · ${fmtBytes(complete.reduce((s, r) => s + r.bytes, 0))}` : '';
@@ -130,7 +138,7 @@ export function render(root, { run }, ctx) {
           h(
             'thead',
             {},
-            h('tr', {}, h('th', { class: 'num' }, 'Step'), h('th', {}, 'Label / id'), h('th', {}, 'Kind'), h('th', {}, 'Status'), h('th', { class: 'num' }, 'Size'), h('th', {}, 'Created'), h('th', {}, 'Download'), h('th', {}, '')),
+            h('tr', {}, h('th', { class: 'num' }, 'Step'), h('th', {}, 'Label / id'), h('th', {}, 'Kind'), h('th', {}, 'Status'), h('th', { class: 'num' }, 'Size'), metricCols.headers(draw), h('th', {}, 'Created'), h('th', {}, 'Download'), h('th', {}, '')),
           ),
           h('tbody', {}, shown.map(tableRow)),
         ),
@@ -168,7 +176,12 @@ export function render(root, { run }, ctx) {
   async function load() {
     const seq = ++loadSeq;
     try {
-      const [list, view] = await Promise.all([api(runPath(run, '/snapshots'), { signal: ctx.signal }), profiles.length ? null : api(runPath(run), { signal: ctx.signal })]);
+      const [list, view] = await Promise.all([
+        api(runPath(run, '/snapshots'), { signal: ctx.signal }),
+        profiles.length ? null : api(runPath(run), { signal: ctx.signal }),
+        // Evaluations are extra columns: the table shows without them.
+        metricCols.load(ctx.signal).catch(() => {}),
+      ]);
       if (!ctx.active || seq !== loadSeq) return;
       if (view) setProfiles(view.config.profiles.map((p) => p.name));
       rows = [...list.snapshots].sort((a, b) => b.created_at_ms - a.created_at_ms || b.step - a.step);
@@ -240,7 +253,7 @@ export function render(root, { run }, ctx) {
   // Snapshot events (created, completed, failed, deleted) refresh the table at once.
   let eventTimer = null;
   const stream = openEvents(run, {
-    kinds: ['snapshot'],
+    kinds: ['snapshot', 'eval'],
     since: null,
     onEvent: () => {
       clearTimeout(eventTimer);

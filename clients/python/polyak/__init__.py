@@ -24,6 +24,8 @@ Layout:
   ``torch.compile``, plain), and joining chunks back.
 - :mod:`polyak.wire`: safetensors push bodies written in place; reading EMA files.
 - :mod:`polyak.downloads`: snapshot downloads with a progress bar.
+- :mod:`polyak.evals`: evaluations of EMA candidates, ``EvalWorker`` and
+  ``posthoc_search``.
 - :mod:`polyak.contract`: the values the server sends (snapshot statuses
   and kinds, event kinds, download layouts) as enums.
 - :mod:`polyak._transport`: the one way to the server (connection reuse,
@@ -39,6 +41,7 @@ Layout:
 from ._version import __version__
 from .client import Client, RankEma, Run
 from .errors import PolyakError
+from .evals import EvalWorker
 from .pusher import Attachment, Pusher, PushStats, RetryPolicy
 from .shards import assemble
 from .wire import Chunk
@@ -47,6 +50,7 @@ __all__ = [
     "Attachment",
     "Chunk",
     "Client",
+    "EvalWorker",
     "PolyakError",
     "PushStats",
     "Pusher",

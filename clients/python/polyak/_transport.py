@@ -120,11 +120,19 @@ class Transport:
         return r
 
     def stream(
-        self, path: str, *, params: Mapping[str, Any] | None = None, token: str | None = None
+        self,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        token: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         """A streamed GET (the caller closes it); errors raise as ``request``."""
         req = self._http.build_request(
-            "GET", path, params=_without_none(params), headers=self.auth(token)
+            "GET",
+            path,
+            params=_without_none(params),
+            headers={**(headers or {}), **self.auth(token)},
         )
         try:
             r = self._http.send(req, stream=True)

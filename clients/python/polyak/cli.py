@@ -169,10 +169,25 @@ def cmd_snapshots(client: Client, args: argparse.Namespace) -> None:
 
 def cmd_download(client: Client, args: argparse.Namespace) -> None:
     run = client.run(args.run)
+    snapshot, profile = args.snapshot, args.profile
+    if args.best is not None:
+        if snapshot is not None:
+            raise SystemExit("polyak download: give a snapshot id or --best, not both")
+        chosen = run.best(args.best, args.mode, kind=args.kind, profile=profile)
+        snapshot = chosen["evaluation"]["snapshot"]
+        profile = chosen["evaluation"]["profile"]
+        print(
+            f"best {args.best} ({args.mode}): {chosen['value']:.6g} at step "
+            f"{chosen['evaluation']['step']}, {chosen['evaluation']['kind']} {profile} "
+            f"of {snapshot}",
+            file=sys.stderr,
+        )
+    elif snapshot is None:
+        raise SystemExit("polyak download: give a snapshot id or --best METRIC")
     path = run.download_to(
-        args.snapshot,
+        snapshot,
         args.output,
-        args.profile,
+        profile,
         layout=args.layout,
         dtype=args.dtype,
         progress=not args.no_progress,
@@ -264,6 +279,7 @@ def cmd_posthoc(client: Client, args: argparse.Namespace) -> None:
         progress=not args.no_wait and not args.json,
     )
     snaps = snaps if isinstance(snaps, list) else [snaps]
+    _warn_poor_fits(snaps)
     if args.json:
         _print_json(snaps if len(snaps) > 1 else snaps[0])
         return
@@ -275,6 +291,22 @@ def cmd_posthoc(client: Client, args: argparse.Namespace) -> None:
             f"step {_dash(snap.get('step'))}: {snap.get('status')}"
             + (f", fit residual {residual:.3g}" if residual is not None else "")
         )
+
+
+def _warn_poor_fits(snaps: list[dict[str, Any]]) -> None:
+    """Names on stderr the lengths whose fit residual is above the client's
+    threshold (the stored power snapshots cannot synthesise them well)."""
+    from .evals import POORLY_FITTED
+
+    for snap in snaps:
+        detail = snap.get("detail") or {}
+        residual = detail.get("residual")
+        if residual is not None and residual > POORLY_FITTED:
+            print(
+                f"polyak: warning: sigma_rel {detail.get('sigma_rel', 0):g} is poorly fitted "
+                f"(residual {residual:.3g} > {POORLY_FITTED})",
+                file=sys.stderr,
+            )
 
 
 def cmd_merge(client: Client, args: argparse.Namespace) -> None:
@@ -346,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     _snapshot_commands(command)
     _derived_commands(command)
     _log_command(command)
+    _eval_command(command)
     return parser
 
 
@@ -392,7 +425,17 @@ def _snapshot_commands(command: Command) -> None:
 
     p = command("download", "download a snapshot with a progress bar")
     p.add_argument("run", help=RUN_HELP)
-    p.add_argument("snapshot", help="snapshot id")
+    p.add_argument("snapshot", nargs="?", default=None, help="snapshot id (or --best)")
+    p.add_argument(
+        "--best",
+        metavar="METRIC",
+        default=None,
+        help="download the best evaluated candidate of METRIC instead",
+    )
+    p.add_argument("--mode", choices=["min", "max"], default="min", help="with --best")
+    p.add_argument(
+        "--kind", default=None, help="with --best: only ema, online, posthoc or merge candidates"
+    )
     p.add_argument("--profile", default=None, help="profile (default the snapshot's first)")
     p.add_argument(
         "--layout",
@@ -482,6 +525,60 @@ def _log_command(command: Command) -> None:
     p.add_argument("values", nargs="+", help="name=value pairs")
     p.add_argument("--rank", type=int, default=None, help="a rank's series (default the run's)")
     p.set_defaults(func=cmd_log)
+
+
+def cmd_eval(client: Client, args: argparse.Namespace) -> None:
+    import runpy
+
+    from .evals import EvalWorker
+
+    script = runpy.run_path(args.script)
+    missing = [f for f in ("build_model", "evaluate") if not callable(script.get(f))]
+    if missing:
+        raise SystemExit(f"polyak eval: {args.script} defines no {' or '.join(missing)}()")
+    worker = EvalWorker(
+        client.run(args.run),
+        script["build_model"],
+        script["evaluate"],
+        profiles=args.profiles.split(",") if args.profiles else None,
+        include_online=not args.no_online,
+        device=args.device,
+        evaluator=args.evaluator,
+        progress=False if args.no_progress else None,
+    )
+    done = worker.run(follow=args.follow, until_finished=args.until_finished)
+    if args.json:
+        _print_json({"evaluated": done})
+    else:
+        print(f"{done} evaluation(s) posted", file=sys.stderr)
+
+
+def _eval_command(command: Command) -> None:
+    p = command(
+        "eval",
+        "evaluate every snapshot's candidates with a script defining build_model() and "
+        "evaluate(model) -> {metric: value}",
+    )
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument("--script", required=True, help="a Python file with build_model and evaluate")
+    p.add_argument(
+        "--follow", action="store_true", help="keep evaluating new snapshots until stopped"
+    )
+    p.add_argument(
+        "--until-finished",
+        action="store_true",
+        help="with --follow: stop once the run is finished and every snapshot evaluated",
+    )
+    p.add_argument("--profiles", default=None, help="comma-separated profiles (default all)")
+    p.add_argument("--no-online", action="store_true", help="skip the online weights")
+    p.add_argument("--device", default=None, help="where to evaluate (e.g. cuda:0)")
+    p.add_argument(
+        "--evaluator",
+        default=None,
+        help="name stored with each evaluation (one evaluation per candidate and evaluator)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

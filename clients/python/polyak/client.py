@@ -805,6 +805,70 @@ class Run:
             return row
         return self._wait_derived([row], timeout=timeout, poll=poll, progress=progress)[0]
 
+    # -- evaluations (see polyak.evals) -------------------------------------
+
+    def post_eval(
+        self,
+        snapshot: str | int | Mapping[str, Any],
+        profile: str,
+        metrics: Mapping[str, float],
+        *,
+        evaluator: str | None = None,
+    ) -> dict[str, Any]:
+        """Stores an evaluation of one candidate: a ``profile`` of a complete
+        ``snapshot``, or ``"online"`` (its mirror). Posting the same numbers
+        again is accepted; other numbers raise ``eval_conflict``."""
+        from . import evals
+
+        return evals.post_eval(self, snapshot_id(snapshot), profile, metrics, evaluator=evaluator)
+
+    def evals(
+        self,
+        *,
+        metric: str | None = None,
+        profile: str | None = None,
+        kind: str | None = None,
+        evaluator: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """The run's evaluations by step, each with its candidate's ``step``,
+        ``kind``, ``sigma_rel``, ``residual`` and ``sources``."""
+        from . import evals
+
+        return evals.evals(self, metric=metric, profile=profile, kind=kind, evaluator=evaluator)
+
+    def best(
+        self,
+        metric: str,
+        mode: str = "min",
+        *,
+        kind: str | None = None,
+        profile: str | None = None,
+        evaluator: str | None = None,
+    ) -> dict[str, Any]:
+        """The best evaluated candidate of ``metric``: ``{metric, mode,
+        value, evaluation, download}`` (``download``: the path of its
+        weights)."""
+        from . import evals
+
+        return evals.best(self, metric, mode, kind=kind, profile=profile, evaluator=evaluator)
+
+    def posthoc_search(
+        self,
+        sigma_rel: Sequence[float],
+        evaluate: Callable[[torch.nn.Module], Any],
+        model: torch.nn.Module,
+        step: int | None = None,
+        profiles: Sequence[str] | None = None,
+        **options: Any,
+    ) -> list[dict[str, Any]]:
+        """Evaluates a post-hoc sweep and returns its rows best first (see
+        :func:`polyak.evals.posthoc_search`)."""
+        from . import evals
+
+        return evals.posthoc_search(
+            self, sigma_rel, evaluate, model, step=step, profiles=profiles, **options
+        )
+
     def _wait_derived(
         self,
         rows: list[dict[str, Any]],

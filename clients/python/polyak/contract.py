@@ -15,6 +15,8 @@ from .errors import PolyakError
 
 __all__ = [
     "DERIVED_KINDS",
+    "BestMode",
+    "CandidateKind",
     "CutKind",
     "DownloadLayout",
     "EventKind",
@@ -89,6 +91,28 @@ class EventKind(str, Enum):
     SNAPSHOT_CORRUPT = "snapshot_corrupt"
     ALERT = "alert"
     METRICS = "metrics"
+    #: An evaluation of a candidate was stored.
+    EVAL = "eval"
+
+
+class CandidateKind(str, Enum):
+    """An evaluation's ``kind``: which weights of a snapshot it measured."""
+
+    #: A live profile's EMA, as a cut stored it.
+    EMA = "ema"
+    #: The online weights (the run's mirror) stored with a cut.
+    ONLINE = "online"
+    #: A post-hoc EMA synthesised for one ``sigma_rel``.
+    POSTHOC = "posthoc"
+    #: A merged checkpoint.
+    MERGE = "merge"
+
+
+class BestMode(str, Enum):
+    """Which end of a metric is best (``GET .../best?mode=``)."""
+
+    MIN = "min"
+    MAX = "max"
 
 
 class CutKind(str, Enum):

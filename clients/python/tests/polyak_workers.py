@@ -301,3 +301,28 @@ def dcp_loads(shard_dir: Path, want: dict, tmp_path: Path) -> tuple[dict, dict, 
     three = torch.load(tmp_path / "dcp-full.pt")["full"]
     rows = [torch.load(tmp_path / f"dcp-local-{r}.pt") for r in range(3)]
     return one, three, rows
+
+
+def ddp_finish_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """DDP trained with AdamW and pushed with ``attach`` for ``steps`` steps
+    (``cfg``: init, url, run, steps); then rank 0 finishes the run (its
+    final snapshot)."""
+    _init(rank, world, cfg["init"])
+    try:
+        torch.manual_seed(0)
+        model, _ = _wrap("ddp", TinyTransformer())
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+        run = polyak.Client(cfg["url"]).run(cfg["run"])
+        pusher = run.pusher(rank=rank)
+        pusher.attach(opt, model)
+        gen = torch.Generator().manual_seed(3000 + rank)
+        for _ in range(cfg["steps"]):
+            train_step(model, opt, gen)
+        pusher.flush()
+        pusher.close()
+        dist.barrier()
+        if rank == 0:
+            run.finish()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

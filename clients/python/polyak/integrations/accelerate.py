@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..client import Run
     from ..pusher import Attachment, Pusher
 
-__all__ = ["PolyakAccelerate"]
+__all__ = ["PolyakAccelerate", "PolyakTracker"]
 
 
 class PolyakAccelerate:
@@ -84,3 +84,38 @@ class PolyakAccelerate:
             self.accelerator.wait_for_everyone()
             if self.accelerator.is_main_process:
                 self.run.finish()
+
+
+def _general_tracker() -> type:
+    from accelerate.tracking import GeneralTracker
+
+    return GeneralTracker
+
+
+class PolyakTracker(_general_tracker()):  # type: ignore[misc]
+    """An accelerate tracker: ``Accelerator(log_with=[PolyakTracker(run)])``
+    sends what ``accelerator.log(values, step=step)`` records to ``run``'s
+    metrics at that step (on the main process; non-finite values and
+    non-numbers left out)."""
+
+    name = "polyak"
+    requires_logging_directory = False
+    main_process_only = True
+
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.run = run
+
+    @property
+    def tracker(self) -> Run:
+        return self.run
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        """The run's configuration lives on the server: nothing to store."""
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        from ._metrics import finite_scalars
+
+        scalars = finite_scalars(values)
+        if scalars and step is not None:
+            self.run.log(int(step), **scalars)

@@ -38,8 +38,11 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import Logger as _LightningLogger
+from lightning.pytorch.utilities import rank_zero_only as _rank_zero_only
 
 from ..errors import PolyakError
+from ._metrics import finite_scalars
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     from ..client import Run
     from ..pusher import Attachment, Pusher
 
-__all__ = ["PolyakCallback"]
+__all__ = ["PolyakCallback", "PolyakLogger"]
 
 
 class PolyakCallback(Callback):
@@ -161,3 +164,36 @@ class PolyakCallback(Callback):
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._swap_out()
+
+
+class PolyakLogger(_LightningLogger):  # type: ignore[misc]
+    """A Lightning ``Logger`` that sends what ``self.log(...)`` records to
+    ``run``'s metrics, at the trainer's step; usable beside TensorBoard,
+    CSV or W&B loggers (``Trainer(logger=[csv, PolyakLogger(run)])``).
+
+    Lightning calls it on global rank 0 only. Non-finite values are left
+    out (the server refuses them); tensors become floats.
+    """
+
+    def __init__(self, run: Run, *, prefix: str = "") -> None:
+        super().__init__()
+        self.run = run
+        self.prefix = prefix
+
+    @property
+    def name(self) -> str:
+        return "polyak"
+
+    @property
+    def version(self) -> str:
+        return self.run.name
+
+    @_rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Hyperparameters are the run's configuration here: nothing to send."""
+
+    @_rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        values = finite_scalars(metrics, self.prefix)
+        if values and step is not None:
+            self.run.log(int(step), **values)

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from ._metrics import finite_scalars
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -64,13 +66,18 @@ class PolyakTrainerCallback(TrainerCallback):  # type: ignore[misc]
         *,
         snapshot_on_save: bool = True,
         finish: bool = False,
+        log_metrics: bool = True,
         **pusher_options: Any,
     ) -> None:
         self.run = run
         self.snapshot_on_save = snapshot_on_save
         self.finish = finish
+        self.log_metrics = log_metrics
         self.pusher_options = pusher_options
         self.pusher: Pusher | None = None
+        # What the last `on_log` sent: `evaluate` logs its metrics and then
+        # calls `on_evaluate` with the same ones, sent once.
+        self._logged: tuple[int, set[str]] = (-1, set())
 
     def _pusher(self) -> Pusher:
         if self.pusher is None:
@@ -104,6 +111,36 @@ class PolyakTrainerCallback(TrainerCallback):  # type: ignore[misc]
             _barrier()
             if state.is_world_process_zero:
                 self.run.finish()
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        """The Trainer's logs (``loss``, ``learning_rate``, ``eval_*``) as
+        run metrics at ``state.global_step``, as its own loggers record them."""
+        if not self.log_metrics or not logs or not state.is_world_process_zero:
+            return
+        values = finite_scalars(logs)
+        if values:
+            self.run.log(int(state.global_step), **values)
+        self._logged = (int(state.global_step), set(values))
+
+    def on_evaluate(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        metrics: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Evaluation metrics not already sent through ``on_log``."""
+        if not self.log_metrics or not metrics or not state.is_world_process_zero:
+            return
+        step, sent = self._logged
+        values = finite_scalars(metrics)
+        if step == int(state.global_step):
+            values = {k: v for k, v in values.items() if k not in sent}
+        if values:
+            self.run.log(int(state.global_step), **values)
 
     @contextlib.contextmanager
     def ema_weights(self, model: nn.Module, profile: str | None = None) -> Iterator[nn.Module]:

@@ -1,0 +1,456 @@
+"""Evaluations of EMA candidates: post them, list them, find the best one,
+evaluate every candidate of a run as it appears (:class:`EvalWorker`), and
+choose an EMA length by evaluating a post-hoc sweep (:func:`posthoc_search`).
+
+A *candidate* is the weights of one profile of one complete snapshot (an
+EMA profile of a cut, ``online`` for the mirror stored with it, a
+``posthoc`` or ``merge`` result). The server keeps one evaluation per
+snapshot, profile and evaluator, so posting again is safe: the same
+numbers are accepted, other numbers refused (``eval_conflict``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any
+
+import httpx
+import torch
+
+from .contract import BestMode, SnapshotKind, SnapshotStatus, snapshot_id
+from .errors import PolyakError
+
+if TYPE_CHECKING:
+    from .client import Run
+
+__all__ = [
+    "POORLY_FITTED",
+    "EvalWorker",
+    "best",
+    "evals",
+    "load_weights",
+    "post_eval",
+    "posthoc_search",
+]
+
+#: A post-hoc length whose fit residual is above this is flagged (the
+#: stored snapshots are too sparse or too short to synthesise it well).
+POORLY_FITTED = 0.05
+
+#: The profile name of a snapshot's online weights (its mirror).
+ONLINE = "online"
+
+Metrics = Mapping[str, float]
+
+
+def post_eval(
+    run: Run,
+    snapshot: str | Mapping[str, Any],
+    profile: str,
+    metrics: Metrics,
+    *,
+    evaluator: str | None = None,
+) -> dict[str, Any]:
+    """Stores an evaluation of one candidate (``POST .../evals``); the
+    stored evaluation with its candidate's ``step``, ``kind``,
+    ``sigma_rel`` and ``residual``."""
+    body: dict[str, Any] = {
+        "snapshot": snapshot_id(snapshot),
+        "profile": profile,
+        "metrics": {str(k): float(v) for k, v in metrics.items()},
+    }
+    if evaluator:
+        body["evaluator"] = evaluator
+    return dict(
+        run.client.request("POST", f"{run.path}/evals", json=body, token=run.write_token).json()
+    )
+
+
+def evals(
+    run: Run,
+    *,
+    metric: str | None = None,
+    profile: str | None = None,
+    kind: str | None = None,
+    evaluator: str | None = None,
+) -> list[dict[str, Any]]:
+    """The run's evaluations by step (``GET .../evals``), filtered."""
+    data = run.client.request(
+        "GET",
+        f"{run.path}/evals",
+        params={"metric": metric, "profile": profile, "kind": kind, "evaluator": evaluator},
+        token=run.read_token,
+    ).json()
+    return list(data["evals"])
+
+
+def best(
+    run: Run,
+    metric: str,
+    mode: str = BestMode.MIN.value,
+    *,
+    kind: str | None = None,
+    profile: str | None = None,
+    evaluator: str | None = None,
+) -> dict[str, Any]:
+    """The best evaluated candidate of ``metric`` (``GET .../best``):
+    ``{metric, mode, value, evaluation, download}``."""
+    return dict(
+        run.client.request(
+            "GET",
+            f"{run.path}/best",
+            params={
+                "metric": metric,
+                "mode": BestMode(mode).value,
+                "kind": kind,
+                "profile": profile,
+                "evaluator": evaluator,
+            },
+            token=run.read_token,
+        ).json()
+    )
+
+
+def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """Loads downloaded weights into ``model``: every tensor must be one of
+    the model's, and every parameter must be there (buffers the run did not
+    push keep the model's own values)."""
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    params = {name for name, _ in model.named_parameters()}
+    lacking = [m for m in missing if m in params]
+    if unexpected or lacking:
+        raise PolyakError(
+            f"the weights do not fit the model: unexpected {sorted(unexpected)}, "
+            f"missing parameters {sorted(lacking)}",
+            code="weights_mismatch",
+        )
+    return model
+
+
+def _metrics_of(result: Any) -> dict[str, float]:
+    if isinstance(result, Mapping):
+        return {str(k): float(v) for k, v in result.items()}
+    raise PolyakError(
+        f"evaluate(model) must return a dict of metric name -> number, got {type(result).__name__}",
+        code="invalid_eval",
+    )
+
+
+def _evaluate(
+    run: Run,
+    model: torch.nn.Module,
+    evaluate: Callable[[torch.nn.Module], Any],
+    snapshot: str,
+    profile: str,
+    device: torch.device | str | None,
+) -> dict[str, float]:
+    state = run.download(snapshot, profile, progress=False)
+    load_weights(model, state)
+    if device is not None:
+        model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _metrics_of(evaluate(model))
+    finally:
+        model.train(was_training)
+
+
+class EvalWorker:
+    """Evaluates every candidate of a run that this evaluator has not
+    evaluated: each profile of every complete snapshot (``profiles``: only
+    these; derived snapshots' profiles included) and, with
+    ``include_online``, the online weights stored with each cut.
+
+    For each, it downloads the weights, loads them into the model
+    ``build_model()`` made (once), calls ``evaluate(model)`` (in eval mode,
+    without gradients) for a dict of metrics, and posts them. It never
+    touches the training job: it reads the run's snapshots like any client.
+
+    ``run(follow=True)`` catches up on what is there, then follows the
+    run's event stream (reconnecting with ``Last-Event-ID``) and evaluates
+    each new complete snapshot; with ``until_finished`` it returns once the
+    run is finished and every complete snapshot is evaluated. SIGTERM (and
+    :meth:`stop`) stops it after the evaluation under way is posted.
+    Restarting it, or running two, repeats nothing: what this evaluator
+    has posted is skipped.
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        build_model: Callable[[], torch.nn.Module],
+        evaluate: Callable[[torch.nn.Module], Any],
+        profiles: Sequence[str] | None = None,
+        include_online: bool = True,
+        device: torch.device | str | None = None,
+        *,
+        evaluator: str | None = None,
+        progress: bool | IO[str] | None = None,
+    ) -> None:
+        self.run_ = run
+        self.build_model = build_model
+        self.evaluate = evaluate
+        self.profiles = None if profiles is None else list(profiles)
+        self.include_online = include_online
+        self.device = device
+        self.evaluator = evaluator or ""
+        self.progress = progress
+        self.evaluated = 0
+        self._model: torch.nn.Module | None = None
+        self._stop = threading.Event()
+        self._wake: queue.Queue[str] = queue.Queue()
+        self._last_event_id: int | None = None
+        self._mirror: dict[str, bool] = {}
+
+    def stop(self) -> None:
+        """Stops after the evaluation under way is posted."""
+        self._stop.set()
+        self._wake.put("stop")
+
+    # -- what is to do -----------------------------------------------------
+
+    def _has_mirror(self, snap: Mapping[str, Any]) -> bool:
+        sid = str(snap["id"])
+        if sid not in self._mirror:
+            files = self.run_.get_snapshot(sid).get("files", [])
+            self._mirror[sid] = any(f.get("part") == "__mirror__" for f in files)
+        return self._mirror[sid]
+
+    def _candidates(self, snap: Mapping[str, Any]) -> list[tuple[str, str]]:
+        sid = str(snap["id"])
+        out = [
+            (sid, str(p))
+            for p in snap.get("profiles", [])
+            if self.profiles is None or p in self.profiles
+        ]
+        cut = snap.get("kind") in (SnapshotKind.MANUAL, SnapshotKind.PERIODIC)
+        if self.include_online and cut and self._has_mirror(snap):
+            out.append((sid, ONLINE))
+        return out
+
+    def pending(self) -> tuple[list[tuple[str, str, int]], bool]:
+        """The candidates still to evaluate (snapshot, profile, step), by
+        step; and whether a snapshot is still being written."""
+        snaps = self.run_.snapshots()
+        done = {
+            (e["snapshot"], e["profile"])
+            for e in evals(self.run_, evaluator=self.evaluator or None)
+            if e["evaluator"] == self.evaluator
+        }
+        todo: list[tuple[str, str, int]] = []
+        writing = False
+        for snap in snaps:
+            if snap.get("kind") == SnapshotKind.STATE:
+                continue
+            if snap.get("status") == SnapshotStatus.PENDING:
+                writing = True
+                continue
+            if snap.get("status") != SnapshotStatus.COMPLETE:
+                continue
+            for sid, profile in self._candidates(snap):
+                if (sid, profile) not in done:
+                    todo.append((sid, profile, int(snap["step"])))
+        todo.sort(key=lambda c: c[2])
+        return todo, writing
+
+    def _finished(self) -> bool:
+        return bool(self.run_.refresh().get("finished"))
+
+    # -- doing it ----------------------------------------------------------
+
+    def evaluate_one(self, snapshot: str, profile: str) -> dict[str, Any] | None:
+        """Evaluates one candidate and posts it; the stored evaluation
+        (``None`` when another evaluation with other numbers was there)."""
+        if self._model is None:
+            self._model = self.build_model()
+            if self.device is not None:
+                self._model.to(self.device)
+        metrics = _evaluate(self.run_, self._model, self.evaluate, snapshot, profile, self.device)
+        try:
+            stored = post_eval(self.run_, snapshot, profile, metrics, evaluator=self.evaluator)
+        except PolyakError as e:
+            if e.code in ("eval_conflict", "snapshot_not_found"):
+                # Posted by a twin with other numbers, or deleted meanwhile.
+                warnings.warn(f"{snapshot} {profile}: {e.message}", stacklevel=2)
+                return None
+            raise
+        self.evaluated += 1
+        return stored
+
+    def catch_up(self, bar: Any = None) -> bool:
+        """Evaluates every pending candidate (until stopped); true when a
+        snapshot is still being written."""
+        todo, writing = self.pending()
+        if bar is not None:
+            bar.total = bar.n + len(todo)
+            bar.refresh()
+        for sid, profile, step in todo:
+            if self._stop.is_set():
+                break
+            if bar is not None:
+                bar.set_postfix_str(f"step {step} {profile}")
+            self.evaluate_one(sid, profile)
+            if bar is not None:
+                bar.update(1)
+        return writing
+
+    def _follow_events(self) -> None:
+        """Reads the run's event stream on a thread of its own, waking the
+        worker at each complete snapshot and at the run's end; reconnects
+        after the last event id it saw."""
+        kinds = "snapshot,finished"
+        while not self._stop.is_set():
+            headers = {"Accept": "text/event-stream"}
+            params: dict[str, Any] = {"kinds": kinds}
+            if self._last_event_id is not None:
+                headers["Last-Event-ID"] = str(self._last_event_id)
+            else:
+                # Nothing to replay: a first pass catches up from the lists.
+                params["tail"] = 1
+            try:
+                with self.run_.transport.stream(
+                    f"{self.run_.path}/events",
+                    params=params,
+                    token=self.run_.read_token,
+                    headers=headers,
+                ) as r:
+                    self._wake.put("connected")
+                    block: dict[str, str] = {}
+                    for line in r.iter_lines():
+                        if self._stop.is_set():
+                            return
+                        if line:
+                            if not line.startswith(":"):
+                                key, _, value = line.partition(":")
+                                block[key] = value.lstrip()
+                            continue
+                        if "id" in block:
+                            self._last_event_id = int(block["id"])
+                        if block.get("event") in ("snapshot", "finished"):
+                            self._wake.put(block["event"])
+                        block = {}
+            except (httpx.HTTPError, PolyakError, ValueError):
+                pass  # a break in the stream: reconnect after the last id seen
+            self._wake.put("reconnect")
+            self._stop.wait(1.0)
+
+    def run(self, follow: bool = True, *, until_finished: bool = False) -> int:
+        """Evaluates what is pending; with ``follow``, keeps following the
+        run (see the class). Returns how many evaluations it posted."""
+        from tqdm.auto import tqdm
+
+        show = self.progress
+        if show is None:
+            show = sys.stderr.isatty()
+        restore = None
+        if threading.current_thread() is threading.main_thread():
+            restore = signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        bar = tqdm(
+            total=0,
+            unit="eval",
+            desc=f"{self.run_.name} evals",
+            disable=show is False,
+            file=None if isinstance(show, bool) else show,
+        )
+        reader = None
+        try:
+            if follow:
+                reader = threading.Thread(target=self._follow_events, daemon=True)
+                reader.start()
+            while not self._stop.is_set():
+                writing = self.catch_up(bar)
+                if not follow or self._stop.is_set():
+                    break
+                if until_finished and not writing and self._finished():
+                    # Snapshots completed while the last pass ran are in
+                    # the next one.
+                    if not self.pending()[0]:
+                        break
+                    continue
+                # Something changed (or a minute passed: a missed wake-up
+                # costs at most that).
+                try:
+                    self._wake.get(timeout=60.0)
+                except queue.Empty:
+                    pass
+                while not self._wake.empty():
+                    self._wake.get_nowait()
+        finally:
+            self._stop.set()
+            bar.close()
+            if restore is not None:
+                signal.signal(signal.SIGTERM, restore)
+        return self.evaluated
+
+
+def posthoc_search(
+    run: Run,
+    sigma_rel: Iterable[float],
+    evaluate: Callable[[torch.nn.Module], Any],
+    model: torch.nn.Module,
+    step: int | None = None,
+    profiles: Sequence[str] | None = None,
+    *,
+    metric: str | None = None,
+    mode: str = BestMode.MIN.value,
+    evaluator: str | None = None,
+    name: str | None = None,
+    device: torch.device | str | None = None,
+    timeout: float = 600.0,
+) -> list[dict[str, Any]]:
+    """Synthesises one post-hoc EMA per ``sigma_rel`` (one sweep, one pass
+    over the stored power-profile snapshots), evaluates each in ``model``,
+    posts the evaluations, and returns the rows best first by ``metric``
+    (default the first metric ``evaluate`` returns; ``mode`` ``min`` or
+    ``max``): ``{sigma_rel, metrics, residual, poorly_fitted, snapshot,
+    profile, step}``. A length whose fit residual is above
+    :data:`POORLY_FITTED` is flagged ``poorly_fitted`` and warned about."""
+    sigmas = [float(s) for s in sigma_rel]
+    rows = run.posthoc(sigmas, step=step, profiles=profiles, name=name, timeout=timeout)
+    out: list[dict[str, Any]] = []
+    for sigma, snap in zip(sigmas, rows, strict=True):
+        profile = str(snap["profiles"][0])
+        metrics = _evaluate(run, model, evaluate, str(snap["id"]), profile, device)
+        post_eval(run, snap, profile, metrics, evaluator=evaluator)
+        residual = float(snap["detail"]["residual"])
+        row = {
+            "sigma_rel": sigma,
+            "metrics": metrics,
+            "residual": residual,
+            "poorly_fitted": residual > POORLY_FITTED,
+            "snapshot": str(snap["id"]),
+            "profile": profile,
+            "step": int(snap["step"]),
+        }
+        if row["poorly_fitted"]:
+            warnings.warn(
+                f"sigma_rel={sigma:g}: fit residual {residual:.3g} > {POORLY_FITTED} "
+                "(too few or too short stored power snapshots to synthesise it well)",
+                stacklevel=2,
+            )
+        out.append(row)
+    if not out:
+        return out
+    key = metric or next(iter(out[0]["metrics"]))
+    sign = 1.0 if BestMode(mode) == BestMode.MIN else -1.0
+
+    def rank(row: dict[str, Any]) -> tuple[float, float]:
+        value = row["metrics"].get(key, math.nan)
+        return (math.inf if math.isnan(value) else sign * value, row["sigma_rel"])
+
+    out.sort(key=rank)
+    return out
+
+
+def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A search's rows as JSON lines (for logs and the CLI)."""
+    return "\n".join(json.dumps(dict(r), sort_keys=True) for r in rows)
