@@ -87,6 +87,10 @@ def schedule(seed: int, faults: int, kinds: list[str]) -> list[Fault]:
     return out
 
 
+def tensor_name(rank: int) -> str:
+    return f"stage{rank}.w"
+
+
 def weights(seed: int, rank: int, step: int) -> torch.Tensor:
     """The tensor rank ``rank`` pushes at ``step``: a pure function of the
     seed, so the reference needs no stored history."""
@@ -210,7 +214,9 @@ class Cluster:
         self.cut: set[int] = set()
         self.s3_stopped = False
         self.fillers: list[Path] = []
+        #: Peak resident bytes per node: this schedule's, and the whole run's.
         self.rss_peak: dict[str, int] = {}
+        self.rss_peak_all: dict[str, int] = {}
         self._sampling = threading.Event()
         self._sampler: threading.Thread | None = None
 
@@ -248,6 +254,7 @@ class Cluster:
                     if got is not None:
                         key = self.name(i)
                         self.rss_peak[key] = max(self.rss_peak.get(key, 0), got)
+                        self.rss_peak_all[key] = max(self.rss_peak_all.get(key, 0), got)
 
         self._sampler = threading.Thread(target=sample, daemon=True)
         self._sampler.start()
@@ -420,7 +427,10 @@ class Trainer:
         self.seed = seed
         self.pace = pace
         self.logs = [RankLog(r) for r in range(world)]
-        self.pushers = [run.pusher(rank=r, retry=retry) for r in range(world)]
+        # Each rank holds tensors of its own (pipeline stages), pushed whole.
+        self.pushers = [
+            run.pusher(rank=r, retry=retry, split_replicated=False) for r in range(world)
+        ]
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._loop, args=(r,), daemon=True) for r in range(world)
@@ -437,7 +447,7 @@ class Trainer:
         step = 0
         while not self._stop.is_set():
             try:
-                pusher.push({"w": weights(self.seed, rank, step)}, step)
+                pusher.push({tensor_name(rank): weights(self.seed, rank, step)}, step)
             except PolyakError as e:
                 # A refused push is raised from the next call: that step
                 # was not applied; this one was not queued, so it goes again.
@@ -568,7 +578,7 @@ def check(h: History, read_part, live_ema) -> list[Violation]:
         if row["status"] == "complete" and row["id"] not in complete_at:
             complete_at[row["id"]] = int(row["at_ms"])
     v = check_owners(h, epochs)
-    v += check_stale_writes(h, epochs, reports)
+    v += check_stale_writes(h, epochs, reports, complete_at)
     applied: dict[int, list[int] | None] = {}
     for rank in range(h.world):
         applied[rank] = check_failovers(h, rank, epochs[rank], reports, complete_at, v)
@@ -600,14 +610,17 @@ def check_owners(h: History, epochs: dict[int, list[dict]]) -> list[Violation]:
 
 
 def check_stale_writes(
-    h: History, epochs: dict[int, list[dict]], reports: dict[tuple[int, int], dict]
+    h: History,
+    epochs: dict[int, list[dict]],
+    reports: dict[tuple[int, int], dict],
+    complete_at: dict[str, int],
 ) -> list[Violation]:
     """A part recorded while epoch e > 1 is current must be its owner's,
     whose EMA of the rank holds the restored step and then every step from
     the first push after the failover on. A part at any other step was
     written by an owner of an earlier epoch: two owners wrote the rank in
-    one epoch."""
-    v = []
+    one epoch. One violation per (rank, epoch, step), naming the parts."""
+    stale: dict[tuple[int, int, int], list[dict]] = {}
     for f in h.file_audit:
         rank, step, at = int(f["rank"]), int(f["step"]), int(f["at_ms"])
         current = [r for r in epochs[rank] if int(r["at_ms"]) <= at]
@@ -620,16 +633,23 @@ def check_stale_writes(
         restored, resumed = rep.get("restored_step"), rep.get("resumed_step")
         if step == restored or (resumed is not None and step >= resumed):
             continue
-        if resumed is None and restored is not None and step >= restored:
-            continue
+        stale.setdefault((rank, epoch, step), []).append(f)
+    v = []
+    for (rank, epoch, step), parts in sorted(stale.items()):
+        owner, before = epochs[rank][epoch - 1], epochs[rank][epoch - 2]
+        rep = reports[(rank, epoch)]
+        ids = sorted({f["snapshot"] for f in parts})
+        done = [i for i in ids if i in complete_at]
+        after = [int(f["at_ms"]) - int(owner["at_ms"]) for f in parts]
         v.append(
             Violation(
                 "one_owner_per_epoch",
-                f"rank {rank}: snapshot {f['snapshot']} recorded its part `{f['part']}` at "
-                f"step {step} at {at} ms, while epoch {epoch} (owner "
-                f"{current[-1]['node_id']}, since {current[-1]['at_ms']} ms, restored at "
-                f"step {restored}, resumed at {resumed}) was current: written by an owner "
-                "of an earlier epoch",
+                f"rank {rank} epoch {epoch} (owner {owner['node_id']} since "
+                f"{owner['at_ms']} ms, restored at step {rep.get('restored_step')}, resumed at "
+                f"{rep.get('resumed_step')}): {len(parts)} part(s) at step {step}, which only "
+                f"an earlier owner held (epoch {epoch - 1}: {before['node_id']}), recorded "
+                f"{min(after)}..{max(after)} ms after the takeover, in snapshots {ids} "
+                f"({len(done)} of them completed)",
             )
         )
     return v

@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import time
 from collections import Counter
 
@@ -63,6 +64,7 @@ from nemesis import (
     read_history,
     reference_ema,
     schedule,
+    tensor_name,
 )
 from polyak import RetryPolicy
 from polyak.testing import Backends, NetLab
@@ -156,13 +158,13 @@ def test_invariants_hold_under_a_seeded_fault_schedule(tmp_path, backends: Backe
         for node in nodes:
             node.stop()
         for disk in disks:
-            os.system(f"umount -l {disk} 2>/dev/null")
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
     print(
         f"nemesis summary: seed {seed}, schedules run {ran}, faults injected "
         f"{dict(sorted(injected.items()))} ({sum(injected.values())} in all), skipped kinds "
         f"{sorted(skipped)}, invariant violations {len(violations)}, peak resident memory "
-        f"{ {k: f'{v / 2**20:.0f} MiB' for k, v in sorted(cluster.rss_peak.items())} }, "
+        f"{ {k: f'{v / 2**20:.0f} MiB' for k, v in sorted(cluster.rss_peak_all.items())} }, "
         f"{time.monotonic() - started:.0f} s",
         flush=True,
     )
@@ -212,6 +214,7 @@ def _one_schedule(
         # Let the first state snapshots land; the memory levels to bound.
         cluster.wait(lambda: _has_state(catalog, run_name), 30, "a first state snapshot")
         base = cluster.rss_now()
+        cluster.rss_peak.clear()
         try:
             for fault in plan:
                 time.sleep(fault.gap)
@@ -246,9 +249,11 @@ def _one_schedule(
 
         def live_ema(rank: int):
             ema = run.rank_ema(rank, "c")
-            return ema.step, ema.tensors["w"]
+            return ema.step, ema.tensors[tensor_name(rank)]
 
         found += check(history, store.read, live_ema)
+        # Later schedules start on a service without this run's ranks.
+        client.delete_run(run_name)
     # Memory: each node within its bound over its own level before the
     # faults (a restarted node starts lower, so the highest level bounds).
     level = max(base.values(), default=0)
