@@ -31,6 +31,9 @@ import torch
 from polyak.testing import Backends, LabHost, PolyakServer
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+#: Nodes of the service.
+NODES = 3
+
 #: Every kind of fault, in the order a bounded schedule takes them.
 KINDS = ("kill", "pause", "link_cut", "postgres_restart", "s3_stall", "disk_full")
 
@@ -161,6 +164,24 @@ class Catalog:
         out = self.execute(f"SELECT COALESCE(json_agg(t), '[]') FROM ({sql}) t")
         return list(json.loads(out))
 
+    def is_complete(self, snapshot: str) -> bool:
+        q = snapshot.replace("'", "''")
+        return bool(self.rows(f"SELECT id FROM snapshots WHERE id = '{q}' AND status = 'complete'"))
+
+    def settled(self, run: str, last_steps: dict[int, int | None]) -> bool:
+        """Nothing of ``run`` pending, and every rank's last step in a
+        complete snapshot (the state writes after the last pushes done)."""
+        q = run.replace("'", "''")
+        rows = self.rows(f"SELECT status, detail FROM snapshots WHERE run = '{q}'")
+        if any(r["status"] == "pending" for r in rows):
+            return False
+        held: dict[int, int] = {}
+        for r in rows:
+            if r["status"] == "complete":
+                for rank, step in json.loads(r["detail"]).get("rank_steps", {}).items():
+                    held[int(rank)] = max(held.get(int(rank), -1), int(step))
+        return all(s is None or held.get(rank, -1) >= s for rank, s in last_steps.items())
+
 
 # ---------------------------------------------------------------------------
 # The cluster under faults
@@ -273,9 +294,9 @@ class Cluster:
 
     # -- waiting ---------------------------------------------------------
 
-    def wait(self, check, timeout: float, what: str) -> bool:
+    def wait(self, check, timeout: float, what: str, seen=lambda: None) -> bool:
         """Polls ``check`` (errors count as not yet) until true; False and
-        a log line when it never is."""
+        a log line (with what ``seen`` says is there) when it never is."""
         deadline = time.monotonic() + timeout
         last: object = None
         while time.monotonic() < deadline:
@@ -287,7 +308,11 @@ class Cluster:
             except (httpx.HTTPError, ValueError, KeyError, AssertionError) as e:
                 last = e
             time.sleep(0.2)
-        self.log(f"  timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+        try:
+            there = seen()
+        except (httpx.HTTPError, ValueError, KeyError, AssertionError) as e:
+            there = e
+        self.log(f"  timed out after {timeout:.0f}s waiting for {what} (last: {last!r}; {there})")
         return False
 
     def wait_lapsed(self, i: int, run: str) -> bool:
@@ -301,8 +326,12 @@ class Cluster:
                 self.placement(run, via).values()
             )
 
+        def seen() -> str:
+            via = self.url_of_any(but=i)
+            return f"nodes {self.statuses(via)}, placement {self.placement(run, via)}"
+
         return self.wait(
-            gone, 6 * self.lease + 30, f"{name}'s lease to lapse and its ranks to move"
+            gone, 6 * self.lease + 30, f"{name}'s lease to lapse and its ranks to move", seen
         )
 
     def wait_all_live(self) -> bool:
@@ -566,8 +595,8 @@ def failover_reports(h: History) -> dict[tuple[int, int], dict]:
 
 
 def check(h: History, read_part, live_ema) -> list[Violation]:
-    """Every invariant over one schedule's history. ``read_part(path)``
-    reads a stored part's bytes; ``live_ema(rank)`` the rank's live EMA
+    """Every invariant over one schedule's history. ``read_part(part)``
+    reads a stored part's bytes (see ``check_parts``); ``live_ema(rank)`` the rank's live EMA
     (its step and tensor)."""
     reports = failover_reports(h)
     epochs: dict[int, list[dict]] = {r: [] for r in range(h.world)}
@@ -582,8 +611,9 @@ def check(h: History, read_part, live_ema) -> list[Violation]:
     applied: dict[int, list[int] | None] = {}
     for rank in range(h.world):
         applied[rank] = check_failovers(h, rank, epochs[rank], reports, complete_at, v)
-    v += check_live_ema(h, applied, live_ema)
     v += check_parts(h, read_part)
+    v += check_live_ema(h, applied, live_ema)
+    v += check_captures(h, NODES)
     return v
 
 
@@ -771,15 +801,58 @@ def check_live_ema(h: History, applied: dict[int, list[int] | None], live_ema) -
     return v
 
 
+def check_captures(h: History, nodes: int) -> list[Violation]:
+    """Background work is bounded: each node has at most one ``state``
+    snapshot of the run being written at a time, so the run never has
+    more than ``nodes`` pending at once (a capture per second piling up
+    while the store hangs holds a copy of the EMA each). Counted over the
+    snapshots whose write ended (complete or failed)."""
+    spans: dict[str, list[int | None]] = {}
+    for row in h.snapshot_audit:
+        if row["kind"] != "state":
+            continue
+        span = spans.setdefault(row["id"], [None, None])
+        if row["status"] == "pending" and span[0] is None:
+            span[0] = int(row["at_ms"])
+        elif row["status"] in ("complete", "failed") and span[1] is None:
+            span[1] = int(row["at_ms"])
+    edges = []
+    for sid, (start, end) in spans.items():
+        if start is not None and end is not None:
+            edges += [(start, 1, sid), (end, -1, sid)]
+    open_now: set[str] = set()
+    worst: tuple[int, int, list[str]] = (0, 0, [])
+    for at, delta, sid in sorted(edges):
+        if delta > 0:
+            open_now.add(sid)
+            if len(open_now) > worst[0]:
+                worst = (len(open_now), at, sorted(open_now))
+        else:
+            open_now.discard(sid)
+    if worst[0] > nodes:
+        return [
+            Violation(
+                "bounded_captures",
+                f"{worst[0]} state snapshots of the run pending at once at {worst[1]} ms "
+                f"(at most {nodes}, one per node): {worst[2]}",
+            )
+        ]
+    return []
+
+
 def check_parts(h: History, read_part) -> list[Violation]:
     """Every part of every complete snapshot, read back from the store,
-    has the size and sha256 the catalog recorded."""
+    has the size and sha256 the catalog recorded. ``read_part(part)``
+    answers its bytes, or ``None`` when its snapshot is no longer complete
+    in the catalog (retention deleted it since the listing)."""
     v = []
     for f in h.files_now:
         try:
-            data = read_part(f["path"])
+            data = read_part(f)
         except Exception as e:  # listed and unreadable: as broken as a wrong hash
             v.append(Violation("parts_match_sha256", f"{f['snapshot']} {f['path']}: {e!r}"))
+            continue
+        if data is None:
             continue
         digest = hashlib.sha256(data).hexdigest()
         if digest != f["sha256"] or len(data) != int(f["bytes"]):

@@ -28,7 +28,9 @@ Invariants, per schedule (see ``nemesis.check``):
   reported lost ones), at the last acknowledged step.
 - ``parts_match_sha256``: every part of every complete snapshot, read back
   from the store, hashes to the sha256 the catalog recorded.
-- ``memory``: no node's resident memory grew past its bound.
+- ``memory``: no node's resident memory grew past its bound;
+  ``bounded_captures``: no more ``state`` snapshots of the run pending at
+  once than there are nodes (one capture in flight per node).
 - ``acknowledged`` / ``liveness``: no push refused, everything queued
   acknowledged once the faults are lifted.
 
@@ -163,7 +165,8 @@ def test_invariants_hold_under_a_seeded_fault_schedule(tmp_path, backends: Backe
     print(
         f"nemesis summary: seed {seed}, schedules run {ran}, faults injected "
         f"{dict(sorted(injected.items()))} ({sum(injected.values())} in all), skipped kinds "
-        f"{sorted(skipped)}, invariant violations {len(violations)}, peak resident memory "
+        f"{sorted(skipped)}, invariant violations {len(violations)} "
+        f"{dict(sorted(Counter(x.invariant for _, x in violations).items()))}, peak resident memory "
         f"{ {k: f'{v / 2**20:.0f} MiB' for k, v in sorted(cluster.rss_peak_all.items())} }, "
         f"{time.monotonic() - started:.0f} s",
         flush=True,
@@ -237,6 +240,11 @@ def _one_schedule(
         # Every change of hands reported with its lost steps (the writer
         # stores events a moment after they happen).
         cluster.wait(lambda: _reports_complete(catalog, run_name), 60, "every failover's report")
+        # The state writes of the last pushes land (and retention after
+        # them) before the history is read.
+        last = {r: trainer.acked(r) for r in range(4)}
+        if not cluster.wait(lambda: catalog.settled(run_name, last), 60, "the last state"):
+            found.append(Violation("liveness", f"the last steps {last} never durable"))
         history = read_history(catalog, trainer, run_name, seed, BETA)
         print(
             f"  history: {sum(len(p) for p in history.pushed.values())} pushes, "
@@ -251,7 +259,15 @@ def _one_schedule(
             ema = run.rank_ema(rank, "c")
             return ema.step, ema.tensors[tensor_name(rank)]
 
-        found += check(history, store.read, live_ema)
+        def read_part(part: dict) -> bytes | None:
+            try:
+                return store.read(part["path"])
+            except Exception:
+                if not catalog.is_complete(part["snapshot"]):
+                    return None  # deleted since it was listed
+                raise
+
+        found += check(history, read_part, live_ema)
         # Later schedules start on a service without this run's ranks.
         client.delete_run(run_name)
     # Memory: each node within its bound over its own level before the
@@ -324,7 +340,10 @@ def test_the_checker_flags_each_invariant():
                 {"rank": 0, "epoch": 2, "restored_step": 4, "resumed_step": None},
                 {"rank": 0, "epoch": 2, "restored_step": 4, "resumed_step": 8, "lost_steps": 3},
             ],
-            snapshot_audit=[{"id": "s1", "status": "complete", "at_ms": 3000}],
+            snapshot_audit=[
+                {"id": "s1", "kind": "state", "status": "pending", "at_ms": 2900},
+                {"id": "s1", "kind": "state", "status": "complete", "at_ms": 3000},
+            ],
             file_audit=[{"snapshot": "s1", "rank": 0, "part": "c", "step": 4, "at_ms": 2990}],
             complete_now=[],
             files_now=[
@@ -339,7 +358,7 @@ def test_the_checker_flags_each_invariant():
 
     def run(h: History, stored: bytes = part, ema_steps=applied, ema_step: int = 9):
         ema = reference_ema(seed, 0, ema_steps, beta)
-        return [str(x) for x in check(h, lambda key: stored, lambda rank: (ema_step, ema))]
+        return [str(x) for x in check(h, lambda part: stored, lambda rank: (ema_step, ema))]
 
     assert run(history()) == []
 
@@ -375,6 +394,13 @@ def test_the_checker_flags_each_invariant():
     only(run(history(), ema_step=8), "live_ema", "step 8")
     # A part whose bytes changed (same size).
     only(run(history(), stored=b"part bytez"), "parts_match_sha256", "s1")
+    # State writes piling up: four pending at once on three nodes.
+    piled = [
+        {"id": f"p{i}", "kind": "state", "status": status, "at_ms": at}
+        for i in range(4)
+        for status, at in (("pending", 3100 + i), ("failed", 3200 + i))
+    ]
+    only(run(history(snapshot_audit=history().snapshot_audit + piled)), "bounded_captures", "4")
     # A refused push.
     only(run(history(refused={0: {9: "step_conflict"}}), ema_steps=applied[:-1], ema_step=8),
          "acknowledged", "step 9")  # fmt: skip
