@@ -168,19 +168,22 @@ class Catalog:
         q = snapshot.replace("'", "''")
         return bool(self.rows(f"SELECT id FROM snapshots WHERE id = '{q}' AND status = 'complete'"))
 
-    def settled(self, run: str, last_steps: dict[int, int | None]) -> bool:
-        """Nothing of ``run`` pending, and every rank's last step in a
-        complete snapshot (the state writes after the last pushes done)."""
+    def not_durable(self, run: str, last_steps: dict[int, int | None]) -> dict[int, int | None]:
+        """The ranks whose last step no complete snapshot of ``run`` holds
+        yet, with the newest step one holds (the state writes after the
+        last pushes not done)."""
         q = run.replace("'", "''")
-        rows = self.rows(f"SELECT status, detail FROM snapshots WHERE run = '{q}'")
-        if any(r["status"] == "pending" for r in rows):
-            return False
         held: dict[int, int] = {}
-        for r in rows:
-            if r["status"] == "complete":
-                for rank, step in json.loads(r["detail"]).get("rank_steps", {}).items():
-                    held[int(rank)] = max(held.get(int(rank), -1), int(step))
-        return all(s is None or held.get(rank, -1) >= s for rank, s in last_steps.items())
+        for r in self.rows(
+            f"SELECT detail FROM snapshots WHERE run = '{q}' AND status = 'complete'"
+        ):
+            for rank, step in json.loads(r["detail"]).get("rank_steps", {}).items():
+                held[int(rank)] = max(held.get(int(rank), -1), int(step))
+        return {
+            rank: held.get(rank)
+            for rank, step in last_steps.items()
+            if step is not None and held.get(rank, -1) < step
+        }
 
 
 # ---------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -67,6 +68,7 @@ from nemesis import (
     reference_ema,
     schedule,
     tensor_name,
+    weights,
 )
 from polyak import RetryPolicy
 from polyak.testing import Backends, NetLab
@@ -243,14 +245,29 @@ def _one_schedule(
         # The state writes of the last pushes land (and retention after
         # them) before the history is read.
         last = {r: trainer.acked(r) for r in range(4)}
-        if not cluster.wait(lambda: catalog.settled(run_name, last), 60, "the last state"):
-            found.append(Violation("liveness", f"the last steps {last} never durable"))
+        if not cluster.wait(
+            lambda: not catalog.not_durable(run_name, last),
+            60,
+            "the last steps to be durable",
+            lambda: f"newest durable steps {catalog.not_durable(run_name, last)}",
+        ):
+            found.append(
+                Violation(
+                    "liveness",
+                    f"the last steps {last} not durable 60 s after the last push: newest "
+                    f"complete {catalog.not_durable(run_name, last)}",
+                )
+            )
         history = read_history(catalog, trainer, run_name, seed, BETA)
+        pending = catalog.rows(
+            f"SELECT id FROM snapshots WHERE run = '{run_name}' AND status = 'pending'"
+        )
         print(
             f"  history: {sum(len(p) for p in history.pushed.values())} pushes, "
             f"{len(history.placement_log) - 4} takeovers, "
             f"{len({a['id'] for a in history.snapshot_audit if a['status'] == 'complete'})} "
-            f"snapshots completed, {len(history.files_now)} parts now",
+            f"snapshots completed, {len(history.files_now)} parts now, "
+            f"{len(pending)} snapshots still pending",
             flush=True,
         )
         store = cluster.backends.store_of(cluster.nodes[0])
@@ -404,3 +421,62 @@ def test_the_checker_flags_each_invariant():
     # A refused push.
     only(run(history(refused={0: {9: "step_conflict"}}), ema_steps=applied[:-1], ema_step=8),
          "acknowledged", "step 9")  # fmt: skip
+
+
+def test_pushes_after_overlapping_state_writes_are_persisted(tmp_path, backends: Backends):
+    """Found by the nemesis (S3 stall): while the store hangs, a state
+    write starts every second and none finishes. Step 1 is captured by the
+    first, step 2 by the second, step 3 by none before the store comes
+    back. Once both complete, step 3 must still be written: the run's
+    newest state snapshot reaches step 3 without another push."""
+    s3 = backends.s3()
+    srv = backends.server("sqlite-s3", tmp_path / "data")
+    srv.start()
+    stalled = False
+    try:
+        with polyak.Client(srv.url) as client:
+            run = client.create_run(
+                "overlap",
+                persist_every_secs=1,
+                profiles=[{"name": "c", "kind": "constant", "beta": BETA}],
+            )
+            rows = lambda: client.request(  # noqa: E731
+                "GET", "/v1/runs/overlap/snapshots", params={"kind": "state"}
+            ).json()["snapshots"]
+
+            def newest_complete() -> int | None:
+                done = [s["detail"]["rank_steps"]["0"] for s in rows() if s["status"] == "complete"]
+                return max(done, default=None)
+
+            def pending() -> int:
+                return sum(s["status"] == "pending" for s in rows())
+
+            with run.pusher(rank=0) as p:
+                p.push({"w": weights(1, 0, 0)}, 0)
+                p.flush()
+                _until(lambda: newest_complete() == 0, "step 0 persisted")
+                assert s3.proc is not None
+                os.kill(s3.proc.pid, signal.SIGSTOP)
+                stalled = True
+                for step in (1, 2):
+                    p.push({"w": weights(1, 0, step)}, step)
+                    p.flush()
+                    _until(lambda want=step: pending() >= want, f"the write of step {step}")
+                p.push({"w": weights(1, 0, 3)}, 3)
+                p.flush()
+                os.kill(s3.proc.pid, signal.SIGCONT)
+                stalled = False
+                _until(lambda: pending() == 0, "the writes to finish")
+                # Several persist intervals: step 3 is written, or never.
+                _until(lambda: newest_complete() == 3, "step 3 persisted", timeout=10)
+    finally:
+        if stalled and s3.proc is not None:
+            os.kill(s3.proc.pid, signal.SIGCONT)
+        srv.stop()
+
+
+def _until(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
