@@ -216,8 +216,13 @@ pub struct EngineRun {
     /// What the engines of this run share: the finish step, periodic cut
     /// decisions and their write backlog.
     shared: Arc<RunShared>,
-    /// Applied pushes since the last state snapshot.
-    pub dirty: u64,
+    /// Pushes applied since the run was installed or restored, and how
+    /// many of them the newest complete state snapshot covers. Marks, not
+    /// a counter of changes: state writes overlap (a store that hangs),
+    /// and one that completes must not mark as persisted the pushes that
+    /// came after its capture.
+    applied: u64,
+    persisted: u64,
 }
 
 impl EngineRun {
@@ -309,7 +314,8 @@ impl Engine {
                 pending: Vec::new(),
                 last_periodic: None,
                 shared,
-                dirty: 0,
+                applied: 0,
+                persisted: 0,
             },
         );
     }
@@ -494,7 +500,7 @@ impl Engine {
         entry
             .shared
             .set_resident(rank, state.resident_bytes(&config));
-        entry.dirty += 1;
+        entry.applied += 1;
         self.after_apply(run, rank, step);
         let state = self.runs[run].ranks[rank as usize]
             .as_ref()
@@ -590,7 +596,7 @@ impl Engine {
     }
 
     /// Captures every rank that holds data, each at its own last step (a
-    /// crash-recovery `state` snapshot), with the count of changes it
+    /// crash-recovery `state` snapshot), with the mark of the pushes it
     /// covers. `None` when nothing changed since the last persisted one
     /// (unless `force`). The run stays dirty until [`Self::mark_persisted`]
     /// is told the snapshot completed: a failed write is retried.
@@ -604,7 +610,7 @@ impl Engine {
             .runs
             .get_mut(run)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
-        if entry.dirty == 0 && !force {
+        if entry.applied == entry.persisted && !force {
             return Ok(None);
         }
         let config = entry.config.clone();
@@ -615,14 +621,15 @@ impl Engine {
                 out.push(capture_rank(&config, s, snapshot, rank as u32, &profiles)?);
             }
         }
-        Ok(Some((out, entry.dirty)))
+        Ok(Some((out, entry.applied)))
     }
 
-    /// A state snapshot that covered `covered` changes is complete: those
-    /// no longer need persisting (changes applied since still do).
+    /// A state snapshot that covered the pushes up to mark `covered` is
+    /// complete: those no longer need persisting (pushes applied since
+    /// still do, whichever order overlapping writes complete in).
     pub fn mark_persisted(&mut self, run: &str, covered: u64) {
         if let Some(entry) = self.runs.get_mut(run) {
-            entry.dirty = entry.dirty.saturating_sub(covered);
+            entry.persisted = entry.persisted.max(covered.min(entry.applied));
         }
     }
 
@@ -662,13 +669,13 @@ impl Engine {
             entry.shared.set_resident(rank, bytes);
         }
         entry.pending.clear();
-        entry.dirty = 0;
+        entry.persisted = entry.applied;
         Ok(())
     }
 
     /// Applied pushes not yet covered by a state snapshot.
     pub fn dirty(&self, run: &str) -> u64 {
-        self.runs.get(run).map_or(0, |e| e.dirty)
+        self.runs.get(run).map_or(0, |e| e.applied - e.persisted)
     }
 
     /// Per rank: the last applied step (`None`: no data).

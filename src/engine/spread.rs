@@ -263,7 +263,7 @@ impl RunEngines {
         Ok(Some((captures, covered)))
     }
 
-    /// A state snapshot covering `covered[i]` changes of engine `i` is
+    /// A state snapshot covering the pushes up to mark `covered[i]` of engine `i` is
     /// complete.
     pub async fn mark_persisted(&self, run: &str, covered: Vec<u64>) -> Result<(), EngineError> {
         // Engines are only appended: the first `covered.len()` are the
