@@ -359,10 +359,10 @@ mod tests {
     type StepDecayCase = (f64, f64, u64, Option<(f64, f64)>, [f64; 7]);
     const STEPS: [u64; 7] = [0, 1, 2, 3, 7, 50, 1000];
 
-    fn check_step_decay(
-        f: fn(u64, f64, f64, u64, Option<(f64, f64)>) -> f64,
-        cases: &[StepDecayCase],
-    ) {
+    /// `diffusers_decay` or `timm_decay`.
+    type StepDecayFn = fn(u64, f64, f64, u64, Option<(f64, f64)>) -> f64;
+
+    fn check_step_decay(f: StepDecayFn, cases: &[StepDecayCase]) {
         for &(decay, min_decay, uas, warmup, expected) in cases {
             for (step, want) in STEPS.iter().zip(expected) {
                 let got = f(*step, decay, min_decay, uas, warmup);
