@@ -313,10 +313,10 @@ impl ProfileSpec {
                     ));
                 }
                 check_step_decay(
-                at,
-                [("decay", *decay), ("min_decay", *min_decay)],
-                [("inv_gamma", *inv_gamma), ("power", *power)],
-            )?
+                    at,
+                    [("decay", *decay), ("min_decay", *min_decay)],
+                    [("inv_gamma", *inv_gamma), ("power", *power)],
+                )?
             }
             ProfileSpec::Timm {
                 decay,
@@ -333,13 +333,13 @@ impl ProfileSpec {
                     ));
                 }
                 check_step_decay(
-                at,
-                [("decay", *decay), ("min_decay", *min_decay)],
-                [
-                    ("warmup_gamma", *warmup_gamma),
-                    ("warmup_power", *warmup_power),
-                ],
-            )?
+                    at,
+                    [("decay", *decay), ("min_decay", *min_decay)],
+                    [
+                        ("warmup_gamma", *warmup_gamma),
+                        ("warmup_power", *warmup_power),
+                    ],
+                )?
             }
             ProfileSpec::Swa { start_step, .. } => {
                 if *start_step > MAX_STEP {
