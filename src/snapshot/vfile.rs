@@ -325,7 +325,7 @@ impl VirtualFile {
                 h.update(&b);
                 seen += b.len() as u64;
             }
-            if let Some(e) = failed(&*verdict) {
+            if let Some(e) = failed(&verdict) {
                 early = Some(e);
                 return false;
             }
@@ -350,7 +350,7 @@ impl VirtualFile {
             handle
                 .block_on(side)
                 .map_err(|e| io::Error::other(format!("verifying a part: {e}")))?;
-            if let Some(e) = failed(&*verdict) {
+            if let Some(e) = failed(&verdict) {
                 return Err(e);
             }
         }
