@@ -187,13 +187,33 @@ export function render(root, { query }, ctx) {
   });
   updateCompare();
 
+  // A refresh that lands between a button's press and release would replace
+  // the pressed button, and the click would be lost: hold the redraw until
+  // the press ends (and its click has run).
+  let pressed = false;
+  let drawAfterPress = false;
+  body.addEventListener('pointerdown', () => {
+    pressed = true;
+  });
+  const release = () => {
+    if (!pressed) return;
+    pressed = false;
+    if (drawAfterPress) {
+      drawAfterPress = false;
+      setTimeout(draw, 0);
+    }
+  };
+  window.addEventListener('pointerup', release, { signal: ctx.signal });
+  window.addEventListener('pointercancel', release, { signal: ctx.signal });
+
   let loaded = false;
   async function load() {
     try {
       const data = await api('/v1/runs', { signal: ctx.signal });
       if (!ctx.active) return;
       all = [...data.runs].sort((a, b) => b.created_at_ms - a.created_at_ms);
-      draw();
+      if (pressed) drawAfterPress = true;
+      else draw();
       const health = await api('/livez', { signal: ctx.signal }).catch(() => null);
       if (health && health.disk_free_bytes != null) {
         const low = health.disk_free_bytes < 2 * health.disk_reserve_bytes;

@@ -196,6 +196,30 @@ def test_tag_filter_narrows_the_runs_list(page: Page, dash_server, feeder, other
     page.wait_for_function("() => window.polyak.charts['compare-runs']")
 
 
+def test_a_refresh_during_a_press_does_not_lose_the_click(
+    page: Page, dash_server, feeder, other_run
+):
+    """The list refreshes every 5 s by redrawing its table. A press that
+    spans a refresh (button down, the table redrawn, button up) must still
+    click the tag: the redraw waits for the release."""
+    page.goto(f"{dash_server.url}/#/runs")
+    rows = page.locator("tbody tr[data-run]")
+    updated = page.locator('span[aria-live="polite"]')
+    expect(updated).to_contain_text("updated")
+    chip = page.locator(f'tr[data-run="{OTHER}"] [data-tag="sweep"]')
+    box = chip.bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    stamp = updated.text_content()
+    page.mouse.down()
+    # A refresh lands while the button is held (the list polls every 5 s).
+    expect(updated).not_to_have_text(stamp or "", timeout=12_000)
+    page.mouse.up()
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-run", OTHER)
+    assert "tag=sweep" in page.url
+
+
 def test_tags_and_note_edit_on_the_run_page(page: Page, dash_server, other_run):
     page.goto(f"{dash_server.url}/#/runs/{OTHER}")
     tags = page.get_by_label("tags", exact=True)

@@ -423,12 +423,14 @@ def test_the_checker_flags_each_invariant():
          "acknowledged", "step 9")  # fmt: skip
 
 
-def test_pushes_after_overlapping_state_writes_are_persisted(tmp_path, backends: Backends):
-    """Found by the nemesis (S3 stall): while the store hangs, a state
-    write starts every second and none finishes. Step 1 is captured by the
-    first, step 2 by the second, step 3 by none before the store comes
-    back. Once both complete, step 3 must still be written: the run's
-    newest state snapshot reaches step 3 without another push."""
+def test_pushes_during_a_stalled_state_write_are_persisted(tmp_path, backends: Backends):
+    """Found by the nemesis (S3 stall): while the store hangs, the state
+    write that captured step 1 cannot finish. Steps 2 and 3 arrive under it;
+    the persists that fall due meanwhile are skipped (one write in flight per
+    run, counted), so nothing piles up. Once the store is back, step 3 must
+    still be written: the finished write of step 1 must not mark the run
+    persisted, and the run's newest state snapshot reaches step 3 without
+    another push."""
     s3 = backends.s3()
     srv = backends.server("sqlite-s3", tmp_path / "data")
     srv.start()
@@ -451,6 +453,13 @@ def test_pushes_after_overlapping_state_writes_are_persisted(tmp_path, backends:
             def pending() -> int:
                 return sum(s["status"] == "pending" for s in rows())
 
+            def skipped() -> float:
+                text = client.request("GET", "/metrics").text
+                for line in text.splitlines():
+                    if line.startswith('polyak_state_persist_skipped_total{run="overlap"}'):
+                        return float(line.split()[-1])
+                return 0.0
+
             with run.pusher(rank=0) as p:
                 p.push({"w": weights(1, 0, 0)}, 0)
                 p.flush()
@@ -458,15 +467,18 @@ def test_pushes_after_overlapping_state_writes_are_persisted(tmp_path, backends:
                 assert s3.proc is not None
                 os.kill(s3.proc.pid, signal.SIGSTOP)
                 stalled = True
-                for step in (1, 2):
+                p.push({"w": weights(1, 0, 1)}, 1)
+                p.flush()
+                _until(lambda: pending() == 1, "the write of step 1")
+                for step in (2, 3):
                     p.push({"w": weights(1, 0, step)}, step)
                     p.flush()
-                    _until(lambda want=step: pending() >= want, f"the write of step {step}")
-                p.push({"w": weights(1, 0, 3)}, 3)
-                p.flush()
+                before = skipped()
+                _until(lambda: skipped() >= before + 2, "due persists skipped")
+                assert pending() == 1, "a second state write started under the stalled one"
                 os.kill(s3.proc.pid, signal.SIGCONT)
                 stalled = False
-                _until(lambda: pending() == 0, "the writes to finish")
+                _until(lambda: pending() == 0, "the write to finish")
                 # Several persist intervals: step 3 is written, or never.
                 _until(lambda: newest_complete() == 3, "step 3 persisted", timeout=10)
     finally:

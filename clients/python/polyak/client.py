@@ -23,10 +23,10 @@ from urllib.parse import quote
 import httpx
 import torch
 
-from . import downloads
+from . import downloads, evals
 from ._progress import progress_bar
 from ._transport import Transport
-from .contract import snapshot_done, snapshot_id
+from .contract import BestMode, snapshot_done, snapshot_id
 from .errors import PolyakError
 from .pusher import Pusher
 from .shards import assemble
@@ -805,7 +805,7 @@ class Run:
             return row
         return self._wait_derived([row], timeout=timeout, poll=poll, progress=progress)[0]
 
-    # -- evaluations (see polyak.evals) -------------------------------------
+    # -- evaluations (the worker and the sweep: polyak.evals) ---------------
 
     def post_eval(
         self,
@@ -817,10 +817,21 @@ class Run:
     ) -> dict[str, Any]:
         """Stores an evaluation of one candidate: a ``profile`` of a complete
         ``snapshot``, or ``"online"`` (its mirror). Posting the same numbers
-        again is accepted; other numbers raise ``eval_conflict``."""
-        from . import evals
-
-        return evals.post_eval(self, snapshot_id(snapshot), profile, metrics, evaluator=evaluator)
+        again is accepted; other numbers raise ``eval_conflict``. Answers the
+        stored evaluation with its candidate's ``step``, ``kind``,
+        ``sigma_rel`` and ``residual``."""
+        body: dict[str, Any] = {
+            "snapshot": snapshot_id(snapshot),
+            "profile": profile,
+            "metrics": {str(k): float(v) for k, v in metrics.items()},
+        }
+        if evaluator:
+            body["evaluator"] = evaluator
+        return dict(
+            self.client.request(
+                "POST", f"{self.path}/evals", json=body, token=self.write_token
+            ).json()
+        )
 
     def evals(
         self,
@@ -832,9 +843,13 @@ class Run:
     ) -> list[dict[str, Any]]:
         """The run's evaluations by step, each with its candidate's ``step``,
         ``kind``, ``sigma_rel``, ``residual`` and ``sources``."""
-        from . import evals
-
-        return evals.evals(self, metric=metric, profile=profile, kind=kind, evaluator=evaluator)
+        data = self.client.request(
+            "GET",
+            f"{self.path}/evals",
+            params={"metric": metric, "profile": profile, "kind": kind, "evaluator": evaluator},
+            token=self.read_token,
+        ).json()
+        return list(data["evals"])
 
     def best(
         self,
@@ -848,9 +863,20 @@ class Run:
         """The best evaluated candidate of ``metric``: ``{metric, mode,
         value, evaluation, download}`` (``download``: the path of its
         weights)."""
-        from . import evals
-
-        return evals.best(self, metric, mode, kind=kind, profile=profile, evaluator=evaluator)
+        return dict(
+            self.client.request(
+                "GET",
+                f"{self.path}/best",
+                params={
+                    "metric": metric,
+                    "mode": BestMode(mode).value,
+                    "kind": kind,
+                    "profile": profile,
+                    "evaluator": evaluator,
+                },
+                token=self.read_token,
+            ).json()
+        )
 
     def posthoc_search(
         self,
@@ -863,8 +889,6 @@ class Run:
     ) -> list[dict[str, Any]]:
         """Evaluates a post-hoc sweep and returns its rows best first (see
         :func:`polyak.evals.posthoc_search`)."""
-        from . import evals
-
         return evals.posthoc_search(
             self, sigma_rel, evaluate, model, step=step, profiles=profiles, **options
         )

@@ -1,5 +1,5 @@
-"""Evaluations of EMA candidates: post them, list them, find the best one,
-evaluate every candidate of a run as it appears (:class:`EvalWorker`), and
+"""Evaluations of EMA candidates (posted, listed and ranked through
+:class:`polyak.client.Run`): evaluate every candidate of a run as it appears (:class:`EvalWorker`), and
 choose an EMA length by evaluating a post-hoc sweep (:func:`posthoc_search`).
 
 A *candidate* is the weights of one profile of one complete snapshot (an
@@ -19,24 +19,19 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import httpx
 import torch
 
-from .contract import BestMode, SnapshotKind, SnapshotStatus, snapshot_id
+from ._transport import Transport
+from .contract import BestMode, SnapshotKind, SnapshotStatus
 from .errors import PolyakError
-
-if TYPE_CHECKING:
-    from .client import Run
 
 __all__ = [
     "POORLY_FITTED",
     "EvalWorker",
-    "best",
-    "evals",
     "load_weights",
-    "post_eval",
     "posthoc_search",
 ]
 
@@ -50,72 +45,54 @@ ONLINE = "online"
 Metrics = Mapping[str, float]
 
 
-def post_eval(
-    run: Run,
-    snapshot: str | Mapping[str, Any],
-    profile: str,
-    metrics: Metrics,
-    *,
-    evaluator: str | None = None,
-) -> dict[str, Any]:
-    """Stores an evaluation of one candidate (``POST .../evals``); the
-    stored evaluation with its candidate's ``step``, ``kind``,
-    ``sigma_rel`` and ``residual``."""
-    body: dict[str, Any] = {
-        "snapshot": snapshot_id(snapshot),
-        "profile": profile,
-        "metrics": {str(k): float(v) for k, v in metrics.items()},
-    }
-    if evaluator:
-        body["evaluator"] = evaluator
-    return dict(
-        run.client.request("POST", f"{run.path}/evals", json=body, token=run.write_token).json()
-    )
+class Run(Protocol):
+    """What evaluating needs of a run: a :class:`polyak.client.Run` (this
+    module sits below the client, which offers :func:`posthoc_search` as
+    ``Run.posthoc_search``)."""
 
+    name: str
+    path: str
+    read_token: str | None
 
-def evals(
-    run: Run,
-    *,
-    metric: str | None = None,
-    profile: str | None = None,
-    kind: str | None = None,
-    evaluator: str | None = None,
-) -> list[dict[str, Any]]:
-    """The run's evaluations by step (``GET .../evals``), filtered."""
-    data = run.client.request(
-        "GET",
-        f"{run.path}/evals",
-        params={"metric": metric, "profile": profile, "kind": kind, "evaluator": evaluator},
-        token=run.read_token,
-    ).json()
-    return list(data["evals"])
+    @property
+    def transport(self) -> Transport: ...
 
+    def refresh(self) -> dict[str, Any]: ...
 
-def best(
-    run: Run,
-    metric: str,
-    mode: str = BestMode.MIN.value,
-    *,
-    kind: str | None = None,
-    profile: str | None = None,
-    evaluator: str | None = None,
-) -> dict[str, Any]:
-    """The best evaluated candidate of ``metric`` (``GET .../best``):
-    ``{metric, mode, value, evaluation, download}``."""
-    return dict(
-        run.client.request(
-            "GET",
-            f"{run.path}/best",
-            params={
-                "metric": metric,
-                "mode": BestMode(mode).value,
-                "kind": kind,
-                "profile": profile,
-                "evaluator": evaluator,
-            },
-            token=run.read_token,
-        ).json()
-    )
+    def snapshots(
+        self, *, kind: str | None = None, status: str | None = None
+    ) -> list[dict[str, Any]]: ...
+
+    def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def download(
+        self,
+        snapshot: str | int | Mapping[str, Any],
+        profile: str | None = None,
+        *,
+        progress: bool | IO[str] = True,
+    ) -> dict[str, torch.Tensor]: ...
+
+    def posthoc(
+        self,
+        sigma_rel: float | Sequence[float],
+        *,
+        step: int | None = None,
+        profiles: Sequence[str] | None = None,
+        name: str | None = None,
+        timeout: float = 600.0,
+    ) -> Any: ...
+
+    def post_eval(
+        self,
+        snapshot: str | int | Mapping[str, Any],
+        profile: str,
+        metrics: Mapping[str, float],
+        *,
+        evaluator: str | None = None,
+    ) -> dict[str, Any]: ...
+
+    def evals(self, *, evaluator: str | None = None) -> list[dict[str, Any]]: ...
 
 
 def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
@@ -243,7 +220,7 @@ class EvalWorker:
         snaps = self.run_.snapshots()
         done = {
             (e["snapshot"], e["profile"])
-            for e in evals(self.run_, evaluator=self.evaluator or None)
+            for e in self.run_.evals(evaluator=self.evaluator or None)
             if e["evaluator"] == self.evaluator
         }
         todo: list[tuple[str, str, int]] = []
@@ -276,7 +253,7 @@ class EvalWorker:
                 self._model.to(self.device)
         metrics = _evaluate(self.run_, self._model, self.evaluate, snapshot, profile, self.device)
         try:
-            stored = post_eval(self.run_, snapshot, profile, metrics, evaluator=self.evaluator)
+            stored = self.run_.post_eval(snapshot, profile, metrics, evaluator=self.evaluator)
         except PolyakError as e:
             if e.code in ("eval_conflict", "snapshot_not_found"):
                 # Posted by a twin with other numbers, or deleted meanwhile.
@@ -420,7 +397,7 @@ def posthoc_search(
     for sigma, snap in zip(sigmas, rows, strict=True):
         profile = str(snap["profiles"][0])
         metrics = _evaluate(run, model, evaluate, str(snap["id"]), profile, device)
-        post_eval(run, snap, profile, metrics, evaluator=evaluator)
+        run.post_eval(snap, profile, metrics, evaluator=evaluator)
         residual = float(snap["detail"]["residual"])
         row = {
             "sigma_rel": sigma,

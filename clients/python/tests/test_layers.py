@@ -20,7 +20,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "polyak"
 #: Lowest first. A module imports only from the layers above it in this list.
 LAYERS: list[tuple[str, set[str]]] = [
     # Leaves: import nothing of polyak.
-    ("leaves", {"_version", "errors", "sysmetrics", "testing", "_push.stats"}),
+    (
+        "leaves",
+        {
+            "_version",
+            "errors",
+            "sysmetrics",
+            "testing",
+            "_push.stats",
+            "_progress",
+            "integrations._metrics",
+        },
+    ),
     # The contract's values and the safetensors format.
     ("formats", {"contract", "wire"}),
     # What a rank holds (torch); the way to the server (HTTP).
@@ -36,6 +47,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     # A pusher's threads.
     ("push threads", {"_push.copier", "_push.sender"}),
     ("pusher", {"pusher"}),
+    # Evaluations over a run (the worker, the post-hoc sweep): they take a
+    # run by what it does, and the client offers the sweep as a method.
+    ("evaluations", {"evals"}),
     ("client", {"client"}),
     (
         "front ends",
