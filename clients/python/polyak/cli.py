@@ -1,5 +1,6 @@
 """``python -m polyak``: runs, ranks and push status, snapshots, downloads,
-compare, resume, finish and post-hoc EMA, for scripts and terminals.
+compare, resume, finish, post-hoc EMA, evaluations and the TensorBoard
+export, for scripts and terminals.
 
 Every command takes ``--url`` (default ``$POLYAK_URL`` or
 ``http://127.0.0.1:8080``) and ``--token`` (default ``$POLYAK_TOKEN``);
@@ -379,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     _derived_commands(command)
     _log_command(command)
     _eval_command(command)
+    _export_command(command)
     return parser
 
 
@@ -579,6 +581,94 @@ def _eval_command(command: Command) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
+
+
+#: Points asked for per series (the server's most): the whole series.
+EXPORT_POINTS = 1_000_000
+
+
+def series_tag(series: dict[str, Any]) -> str:
+    """A metric series' TensorBoard tag: its name, and ``/rank<r>`` for a
+    rank's own series."""
+    return (
+        series["name"] if series.get("rank") is None else f"{series['name']}/rank{series['rank']}"
+    )
+
+
+def cmd_export(client: Client, args: argparse.Namespace) -> None:
+    """A run's metric series (the trainer's, ``ema_drift/<profile>``,
+    ``ingest/...``) and evaluations as TensorBoard scalars in a directory."""
+    from tqdm.auto import tqdm
+
+    from .trackers import TensorBoardLog
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise SystemExit(
+            f"polyak export: TensorBoard is not installed ({e}): pip install tensorboard"
+        ) from e
+    out = Path(args.tensorboard)
+    if out.is_dir() and any(out.glob("events.out.tfevents.*")):
+        raise SystemExit(
+            f"polyak export: {out} already holds TensorBoard event files "
+            "(a second export would draw every point twice): give a new directory"
+        )
+    run = client.run(args.run)
+    series = client.request(
+        "GET", f"{run.path}/metrics", params={"limit": EXPORT_POINTS}, token=run.read_token
+    ).json()["series"]
+    evaluations = run.evals()
+    total = sum(len(s["points"]) for s in series) + sum(len(e["metrics"]) for e in evaluations)
+    writer = SummaryWriter(log_dir=str(out))
+    tensorboard = TensorBoardLog(writer, with_evaluator=True)
+    bar = tqdm(
+        total=total,
+        unit="scalar",
+        desc=f"{run.name} export",
+        disable=args.no_progress or not sys.stderr.isatty(),
+    )
+    try:
+        for s in series:
+            tag = series_tag(s)
+            for step, value, at_ms in s["points"]:
+                tensorboard.scalar(tag, value, step, at_ms / 1000.0)
+            bar.update(len(s["points"]))
+        for e in evaluations:
+            tensorboard.evaluation(e)
+            bar.update(len(e["metrics"]))
+    finally:
+        bar.close()
+        writer.close()
+    summary = {
+        "directory": str(out),
+        "series": len(series),
+        "evaluations": len(evaluations),
+        "scalars": total,
+    }
+    if args.json:
+        _print_json(summary)
+    else:
+        print(
+            f"{total} scalars ({len(series)} series, {len(evaluations)} evaluations) "
+            f"written to {out}"
+        )
+
+
+def _export_command(command: Command) -> None:
+    p = command(
+        "export",
+        "write a run's metrics, EMA drift and evaluations as TensorBoard scalars",
+    )
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument(
+        "--tensorboard",
+        required=True,
+        metavar="DIR",
+        help="the directory to write the event file into (tensorboard --logdir DIR)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -893,6 +893,23 @@ class Run:
             self, sigma_rel, evaluate, model, step=step, profiles=profiles, **options
         )
 
+    def post_live_eval(
+        self,
+        metrics: Mapping[str, float],
+        profile: str | None = None,
+        *,
+        step: int,
+        evaluator: str | None = None,
+        timeout: float = 600.0,
+    ) -> dict[str, Any]:
+        """Posts metrics computed on the live EMA after ``step`` as an
+        evaluation of that step's snapshot (a periodic one, or one taken
+        for it; see :func:`polyak.evals.post_live_eval`). In a training
+        loop, :meth:`polyak.Pusher.post_ema_eval` gives the step."""
+        return evals.post_live_eval(
+            self, metrics, profile, step=step, evaluator=evaluator, timeout=timeout
+        )
+
     def _wait_derived(
         self,
         rows: list[dict[str, Any]],

@@ -1,6 +1,9 @@
 """Evaluations of EMA candidates (posted, listed and ranked through
 :class:`polyak.client.Run`): evaluate every candidate of a run as it appears (:class:`EvalWorker`), and
-choose an EMA length by evaluating a post-hoc sweep (:func:`posthoc_search`).
+choose an EMA length by evaluating a post-hoc sweep (:func:`posthoc_search`),
+post metrics computed on the live EMA (:func:`post_live_eval`). Both
+evaluating paths also write each evaluation to TensorBoard or W&B
+(``log_to=``, :mod:`polyak.trackers`).
 
 A *candidate* is the weights of one profile of one complete snapshot (an
 EMA profile of a cut, ``online`` for the mirror stored with it, a
@@ -32,8 +35,12 @@ __all__ = [
     "POORLY_FITTED",
     "EvalWorker",
     "load_weights",
+    "post_live_eval",
     "posthoc_search",
 ]
+
+#: The label of a snapshot :func:`post_live_eval` takes for an evaluation.
+LIVE_EVAL_LABEL = "live-eval"
 
 #: A post-hoc length whose fit residual is above this is flagged (the
 #: stored snapshots are too sparse or too short to synthesise it well).
@@ -55,6 +62,9 @@ class Run(Protocol):
     read_token: str | None
 
     @property
+    def profiles(self) -> list[str]: ...
+
+    @property
     def transport(self) -> Transport: ...
 
     def refresh(self) -> dict[str, Any]: ...
@@ -64,6 +74,20 @@ class Run(Protocol):
     ) -> list[dict[str, Any]]: ...
 
     def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def snapshot(
+        self,
+        step: int | None = None,
+        *,
+        profiles: Sequence[str] | None = None,
+        label: str | None = None,
+        wait: bool = True,
+        timeout: float = 600.0,
+    ) -> dict[str, Any]: ...
+
+    def wait_snapshot(
+        self, snapshot: str | int | Mapping[str, Any], *, timeout: float = 600.0
+    ) -> dict[str, Any]: ...
 
     def download(
         self,
@@ -159,6 +183,10 @@ class EvalWorker:
     :meth:`stop`) stops it after the evaluation under way is posted.
     Restarting it, or running two, repeats nothing: what this evaluator
     has posted is skipped.
+
+    ``log_to``: a ``torch.utils.tensorboard.SummaryWriter``, a wandb run
+    (or a list of them) that each posted evaluation is written to as well,
+    tagged by candidate (see :mod:`polyak.trackers`).
     """
 
     def __init__(
@@ -172,8 +200,12 @@ class EvalWorker:
         *,
         evaluator: str | None = None,
         progress: bool | IO[str] | None = None,
+        log_to: Any = None,
     ) -> None:
+        from .trackers import trackers_for
+
         self.run_ = run
+        self.trackers = trackers_for(log_to)
         self.build_model = build_model
         self.evaluate = evaluate
         self.profiles = None if profiles is None else list(profiles)
@@ -261,6 +293,8 @@ class EvalWorker:
                 return None
             raise
         self.evaluated += 1
+        for tracker in self.trackers:
+            tracker.evaluation(stored)
         return stored
 
     def catch_up(self, bar: Any = None) -> bool:
@@ -383,6 +417,7 @@ def posthoc_search(
     name: str | None = None,
     device: torch.device | str | None = None,
     timeout: float = 600.0,
+    log_to: Any = None,
 ) -> list[dict[str, Any]]:
     """Synthesises one post-hoc EMA per ``sigma_rel`` (one sweep, one pass
     over the stored power-profile snapshots), evaluates each in ``model``,
@@ -390,14 +425,24 @@ def posthoc_search(
     (default the first metric ``evaluate`` returns; ``mode`` ``min`` or
     ``max``): ``{sigma_rel, metrics, residual, poorly_fitted, snapshot,
     profile, step}``. A length whose fit residual is above
-    :data:`POORLY_FITTED` is flagged ``poorly_fitted`` and warned about."""
+    :data:`POORLY_FITTED` is flagged ``poorly_fitted`` and warned about.
+
+    ``log_to`` (a ``SummaryWriter``, a wandb run, or a list): each length's
+    metrics and residual are written there too, as
+    ``posthoc/<metric>/step_<S>`` against sigma_rel (see
+    :mod:`polyak.trackers`)."""
+    from .trackers import trackers_for
+
+    trackers = trackers_for(log_to)
     sigmas = [float(s) for s in sigma_rel]
     rows = run.posthoc(sigmas, step=step, profiles=profiles, name=name, timeout=timeout)
     out: list[dict[str, Any]] = []
     for sigma, snap in zip(sigmas, rows, strict=True):
         profile = str(snap["profiles"][0])
         metrics = _evaluate(run, model, evaluate, str(snap["id"]), profile, device)
-        run.post_eval(snap, profile, metrics, evaluator=evaluator)
+        stored = run.post_eval(snap, profile, metrics, evaluator=evaluator)
+        for tracker in trackers:
+            tracker.evaluation(stored)
         residual = float(snap["detail"]["residual"])
         row = {
             "sigma_rel": sigma,
@@ -426,6 +471,43 @@ def posthoc_search(
 
     out.sort(key=rank)
     return out
+
+
+def post_live_eval(
+    run: Run,
+    metrics: Mapping[str, float],
+    profile: str | None = None,
+    *,
+    step: int,
+    evaluator: str | None = None,
+    label: str = LIVE_EVAL_LABEL,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Posts ``metrics``, computed on the live EMA of ``profile`` (default
+    the run's first) after every rank applied ``step``, as the evaluation
+    of that candidate: the evaluation belongs to a snapshot, so it goes to
+    the complete (or pending) cut of that step holding the profile when
+    there is one (a periodic snapshot), else to a new snapshot of that
+    profile at ``step`` (labelled ``label``), which it waits for. A step
+    some rank has passed is refused (``snapshot_conflict``): the EMA the
+    metrics were computed on is gone. Answers the stored evaluation."""
+    profile = profile or run.profiles[0]
+    step = int(step)
+    snap = next(
+        (
+            s
+            for s in run.snapshots()
+            if s.get("kind") in (SnapshotKind.MANUAL, SnapshotKind.PERIODIC)
+            and int(s["step"]) == step
+            and s.get("status") != SnapshotStatus.FAILED
+            and profile in s.get("profiles", [])
+        ),
+        None,
+    )
+    if snap is None:
+        snap = run.snapshot(step, profiles=[profile], label=label, wait=False)
+    snap = run.wait_snapshot(snap, timeout=timeout)
+    return run.post_eval(snap, profile, metrics, evaluator=evaluator)
 
 
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -578,6 +578,44 @@ class Pusher:
             if commit is not None:
                 commit()
 
+    def post_ema_eval(
+        self,
+        metrics: Mapping[str, float],
+        profile: str | None = None,
+        *,
+        evaluator: str | None = None,
+        timeout: float = 600.0,
+    ) -> dict[str, Any] | None:
+        """Posts ``metrics`` computed under :meth:`ema_weights` as an
+        evaluation of the live EMA of ``profile`` (default the run's
+        first): of the snapshot at the last step pushed (the EMA
+        ``ema_weights`` loaded), a periodic one of that step or else one
+        taken for it, which this waits for::
+
+            with pusher.ema_weights(model, "ema"):
+                val_loss = evaluate(model)
+            pusher.post_ema_eval({"val_loss": val_loss}, "ema")
+
+        Posted from rank 0 only (one evaluation, one snapshot): other ranks
+        return ``None``, so every rank may call it. Answers the stored
+        evaluation (its ``snapshot`` and ``step`` included)."""
+        if self.rank != 0:
+            return None
+        self.flush()
+        if self._last_queued is None:
+            raise PolyakError(
+                "nothing was pushed yet: no live EMA to evaluate",
+                code="nothing_pushed",
+                rank=self.rank,
+            )
+        post = getattr(self.run, "post_live_eval", None)
+        if post is None:
+            raise TypeError("post_ema_eval needs a polyak.Run (with post_live_eval)")
+        stored: dict[str, Any] = post(
+            metrics, profile, step=self._last_queued, evaluator=evaluator, timeout=timeout
+        )
+        return stored
+
 
 class Attachment:
     """Optimizer hooks that push (see :meth:`Pusher.attach`).

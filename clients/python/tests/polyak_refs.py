@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
+import os
 import socket
+import struct
+import subprocess
+import termios
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +122,53 @@ def assert_state_close(
             assert err <= rtol, f"{label} {k}: relative error {err:.3e} > {rtol:g}"
         else:
             assert torch.equal(g, online[k]), (label, k, g, online[k])
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Polls ``cond`` until it answers something true (returned), or fails
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stderr_on_a_terminal(
+    argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 180
+) -> tuple[int, str]:
+    """Runs ``argv`` with its stderr on a pseudo-terminal 200 columns wide
+    (a new pty has none, and tqdm draws to fit); its exit status and what
+    it showed there."""
+    main, terminal = os.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=terminal,
+            env=env,
+        )
+        os.close(terminal)
+        terminal = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # EIO: the child's end is closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        status = proc.wait(timeout=timeout)
+    finally:
+        os.close(main)
+        if terminal >= 0:
+            os.close(terminal)
+    return status, b"".join(chunks).decode(errors="replace")
 
 
 def free_port() -> int:

@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import polyak
 import pytest
 import torch
 from polyak.evals import POORLY_FITTED, load_weights
-from polyak_refs import VOCAB, TinyTransformer, lm_loss
+from polyak_refs import VOCAB, TinyTransformer, lm_loss, wait_for
 from polyak_workers import ddp_finish_worker, run_ranks
 
 TESTS = Path(__file__).resolve().parent
@@ -80,16 +79,6 @@ def held_out_loss(state: dict[str, torch.Tensor]) -> float:
     idx = torch.randint(0, VOCAB, (16, SEQ), generator=torch.Generator().manual_seed(4242))
     with torch.no_grad():
         return lm_loss(model, idx).item()
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _worker(server, run: str, script: Path, **env: str) -> subprocess.Popen:

@@ -6,14 +6,11 @@ and a script run again against a finished run being told so first."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import textwrap
 
 import httpx
@@ -21,6 +18,7 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
+from polyak_refs import stderr_on_a_terminal
 
 # A trainer that pushes step 0 and returns without flushing. Its own exit
 # handler, registered after the pusher's and so run before it, says when
@@ -138,33 +136,10 @@ def test_download_progress_in_a_log_is_a_line_per_tenth(server, run_name, big_sn
 
 
 def test_download_progress_on_a_terminal_is_a_bar(server, run_name, big_snapshot):
-    main, terminal = os.openpty()
-    # A terminal 200 columns wide (a new pty has none, and tqdm draws to fit).
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", DOWNLOAD, server.url, run_name, big_snapshot],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=terminal,
-        )
-        os.close(terminal)
-        terminal = -1
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(main, 4096)
-            except OSError:  # EIO: the child's end is closed
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        assert proc.wait(timeout=180) == 0
-    finally:
-        os.close(main)
-        if terminal >= 0:
-            os.close(terminal)
-    shown = b"".join(chunks).decode(errors="replace")
+    status, shown = stderr_on_a_terminal(
+        [sys.executable, "-c", DOWNLOAD, server.url, run_name, big_snapshot]
+    )
+    assert status == 0, shown[-400:]
     # tqdm redraws one line in place: carriage returns, a bar, a rate.
     assert "\r" in shown and "100%|" in shown and "B/s" in shown, repr(shown[-400:])
     assert f"{run_name}/{big_snapshot} ema" in shown

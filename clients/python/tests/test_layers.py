@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_push.stats",
             "_progress",
             "integrations._metrics",
+            # Evaluations to TensorBoard and W&B (writers known by their methods).
+            "trackers",
         },
     ),
     # The contract's values and the safetensors format.
