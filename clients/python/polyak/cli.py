@@ -538,6 +538,9 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> None:
     missing = [f for f in ("build_model", "evaluate") if not callable(script.get(f))]
     if missing:
         raise SystemExit(f"polyak eval: {args.script} defines no {' or '.join(missing)}()")
+    log_to = None
+    if args.tensorboard is not None:
+        log_to = _summary_writer("eval", args.tensorboard)
     worker = EvalWorker(
         client.run(args.run),
         script["build_model"],
@@ -547,8 +550,13 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> None:
         device=args.device,
         evaluator=args.evaluator,
         progress=False if args.no_progress else None,
+        log_to=log_to,
     )
-    done = worker.run(follow=args.follow, until_finished=args.until_finished)
+    try:
+        done = worker.run(follow=args.follow, until_finished=args.until_finished)
+    finally:
+        if log_to is not None:
+            log_to.close()
     if args.json:
         _print_json({"evaluated": done})
     else:
@@ -579,6 +587,12 @@ def _eval_command(command: Command) -> None:
         default=None,
         help="name stored with each evaluation (one evaluation per candidate and evaluator)",
     )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="also write each evaluation to TensorBoard scalars in DIR",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
@@ -595,6 +609,17 @@ def series_tag(series: dict[str, Any]) -> str:
     )
 
 
+def _summary_writer(command: str, directory: str | Path) -> Any:
+    """torch's ``SummaryWriter`` into ``directory`` (TensorBoard is optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise SystemExit(
+            f"polyak {command}: TensorBoard is not installed ({e}): pip install tensorboard"
+        ) from e
+    return SummaryWriter(log_dir=str(directory))
+
+
 def cmd_export(client: Client, args: argparse.Namespace) -> None:
     """A run's metric series (the trainer's, ``ema_drift/<profile>``,
     ``ingest/...``) and evaluations as TensorBoard scalars in a directory."""
@@ -602,12 +627,6 @@ def cmd_export(client: Client, args: argparse.Namespace) -> None:
 
     from .trackers import TensorBoardLog
 
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise SystemExit(
-            f"polyak export: TensorBoard is not installed ({e}): pip install tensorboard"
-        ) from e
     out = Path(args.tensorboard)
     if out.is_dir() and any(out.glob("events.out.tfevents.*")):
         raise SystemExit(
@@ -620,7 +639,7 @@ def cmd_export(client: Client, args: argparse.Namespace) -> None:
     ).json()["series"]
     evaluations = run.evals()
     total = sum(len(s["points"]) for s in series) + sum(len(e["metrics"]) for e in evaluations)
-    writer = SummaryWriter(log_dir=str(out))
+    writer = _summary_writer("export", out)
     tensorboard = TensorBoardLog(writer, with_evaluator=True)
     bar = tqdm(
         total=total,

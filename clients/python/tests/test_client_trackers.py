@@ -129,20 +129,25 @@ def wandb_history(run_dir: Path) -> list[dict]:
 # -- what the trackers must hold, from the API's evaluations ------------------
 
 
-def expected_tensorboard(evals: list[dict]) -> dict[str, list[tuple[int, float]]]:
+def expected_tensorboard(
+    evals: list[dict], *, with_evaluator: bool = False
+) -> dict[str, list[tuple[int, float]]]:
     """Live profiles and online weights at the candidate's step; post-hoc
     lengths at sigma_rel * 10^4, one curve per sweep step, with the fit
-    residual beside."""
+    residual beside (``with_evaluator``: a named evaluator's tags end in
+    ``@<evaluator>``)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for e in evals:
+        by = f"@{e['evaluator']}" if with_evaluator and e["evaluator"] else ""
         if e["kind"] == "posthoc":
             x = round(e["sigma_rel"] * 10_000)
+            sweep = f"step_{e['step']}{by}"
             for m, v in e["metrics"].items():
-                out.setdefault(f"posthoc/{m}/step_{e['step']}", []).append((x, v))
-            out.setdefault(f"posthoc/residual/step_{e['step']}", []).append((x, e["residual"]))
+                out.setdefault(f"posthoc/{m}/{sweep}", []).append((x, v))
+            out.setdefault(f"posthoc/residual/{sweep}", []).append((x, e["residual"]))
         else:
             for m, v in e["metrics"].items():
-                out.setdefault(f"eval/{m}/{e['profile']}", []).append((e["step"], v))
+                out.setdefault(f"eval/{m}/{e['profile']}{by}", []).append((e["step"], v))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -321,11 +326,8 @@ def test_export_to_tensorboard_equals_the_api(trained, logged, tmp_path, capsys)
         tag = s["name"] if s["rank"] is None else f"{s['name']}/rank{s['rank']}"
         want[tag] = [(step, value, at_ms / 1000.0) for step, value, at_ms in s["points"]]
     evals = run.evals()
-    judged = [e for e in evals if e["evaluator"] == "judge"]
-    assert len(judged) == 1
-    for tag, points in expected_tensorboard([e for e in evals if not e["evaluator"]]).items():
-        want[tag] = points
-    want["eval/val_loss/c@judge"] = [(judged[0]["step"], 1.5)]
+    want.update(expected_tensorboard(evals, with_evaluator=True))
+    assert want["eval/val_loss/c@judge"] == [(final["step"], 1.5)]
 
     metric_tags = {t for t in want if not t.startswith(("eval/", "posthoc/"))}
     assert {t: got[t] for t in metric_tags} == {t: want[t] for t in metric_tags}
@@ -412,3 +414,26 @@ def test_export_progress_is_a_bar_on_a_terminal_only(trained, tmp_path):
     assert status == 0, shown[-400:]
     assert "\r" in shown and "100%|" in shown and "scalar" in shown, repr(shown[-400:])
     assert f"{trained.name} export" in shown
+
+
+def test_eval_command_writes_to_tensorboard(trained, tmp_path):
+    """``python -m polyak eval RUN --script ... --tensorboard DIR``: the
+    worker's evaluations, in DIR too."""
+    script = tmp_path / "eval.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "from polyak_refs import TinyTransformer as build_model\n"
+        "from test_client_trackers import evaluate\n"
+    )
+    out = tmp_path / "tb"
+    argv = ["--url", trained.url, "eval", trained.name, "--script", str(script)]
+    argv += ["--profiles", "c", "--no-online", "--evaluator", "cli", "--tensorboard", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    evals = trained.evals(evaluator="cli")
+    assert {e["profile"] for e in evals} == {"c"} and len(evals) == 4
+    got = {
+        tag: sorted((step, value) for step, value, _ in points)
+        for tag, points in tensorboard_scalars(out).items()
+    }
+    assert got == expected_tensorboard(evals)
