@@ -599,6 +599,8 @@ def _eval_command(command: Command) -> None:
 
 #: Points asked for per series (the server's most): the whole series.
 EXPORT_POINTS = 1_000_000
+#: Sampled steps of per-tensor drift asked for (the server's most).
+TENSOR_DRIFT_STEPS = 2000
 
 
 def series_tag(series: dict[str, Any]) -> str:
@@ -622,7 +624,8 @@ def _summary_writer(command: str, directory: str | Path) -> Any:
 
 def cmd_export(client: Client, args: argparse.Namespace) -> None:
     """A run's metric series (the trainer's, ``ema_drift/<profile>``,
-    ``ingest/...``) and evaluations as TensorBoard scalars in a directory."""
+    ``ingest/...``), evaluations and, with ``--tensor-drift``, each
+    tensor's drift as TensorBoard scalars in a directory."""
     from tqdm.auto import tqdm
 
     from .trackers import TensorBoardLog
@@ -638,7 +641,16 @@ def cmd_export(client: Client, args: argparse.Namespace) -> None:
         "GET", f"{run.path}/metrics", params={"limit": EXPORT_POINTS}, token=run.read_token
     ).json()["series"]
     evaluations = run.evals()
-    total = sum(len(s["points"]) for s in series) + sum(len(e["metrics"]) for e in evaluations)
+    drift = (
+        [run.tensor_drift(profile, limit=TENSOR_DRIFT_STEPS) for profile in run.profiles]
+        if args.tensor_drift
+        else []
+    )
+    total = (
+        sum(len(s["points"]) for s in series)
+        + sum(len(e["metrics"]) for e in evaluations)
+        + sum(v is not None for d in drift for row in d["values"] for v in row)
+    )
     writer = _summary_writer("export", out)
     tensorboard = TensorBoardLog(writer, with_evaluator=True)
     bar = tqdm(
@@ -656,6 +668,15 @@ def cmd_export(client: Client, args: argparse.Namespace) -> None:
         for e in evaluations:
             tensorboard.evaluation(e)
             bar.update(len(e["metrics"]))
+        for d in drift:
+            for tensor, row in zip(d["tensors"], d["values"], strict=True):
+                tag = f"tensor_drift/{d['profile']}/{tensor}"
+                points = [
+                    (step, v) for step, v in zip(d["steps"], row, strict=True) if v is not None
+                ]
+                for step, value in points:
+                    tensorboard.scalar(tag, value, step)
+                bar.update(len(points))
     finally:
         bar.close()
         writer.close()
@@ -685,6 +706,11 @@ def _export_command(command: Command) -> None:
         required=True,
         metavar="DIR",
         help="the directory to write the event file into (tensorboard --logdir DIR)",
+    )
+    p.add_argument(
+        "--tensor-drift",
+        action="store_true",
+        help="also each tensor's EMA drift (tensor_drift/<profile>/<tensor>; newest 2000 samples)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)

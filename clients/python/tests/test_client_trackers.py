@@ -10,7 +10,8 @@ update, trainer scalars logged run-level and per rank). Then:
   with wandb's own protobuf classes) hold every posted evaluation, value
   for value, at the tags and x axes :mod:`polyak.trackers` documents;
 - ``python -m polyak export RUN --tensorboard DIR``: the event file read
-  back with TensorBoard's reader equals the API's series and evaluations,
+  back with TensorBoard's reader equals the API's series, per-tensor drift
+  and evaluations,
   value for value (doubles, not float32), at the API's steps and times;
   its progress is a bar on a terminal and nothing in a pipe;
 - ``Pusher.post_ema_eval``: the metric a trainer computes under
@@ -310,8 +311,16 @@ def test_export_to_tensorboard_equals_the_api(trained, logged, tmp_path, capsys)
     final = [s for s in run.snapshots() if s["kind"] in ("manual", "periodic")][-1]
     run.post_eval(final, "c", {"val_loss": 1.5}, evaluator="judge")
     before = stable_series(run)
+    wait_for(
+        lambda: all(
+            len(run.tensor_drift(p["name"], limit=2000)["steps"]) == STEPS for p in PROFILES
+        ),
+        60,
+        "every update's tensor drift",
+    )
     out = tmp_path / "tb"
-    assert main(["--url", run.url, "export", run.name, "--tensorboard", str(out)]) == 0
+    argv = ["--url", run.url, "export", run.name, "--tensorboard", str(out), "--tensor-drift"]
+    assert main(argv) == 0
     printed = capsys.readouterr()
     # No terminal here: no bar drawn.
     assert "\r" not in printed.err
@@ -327,11 +336,17 @@ def test_export_to_tensorboard_equals_the_api(trained, logged, tmp_path, capsys)
         want[tag] = [(step, value, at_ms / 1000.0) for step, value, at_ms in s["points"]]
     evals = run.evals()
     want.update(expected_tensorboard(evals, with_evaluator=True))
+    for p in PROFILES:
+        drift = run.tensor_drift(p["name"], limit=2000)
+        assert len(drift["steps"]) == STEPS  # sampled at every update
+        for tensor, row in zip(drift["tensors"], drift["values"], strict=True):
+            points = [(s, v) for s, v in zip(drift["steps"], row, strict=True) if v is not None]
+            want[f"tensor_drift/{p['name']}/{tensor}"] = points
     assert want["eval/val_loss/c@judge"] == [(final["step"], 1.5)]
 
-    metric_tags = {t for t in want if not t.startswith(("eval/", "posthoc/"))}
+    metric_tags = {t for t in want if not t.startswith(("eval/", "posthoc/", "tensor_drift/"))}
     assert {t: got[t] for t in metric_tags} == {t: want[t] for t in metric_tags}
-    evaluation_tags = set(want) - metric_tags
+    evaluation_tags = set(want) - metric_tags  # evaluations and tensor drift: no times
     assert {t: sorted(p[:2] for p in got[t]) for t in evaluation_tags} == {
         t: sorted(want[t]) for t in evaluation_tags
     }
@@ -341,6 +356,7 @@ def test_export_to_tensorboard_equals_the_api(trained, logged, tmp_path, capsys)
     assert {"train_loss", "lr", "tokens/rank0"} <= metric_tags
     assert {f"ema_drift/{p['name']}" for p in PROFILES} <= metric_tags
     assert len(got["train_loss"]) == STEPS
+    assert "tensor_drift/p05/fc1.weight" in got
     assert f"{len(evals)} evaluations" in printed.out
     # A second export into the same directory would draw every point twice.
     with pytest.raises(SystemExit) as refused:
