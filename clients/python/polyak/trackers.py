@@ -107,9 +107,12 @@ class TensorBoardLog:
 
 class WandbLog:
     """Writes to a W&B run. Each family gets its own x axis
-    (``define_metric``), so evaluations of past steps and post-hoc lengths
-    are plotted where they belong without moving the run's own step: they
-    are logged without ``step=``."""
+    (``define_metric``) and is logged without ``step=``: wandb drops a
+    ``step=`` below the run's current one, and an evaluation of a past
+    step (or a post-hoc length) is plotted where it belongs against its
+    own axis. Each evaluation takes one row of wandb's own counter
+    (``_step``), which a trainer logging ``step=`` in the same run must
+    stay ahead of (evaluations from another process: their own run)."""
 
     def __init__(self, run: Any) -> None:
         self.run = run
