@@ -236,7 +236,9 @@ async fn take_over(ctx: &Context, nodes: &[NodeRow]) -> Result<usize, ServiceErr
         }
     }
     if installed > 0 {
-        tell_peers(ctx).await;
+        // Off the sync's lock: a peer that cannot answer delays nothing.
+        let ctx = ctx.clone();
+        tokio::spawn(async move { tell_peers(&ctx).await });
     }
     Ok(installed)
 }

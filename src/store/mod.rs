@@ -30,6 +30,21 @@ use sqlx::{AnyPool, Executor, Row};
 use crate::contract::EventKind;
 use crate::run::RunConfig;
 
+/// A run's finish lock across nodes (see [`Store::lock_finish`]).
+pub struct FinishLock {
+    conn: sqlx::AnyConnection,
+}
+
+impl FinishLock {
+    /// Ends the session that holds the lock (PostgreSQL releases it).
+    pub async fn release(self) {
+        use sqlx::Connection;
+        if let Err(e) = self.conn.close().await {
+            tracing::debug!(error = %e, "closing the finish lock's session failed; it ends with the socket");
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("run `{0}` already exists")]
@@ -424,6 +439,42 @@ impl Store {
         .execute(self.pool())
         .await?;
         Ok(())
+    }
+
+    /// How the catalog says the run finished, if it did.
+    pub async fn run_finish(&self, name: &str) -> Result<Option<RunFinish>, StoreError> {
+        let row = sqlx::query(&self.sql(
+            "SELECT finished_at_ms, finished_step, finished_snapshot FROM runs WHERE name = ?",
+        ))
+        .bind(name)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(row.and_then(|row| {
+            row.get::<Option<i64>, _>("finished_at_ms")
+                .map(|at_ms| RunFinish {
+                    at_ms,
+                    step: row.get::<Option<i64>, _>("finished_step").map(|s| s as u64),
+                    snapshot: row.get("finished_snapshot"),
+                })
+        }))
+    }
+
+    /// Holds the run's finish lock across the nodes of a service until the
+    /// returned guard is released: on PostgreSQL a session advisory lock
+    /// on a connection taken out of the pool (so a guard dropped mid-way,
+    /// its request cancelled, closes that session and the lock goes with
+    /// it, never left behind on a pooled connection). `None` on SQLite,
+    /// where one node is the whole service.
+    pub async fn lock_finish(&self, name: &str) -> Result<Option<FinishLock>, StoreError> {
+        if self.kind != CatalogKind::Postgres {
+            return Ok(None);
+        }
+        let mut conn = self.pool().acquire().await?.detach();
+        sqlx::query("SELECT pg_advisory_lock(hashtext($1))::text")
+            .bind(format!("polyak-finish/{name}"))
+            .execute(&mut conn)
+            .await?;
+        Ok(Some(FinishLock { conn }))
     }
 
     /// Deletes a run and (by cascade) its ranks and events.

@@ -259,41 +259,68 @@ def test_concurrent_finishes_take_one_final_snapshot(tmp_path, backends: Backend
     srv = backends.server(pair, tmp_path / "data")
     srv.start()
     try:
-        for trial in range(5):
-            run = f"finish-{trial}"
-            _create_run(srv.url, run, world_size=2)
-            for step in range(3):
-                for rank in (0, 1):
-                    _push(srv.url, run, rank, step)
-            callers = 8
-            barrier = threading.Barrier(callers)
-            answers: list[httpx.Response | Exception] = [None] * callers  # type: ignore[list-item]
-
-            def finish(i: int, run: str = run, barrier=barrier, answers=answers) -> None:
-                barrier.wait()
-                try:
-                    answers[i] = httpx.post(f"{srv.url}/v1/runs/{run}/finish", json={}, timeout=60)
-                except Exception as e:  # reported below
-                    answers[i] = e
-
-            threads = [threading.Thread(target=finish, args=(i,)) for i in range(callers)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            for a in answers:
-                assert isinstance(a, httpx.Response) and a.status_code == 200, a
-            got = {(a.json()["snapshot"]["id"], a.json()["snapshot"]["step"]) for a in answers}
-            assert len(got) == 1, (trial, got)
-            ((sid, step),) = got
-            assert step == 2
-            snaps = httpx.get(f"{srv.url}/v1/runs/{run}/snapshots", timeout=10).json()
-            final = [s for s in snaps["snapshots"] if s["kind"] != "state"]
-            assert [s["id"] for s in final] == [sid], (trial, final)
-            finished = httpx.get(f"{srv.url}/v1/runs/{run}", timeout=10).json()["finished"]
-            assert finished["snapshot"] == sid
+        _finish_concurrently([srv.url], trials=5)
     finally:
         srv.stop()
+
+
+def test_concurrent_finishes_across_nodes_take_one_final_snapshot(tmp_path, backends: Backends):
+    """Eight callers, four on each of two nodes, finish a run whose ranks
+    are spread over both: one final snapshot, every caller answered with
+    it (the finish holds a lock in the catalog, so the second node's
+    callers find the first's finish there)."""
+    _, nodes = backends.cluster(tmp_path / "nodes", 2)
+    for node in nodes:
+        node.start()
+    try:
+        _finish_concurrently([n.url for n in nodes], trials=4, spread=True)
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
+def _finish_concurrently(urls: list[str], trials: int, spread: bool = False) -> None:
+    """``trials`` runs of two ranks at step 2, each finished by eight
+    callers at once over ``urls`` (round robin): all answered 200 with the
+    same final snapshot at step 2, the only one the run lists."""
+    for trial in range(trials):
+        run = f"finish-{trial}"
+        _create_run(urls[0], run, world_size=2)
+        if spread:
+            owners = {p["node"] for p in _placement(urls[0], run).values()}
+            assert len(owners) == 2, owners
+        for step in range(3):
+            for rank in (0, 1):
+                _push(urls[0], run, rank, step)
+        callers = 8
+        barrier = threading.Barrier(callers)
+        answers: list[httpx.Response | Exception] = [None] * callers  # type: ignore[list-item]
+
+        def finish(i: int, run: str = run, barrier=barrier, answers=answers) -> None:
+            url = urls[i % len(urls)]
+            barrier.wait()
+            try:
+                answers[i] = httpx.post(f"{url}/v1/runs/{run}/finish", json={}, timeout=60)
+            except Exception as e:  # reported below
+                answers[i] = e
+
+        threads = [threading.Thread(target=finish, args=(i,)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for a in answers:
+            assert isinstance(a, httpx.Response) and a.status_code == 200, a
+        got = {(a.json()["snapshot"]["id"], a.json()["snapshot"]["step"]) for a in answers}
+        assert len(got) == 1, (trial, got)
+        ((sid, step),) = got
+        assert step == 2
+        for url in urls:
+            snaps = httpx.get(f"{url}/v1/runs/{run}/snapshots", timeout=10).json()
+            final = [s for s in snaps["snapshots"] if s["kind"] != "state"]
+            assert [s["id"] for s in final] == [sid], (trial, url, final)
+            finished = httpx.get(f"{url}/v1/runs/{run}", timeout=10).json()["finished"]
+            assert finished["snapshot"] == sid, (trial, url, finished)
 
 
 def test_the_catalog_away_answers_503_quickly(tmp_path):

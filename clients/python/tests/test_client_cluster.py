@@ -735,6 +735,18 @@ while time.time() < until:
 
 
 @pytest.mark.slow
+def _in_a_test_host(lab: NetLab, node):
+    """Runs ``node`` (not started yet) in a test host of its own, reaching
+    PostgreSQL and S3 (on this machine's loopback) through the lab's
+    proxies on the bridge."""
+    host = lab.host()
+    for flag in ("--catalog", "--s3-endpoint"):
+        i = node.args.index(flag)
+        node.args[i + 1] = lab.reach_url(node.args[i + 1])
+    host.run_in(node)
+    return host
+
+
 def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
     tmp_path, backends: Backends, run_name, lab
 ):
@@ -750,13 +762,7 @@ def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
     lease = 3.0
     catalog, (a, b) = backends.cluster(tmp_path / "nodes", 2, "--lease-secs", str(lease))
     try:
-        host = lab.host()
-        # b reaches PostgreSQL and S3 (on this machine's loopback) through
-        # proxies on the bridge.
-        for flag in ("--catalog", "--s3-endpoint"):
-            i = b.args.index(flag)
-            b.args[i + 1] = lab.reach_url(b.args[i + 1])
-        host.run_in(b)
+        host = _in_a_test_host(lab, b)
         a.start()
         b.start()
         assert b.url.startswith(f"http://{host.ip}:")
@@ -813,6 +819,44 @@ def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
 
         _assert_rank_1_moved_once(backends, catalog, run_name)
     finally:
+        b.stop()
+        a.stop()
+
+
+def test_a_peer_cut_off_mid_connection_holds_no_request(
+    tmp_path, backends: Backends, run_name, lab
+):
+    """Node b runs in a test host; a has told it of a run, so a keeps an
+    idle keep-alive connection to b. b's link is then cut: packets to it
+    vanish, no reset comes. Creating a run on a tells the peers again, over
+    that connection while b's lease is still live: a's answer must not wait
+    on a peer that cannot answer (before, it waited for the peer client's
+    300 s limit), and a still takes b's rank over and shows it as its own."""
+    if lab is None:
+        pytest.skip(f"no test hosts: {NetLab.unavailable()}")
+    lease = 6.0
+    _, (a, b) = backends.cluster(tmp_path / "nodes", 2, "--lease-secs", str(lease))
+    host = _in_a_test_host(lab, b)
+    try:
+        a.start()
+        b.start()
+        profiles = [{"name": "e", "kind": "constant", "beta": 0.9}]
+        with polyak.Client(a.url, timeout=60) as client:
+            client.create_run(run_name, world_size=2, profiles=profiles)
+            assert client.run(run_name).placement()[1]["node"] == "node-b"
+            host.cut()
+            started = time.monotonic()
+            client.create_run(f"{run_name}-2", world_size=1, profiles=profiles)
+            waited = time.monotonic() - started
+            # Told within the control calls' limit, not the 300 s of a read.
+            assert waited < 30, waited
+            _wait(
+                lambda: client.run(run_name).placement()[1]["node"] == "node-a",
+                60,
+                "a to take b's rank over",
+            )
+    finally:
+        host.mend()
         b.stop()
         a.stop()
 

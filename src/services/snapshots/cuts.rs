@@ -207,11 +207,45 @@ pub async fn finish(
     let finisher = state.pending.finisher(&name);
     let _one = finisher.lock().await;
     if let Some(done) = run.finished() {
-        let row = match &done.snapshot {
-            Some(id) => state.store.snapshot(&name, id).await?,
-            None => None,
-        };
-        return Ok((done, row));
+        return answered(state, &name, done).await;
+    }
+    // And one at a time across the nodes of a service: a caller on another
+    // node that waited here finds the finish in the catalog and answers it.
+    let across = state.store.lock_finish(&name).await?;
+    let result = finish_held(state, run, label).await;
+    if let Some(lock) = across {
+        lock.release().await;
+    }
+    result
+}
+
+/// How a finished run ended, with its final snapshot's row.
+async fn answered(
+    state: &Snaps,
+    name: &str,
+    done: RunFinish,
+) -> Result<(RunFinish, Option<SnapshotRow>), SnapshotError> {
+    let row = match &done.snapshot {
+        Some(id) => state.store.snapshot(name, id).await?,
+        None => None,
+    };
+    Ok((done, row))
+}
+
+/// [`finish`] under the run's finish locks.
+async fn finish_held(
+    state: &Snaps,
+    run: &RunHandle,
+    label: Option<String>,
+) -> Result<(RunFinish, Option<SnapshotRow>), SnapshotError> {
+    let name = run.config.name.clone();
+    if let Some(done) = state.store.run_finish(&name).await? {
+        // Finished through another node since this one last synced.
+        run.engines
+            .shared()
+            .set_finished(Some(crate::engine::FinishedAt(done.step)));
+        *run.finished.lock().expect("run finish lock") = Some(done.clone());
+        return answered(state, &name, done).await;
     }
     let at = if run.is_spread() {
         super::spread::finish_across(state, run).await?
