@@ -486,7 +486,8 @@ class PostHocEMA(_PostHocEMA):
             # Not an update step: the karras profiles leave their EMAs as
             # they are; the push makes the run's step the checkpoint's.
             remote.push(self._online_state(), step)
-        remote.pusher.flush(READ_TIMEOUT)
+        # A cut at a step the run has not applied yet waits for it: the
+        # trainer goes on while the push and the snapshot are written.
         self._pending.append(
             remote.run.snapshot(step, wait=False, label=f"PostHocEMA checkpoint {count}")
         )
