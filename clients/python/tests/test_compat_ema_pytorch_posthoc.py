@@ -130,6 +130,30 @@ def assert_synthesis_equal(original: Original, w, g, gamma: float, step: int | N
     assert_same(rest_w, rest_g, rel=0.0)
 
 
+def test_frozen_posthoc_ema_keeps_the_first_copy(server, tmp_path):
+    ma, mb = twins()
+    ta, tb = Trainer(ma), Trainer(mb)
+    common = {
+        "sigma_rels": SIGMA_RELS,
+        "checkpoint_every_num_steps": 5,
+        "update_every": 1,
+        "frozen": True,
+        "checkpoint_dtype": torch.float32,
+    }
+    want = Original(ma, checkpoint_folder=str(tmp_path / "original"), **common)
+    got = PostHocEMA(mb, **common, url=server.url)
+    for _ in steps(ta, tb, 15):
+        want.update()
+        got.update()
+    for w, g in zip(want.ema_models, got.ema_models, strict=True):
+        assert_same(w.ema_model.state_dict(), g.ema_model.state_dict())
+    # The first update's copy, not the model trained on since.
+    assert_differs(averaged(got.ema_models[0]), ma.state_dict())
+    w = want.synthesize_ema_model(sigma_rel=0.1, step=7)
+    g = got.synthesize_ema_model(sigma_rel=0.1, step=7)
+    assert_synthesis_equal(want, w, g, w.gamma, 7)
+
+
 def test_posthoc_ema_rounds_like_float16_checkpoints(server, tmp_path):
     """The float16 rounding of ema-pytorch's checkpoints shows in its
     synthesis (more than the comparison's tolerance): the server's rounded
