@@ -60,7 +60,7 @@ from torch import nn
 from ..errors import PolyakError
 from ._remote import PROFILE, READ_TIMEOUT, RemoteEma, canonical_keys
 
-__all__ = ["EMA", "KarrasEMA", "PostHocEMA"]
+__all__ = ["EMA", "PostHocEMA"]
 
 
 def _tensors(
@@ -304,9 +304,9 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 
 
 class KarrasEMA(_KarrasEMA):
-    """One EMA of a :class:`PostHocEMA`: ema-pytorch's ``KarrasEMA`` whose
-    ``ema_model`` holds the server's EMA of one profile of the
-    ``PostHocEMA``'s run (read when used)."""
+    """One EMA of a :class:`PostHocEMA` (its ``ema_models``, made by it):
+    ema-pytorch's ``KarrasEMA`` whose ``ema_model`` holds the server's EMA
+    of one profile of the ``PostHocEMA``'s run (read when used)."""
 
     def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
         self.__dict__["_remote"] = None
