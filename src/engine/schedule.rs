@@ -82,6 +82,23 @@ pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -
                 weight: 1.0 - power_beta(gamma, t, delta),
             })
         }
+        ProfileSpec::Karras {
+            gamma,
+            update_every,
+            frozen,
+            ..
+        } => {
+            let gamma = gamma.expect("validated karras profile has gamma");
+            if *frozen || step % update_every != 0 {
+                // ema-pytorch `KarrasEMA.update` returns on other steps; a
+                // frozen one keeps its first copy.
+                keep(Action::Hold)
+            } else {
+                keep(Action::Lerp {
+                    weight: 1.0 - karras_beta(gamma, step),
+                })
+            }
+        }
         ProfileSpec::HalfLife {
             steps,
             rampup_ratio,
@@ -236,6 +253,15 @@ pub fn power_beta(gamma: f64, t: f64, delta: f64) -> f64 {
     (1.0 - delta / t).powf(gamma + 1.0)
 }
 
+/// ema-pytorch `KarrasEMA.beta` for the update entered at `step`:
+/// `(1 - 1 / (step + 2))^(gamma + 1)`. Its `step` buffer is incremented
+/// before the decay is read, and the decay adds one more (EDM2's
+/// `1 - 1/t` at `t = step + 1` is `1 - 1/(step + 1)`); whatever the
+/// interval since the previous update, as it ignores `update_every`.
+pub fn karras_beta(gamma: f64, step: u64) -> f64 {
+    (1.0 - 1.0 / (step as f64 + 2.0)).powf(1.0 + gamma)
+}
+
 /// EDM2 traditional EMA (`phema.TraditionalEMA`): half-life `h` steps,
 /// ramped up as `min(h, t * rampup_ratio)`; `beta = 0.5^(delta / h)`.
 pub fn half_life_beta(steps: f64, rampup_ratio: Option<f64>, t: f64, delta: f64) -> f64 {
@@ -321,6 +347,60 @@ mod tests {
         assert!((prod - power_beta(gamma, 21.0, 10.0)).abs() < 1e-12);
         // The first real update after the copy: t = 1 gives beta = 0.
         assert_eq!(power_beta(gamma, 1.0, 1.0), 0.0);
+    }
+
+    /// Values printed by ema-pytorch 0.8.3's `KarrasEMA(gamma=6.94).beta`
+    /// inside `update()` entered at `step` (its buffer then reads `step + 1`).
+    #[test]
+    fn karras_matches_ema_pytorch() {
+        for (step, expected) in [
+            (0, 0.004_072_131_878_285_63),
+            (1, 0.039_979_320_007_194_556),
+            (9, 0.469_182_796_889_280_8),
+            (99, 0.924_034_724_910_943),
+            (999, 0.992_095_374_524_695_4),
+        ] {
+            let got = karras_beta(6.94, step);
+            assert!(
+                (got - expected).abs() <= 1e-15,
+                "step {step}: {got} vs {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn karras_updates_every_k_steps_and_differs_from_power() {
+        let p = |update_every, frozen| ProfileSpec::Karras {
+            name: "k".into(),
+            sigma_rel: None,
+            gamma: Some(6.94),
+            update_every,
+            frozen,
+        };
+        assert_eq!(decide(&p(10, false), 0, None, 0).action, Action::Copy);
+        // Steps between updates (a push for a checkpoint) leave the EMA.
+        assert_eq!(decide(&p(10, false), 9, Some(0), 0).action, Action::Hold);
+        let weight = 1.0 - karras_beta(6.94, 10);
+        assert_eq!(
+            decide(&p(10, false), 10, Some(9), 0).action,
+            Action::Lerp { weight }
+        );
+        assert_eq!(decide(&p(1, true), 1, Some(0), 0).action, Action::Hold);
+        // EDM2's power profile decays by (1 - 1/(step + 1)): one step
+        // behind ema-pytorch's, so the two EMAs differ.
+        let power = ProfileSpec::Power {
+            name: "p".into(),
+            sigma_rel: None,
+            gamma: Some(6.94),
+        };
+        let Action::Lerp { weight: edm2 } = decide(&power, 5, Some(4), 0).action else {
+            panic!("power lerps");
+        };
+        let Action::Lerp { weight: karras } = decide(&p(1, false), 5, Some(4), 0).action else {
+            panic!("karras lerps");
+        };
+        assert!((edm2 - (1.0 - power_beta(6.94, 6.0, 1.0))).abs() < 1e-15);
+        assert!((karras - (1.0 - (6.0f64 / 7.0).powf(7.94))).abs() < 1e-15);
     }
 
     #[test]

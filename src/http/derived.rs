@@ -36,6 +36,13 @@ pub struct PosthocRequest {
     pub name: Option<String>,
     /// The power profiles to combine (default: every power profile).
     pub profiles: Option<Vec<String>>,
+    /// `edm2` (default) or `ema_pytorch` (as ema-pytorch's
+    /// `PostHocEMA.synthesize_ema_model` solves).
+    #[serde(default)]
+    pub method: derived::PosthocMethod,
+    /// `fp16` or `bf16`: each source rounded to it before weighting (as a
+    /// checkpoint stored in that dtype).
+    pub source_dtype: Option<derived::SourceDtype>,
 }
 
 /// A derived snapshot as first answered: pending, with the job's progress.
@@ -94,6 +101,10 @@ pub async fn posthoc(
         step,
         req.name,
         req.profiles.as_deref(),
+        derived::Synthesis {
+            method: req.method,
+            source_dtype: req.source_dtype,
+        },
     )
     .await?;
     let mut rows = derived_rows(started);
@@ -112,6 +123,8 @@ pub struct PlanQuery {
     pub step: Option<u64>,
     /// Power profiles to combine, separated by commas (default: all).
     pub profiles: Option<String>,
+    /// `edm2` (default) or `ema_pytorch`.
+    pub method: Option<derived::PosthocMethod>,
 }
 
 /// The weights a post-hoc synthesis would use, without writing anything:
@@ -145,7 +158,15 @@ pub async fn plan(
             .collect()
     });
     let step = q.step.map(|s| bounded_step("step", s)).transpose()?;
-    let plan = derived::plan(state.snapshots(), &run, &sigmas, step, profiles.as_deref()).await?;
+    let plan = derived::plan(
+        state.snapshots(),
+        &run,
+        &sigmas,
+        step,
+        profiles.as_deref(),
+        q.method.unwrap_or_default(),
+    )
+    .await?;
     Ok(Json(plan))
 }
 

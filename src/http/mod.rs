@@ -81,6 +81,7 @@ use openapi::Contract;
         derived::PosthocSweep, derived::DerivedRow, derived::MergeRequest, crate::services::snapshots::derived::Plan,
         crate::services::snapshots::derived::PlannedTarget, crate::services::snapshots::derived::PowerSource,
         crate::services::snapshots::derived::MergeWeights, crate::services::snapshots::derived::Progress,
+        crate::services::snapshots::derived::PosthocMethod, crate::services::snapshots::derived::SourceDtype,
         crate::store::snapshots::SnapshotRow, crate::contract::SnapshotKind,
         crate::contract::SnapshotStatus, crate::contract::SnapshotEventStatus,
         crate::contract::CutKind, crate::contract::EventKind,

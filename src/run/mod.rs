@@ -137,6 +137,21 @@ pub enum ProfileSpec {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         gamma: Option<f64>,
     },
+    /// ema-pytorch `KarrasEMA` (the EMAs of its `PostHocEMA`), given by
+    /// `sigma_rel` or `gamma`: the power function at `step + 2`, applied
+    /// at steps that are multiples of `update_every`; `frozen` keeps the
+    /// first copy.
+    Karras {
+        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sigma_rel: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gamma: Option<f64>,
+        #[serde(default = "defaults::update_every")]
+        update_every: u64,
+        #[serde(default)]
+        frozen: bool,
+    },
     /// `beta = 0.5^(delta/h)`, `h = min(steps, t * rampup_ratio)`.
     HalfLife {
         name: String,
@@ -222,6 +237,7 @@ impl ProfileSpec {
             ProfileSpec::Constant { name, .. }
             | ProfileSpec::Warmup { name, .. }
             | ProfileSpec::Power { name, .. }
+            | ProfileSpec::Karras { name, .. }
             | ProfileSpec::HalfLife { name, .. }
             | ProfileSpec::Diffusers { name, .. }
             | ProfileSpec::Timm { name, .. }
@@ -234,6 +250,7 @@ impl ProfileSpec {
             ProfileSpec::Constant { .. } => "constant",
             ProfileSpec::Warmup { .. } => "warmup",
             ProfileSpec::Power { .. } => "power",
+            ProfileSpec::Karras { .. } => "karras",
             ProfileSpec::HalfLife { .. } => "half_life",
             ProfileSpec::Diffusers { .. } => "diffusers",
             ProfileSpec::Timm { .. } => "timm",
@@ -284,6 +301,20 @@ impl ProfileSpec {
             ProfileSpec::Power {
                 sigma_rel, gamma, ..
             } => power_exponents(at, sigma_rel, gamma)?,
+            ProfileSpec::Karras {
+                sigma_rel,
+                gamma,
+                update_every,
+                ..
+            } => {
+                power_exponents(at, sigma_rel, gamma)?;
+                if !(1..=MAX_STEP).contains(update_every) {
+                    return Err(field_err(
+                        format!("{at}.update_every"),
+                        "must be between 1 and 2^53",
+                    ));
+                }
+            }
             ProfileSpec::HalfLife {
                 steps,
                 rampup_ratio,
@@ -735,10 +766,40 @@ mod tests {
                     "profiles": [{"name": "t", "kind": "timm", "warmup_power": 0.0}]}),
                 "profiles[0].warmup_power",
             ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "k", "kind": "karras", "gamma": 5.0, "update_every": 0}]}),
+                "profiles[0].update_every",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "k", "kind": "karras"}]}),
+                "profiles[0].sigma_rel",
+            ),
         ];
         for (json, field) in cases {
             let err = spec(json.clone()).validate("cpu", ok_device).unwrap_err();
             assert_eq!(err.field, field, "{json}: {err}");
+        }
+    }
+
+    #[test]
+    fn karras_profile_gets_gamma_and_defaults() {
+        let cfg = spec(serde_json::json!({"name": "r", "world_size": 1,
+            "profiles": [{"name": "k", "kind": "karras", "sigma_rel": 0.05}]}))
+        .validate("cpu", ok_device)
+        .unwrap();
+        match &cfg.profiles[0] {
+            ProfileSpec::Karras {
+                gamma,
+                update_every,
+                frozen,
+                ..
+            } => {
+                assert!((gamma.unwrap() - 16.9722).abs() < 1e-3, "{gamma:?}");
+                assert_eq!((*update_every, *frozen), (1, false));
+            }
+            other => panic!("{other:?}"),
         }
     }
 

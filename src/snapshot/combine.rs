@@ -64,13 +64,18 @@ struct Segment {
 /// Writes one profile part per output for this rank; `sources` are the
 /// rank's part files, `base` the index of the one whose copied tensors
 /// the outputs carry, `out_dtype` the dtype of their averaged tensors
-/// (float32 or float64). `progress` hears of every source byte read.
+/// (float32 or float64), `round_to` a dtype every source value is rounded
+/// to before it is weighted (F16 or BF16: sources read as checkpoints
+/// stored in that dtype, as ema-pytorch's `PostHocEMA` stores them).
+/// `progress` hears of every source byte read.
+#[allow(clippy::too_many_arguments)]
 pub fn combine_rank(
     data_dir: &Path,
     layout: &RankLayout,
     sources: &[Arc<PartLoc>],
     base: usize,
     out_dtype: DType,
+    round_to: Option<DType>,
     outputs: Vec<OutputSpec>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<Vec<WrittenFile>, CombineError> {
@@ -113,6 +118,7 @@ pub fn combine_rank(
     }
     let weights: Vec<&[f64]> = outputs.iter().map(|o| o.weights.as_slice()).collect();
     let mut sums = WeightedSums::new(&weights, out_dtype, layout.ema_numel);
+    sums.round_to = round_to;
     for fill in fills {
         match fill {
             BlockFill::Averaged => {
@@ -138,6 +144,7 @@ struct WeightedSums<'a> {
     /// Per output: the weight of each source.
     weights: &'a [&'a [f64]],
     out_dtype: DType,
+    round_to: Option<DType>,
     acc: Vec<Vec<f64>>,
     widened: Vec<f64>,
     bytes: Vec<u8>,
@@ -149,6 +156,7 @@ impl<'a> WeightedSums<'a> {
         WeightedSums {
             weights,
             out_dtype,
+            round_to: None,
             acc: vec![vec![0f64; chunk]; weights.len()],
             widened: Vec::new(),
             bytes: Vec::new(),
@@ -178,6 +186,9 @@ impl<'a> WeightedSums<'a> {
                     .read_exact_at(&mut self.bytes, offset + (done * size) as u64)?;
                 progress(self.bytes.len() as u64);
                 widen(dtype, &self.bytes, &mut self.widened);
+                if let Some(to) = self.round_to {
+                    round_through(to, &mut self.widened);
+                }
                 for (a, w) in self.acc.iter_mut().zip(self.weights) {
                     let w = w[s];
                     for (x, v) in a[..n].iter_mut().zip(&self.widened) {
@@ -299,6 +310,20 @@ fn widen(dtype: DType, bytes: &[u8], out: &mut Vec<f64>) {
     }
 }
 
+/// Rounds every value to `dtype` (F16 or BF16, nearest even, as torch's
+/// `.to(dtype)`), kept as float64; other dtypes leave the values as they are.
+fn round_through(dtype: DType, values: &mut [f64]) {
+    match dtype {
+        DType::F16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f64(*v).to_f64()),
+        DType::BF16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f64(*v).to_f64()),
+        _ => {}
+    }
+}
+
 /// float64 values rounded to `dtype` (F32 or F64), little-endian.
 fn narrow(dtype: DType, values: &[f64], out: &mut Vec<u8>) {
     out.clear();
@@ -406,6 +431,7 @@ mod tests {
             &[PartLoc::file(s0.clone()), PartLoc::file(s1.clone())],
             0,
             DType::F32,
+            None,
             outputs,
             &mut |b| read += b,
         )
@@ -446,6 +472,51 @@ mod tests {
                 file.sha256,
                 super::super::files::sha256_file(&dir.path().join(&file.path)).unwrap()
             );
+        }
+    }
+
+    #[test]
+    fn sources_rounded_to_half_before_weighting() {
+        let dir = tempfile::tempdir().unwrap();
+        // 1 + 2^-12 is between two float16 values (1 and 1 + 2^-10) and
+        // rounds to 1; 0.1 rounds to 0.0999755859375.
+        let v = vec![1.0f32 + 2f32.powi(-12), 0.1, 65504.0, -3.0];
+        let s0 = stored(dir.path(), "s0", &[("a", v.clone())]);
+        let layout = f32_layout(&[("a", 4)]);
+        for (round_to, want) in [
+            (Some(DType::F16), vec![1.0f32, 0.099_975_586, 65504.0, -3.0]),
+            (
+                Some(DType::BF16),
+                vec![1.0f32, 0.100_097_656, 65536.0, -3.0],
+            ),
+            (None, v.clone()),
+        ] {
+            let outputs = vec![OutputSpec {
+                rel: "o/r.safetensors".into(),
+                weights: vec![1.0],
+                meta: BTreeMap::new(),
+            }];
+            let written = combine_rank(
+                dir.path(),
+                &layout,
+                &[PartLoc::file(s0.clone())],
+                0,
+                DType::F32,
+                round_to,
+                outputs,
+                &mut |_| {},
+            )
+            .unwrap();
+            let bytes = std::fs::read(dir.path().join(&written[0].path)).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let got: Vec<f32> = st
+                .tensor("a")
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(got, want, "{round_to:?}");
         }
     }
 }

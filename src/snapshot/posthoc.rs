@@ -69,6 +69,36 @@ pub fn solve(
     target_t: f64,
     target_gammas: &[f64],
 ) -> Result<Vec<Fit>, PosthocError> {
+    solve_scaled(sources, target_t, target_gammas, true)
+}
+
+/// ema-pytorch `PostHocEMA.synthesize_ema_model`'s weights: its
+/// `solve_weights` is EDM2's `A X = B` with the exponents held in float32
+/// (`torch.tensor` of Python floats, widened to float64 for the solve) and
+/// `X` used as solved, not scaled to sum to 1.
+pub fn solve_ema_pytorch(
+    sources: &[Source],
+    target_t: f64,
+    target_gammas: &[f64],
+) -> Result<Vec<Fit>, PosthocError> {
+    let f32_gamma = |g: f64| f64::from(g as f32);
+    let sources: Vec<Source> = sources
+        .iter()
+        .map(|s| Source {
+            t: s.t,
+            gamma: f32_gamma(s.gamma),
+        })
+        .collect();
+    let targets: Vec<f64> = target_gammas.iter().map(|&g| f32_gamma(g)).collect();
+    solve_scaled(&sources, target_t, &targets, false)
+}
+
+fn solve_scaled(
+    sources: &[Source],
+    target_t: f64,
+    target_gammas: &[f64],
+    scale: bool,
+) -> Result<Vec<Fit>, PosthocError> {
     let n = sources.len();
     if n == 0 {
         return Err(PosthocError::NoSources);
@@ -104,7 +134,11 @@ pub fn solve(
         if !(sum.is_finite() && sum.abs() > 1e-300) {
             return Err(PosthocError::Degenerate(sum));
         }
-        let weights: Vec<f64> = raw.iter().map(|v| v / sum).collect();
+        let weights: Vec<f64> = if scale {
+            raw.iter().map(|v| v / sum).collect()
+        } else {
+            raw
+        };
         let b_j: Vec<f64> = (0..n).map(|i| b[i * m + j]).collect();
         fits.push(Fit {
             residual: residual(&a, &b_j, p_dot_p(target, target), &weights),
@@ -253,6 +287,40 @@ mod tests {
         let sparse = solve(&every(30), 61.0, &[g07]).unwrap()[0].residual;
         let dense = solve(&every(5), 61.0, &[g07]).unwrap()[0].residual;
         assert!(dense < sparse, "{dense} {sparse}");
+    }
+
+    /// Values printed by ema-pytorch 0.8.3's `solve_weights` for
+    /// checkpoints at `t` = 20, 40, 60, 80 of `sigma_rel` 0.10 and 0.28
+    /// (`sigma_rel_to_gamma`), target `sigma_rel` 0.15 at `t` = 50; they
+    /// sum to 1.0008, not 1. The checkpoints after the target take part.
+    #[test]
+    fn ema_pytorch_weights_match_solve_weights() {
+        let (g10, g28, g15) = (
+            6.937_203_937_601_809,
+            0.169_343_993_769_498_66,
+            3.557_868_774_899_464_6,
+        );
+        let sources: Vec<Source> = [20.0, 40.0, 60.0, 80.0]
+            .into_iter()
+            .flat_map(|t| [s(t, g10), s(t, g28)])
+            .collect();
+        let want = [
+            0.009_004_218_236_690_889,
+            -0.117_104_222_850_555_29,
+            0.223_406_594_245_151_58,
+            -1.934_041_595_809_164_8,
+            -0.732_420_970_838_821_1,
+            3.551_968_826_813_691_7,
+            0.0,
+            0.0,
+        ];
+        let got = &solve_ema_pytorch(&sources, 50.0, &[g15]).unwrap()[0].weights;
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-12, "{got:?}");
+        }
+        // EDM2's solve (float64 exponents, scaled) differs.
+        let edm2 = &solve(&sources, 50.0, &[g15]).unwrap()[0].weights;
+        assert!((edm2[5] - want[5]).abs() > 1e-4, "{edm2:?}");
     }
 
     #[test]

@@ -356,7 +356,7 @@ export function render(root, { run, query }, ctx) {
     try {
       const view = await api(runPath(run), { signal: ctx.signal });
       if (!ctx.active) return;
-      powerProfiles = view.config.profiles.filter((p) => p.kind === 'power').map((p) => p.name);
+      powerProfiles = view.config.profiles.filter((p) => p.kind === 'power' || p.kind === 'karras').map((p) => p.name);
       if (!powerProfiles.length) {
         say('This run has no power profile: post-hoc EMA needs snapshots of at least one (EDM2 keeps two, e.g. σ_rel 0.05 and 0.10).', 'warn');
       }

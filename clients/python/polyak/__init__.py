@@ -32,7 +32,7 @@ Layout:
   auth headers, retries, streamed bodies); :mod:`polyak._push`: the
   pusher's queue, copy thread, encoding and sender.
 - :mod:`polyak.compat`: drop-ins for ``AveragedModel``, ema-pytorch's
-  ``EMA``, timm's ``ModelEmaV2/V3``, diffusers' ``EMAModel`` and Lightning's
+  ``EMA`` and ``PostHocEMA``, timm's ``ModelEmaV2/V3``, diffusers' ``EMAModel`` and Lightning's
   weight averaging, with the EMA on the server.
 - :mod:`polyak.cli`: ``python -m polyak``.
 - :mod:`polyak.testing`: a real server on a free port, for tests.

@@ -711,6 +711,7 @@ class Run:
         *,
         step: int | None = None,
         profiles: Sequence[str] | None = None,
+        method: str | None = None,
     ) -> dict[str, Any]:
         """What a post-hoc synthesis would use, without writing anything
         (``GET .../posthoc/plan``): ``step``, ``usable_steps`` (the steps a
@@ -726,6 +727,7 @@ class Run:
                 sigma_rel=",".join(repr(float(s)) for s in sigmas),
                 step=step,
                 profiles=",".join(profiles) if profiles is not None else None,
+                method=method,
             )
         )
 
@@ -736,6 +738,8 @@ class Run:
         step: int | None = None,
         profiles: Sequence[str] | None = None,
         name: str | None = None,
+        method: str | None = None,
+        source_dtype: str | None = None,
         wait: bool = True,
         timeout: float = 600.0,
         poll: float = 0.5,
@@ -752,7 +756,11 @@ class Run:
 
         ``sigma_rel`` may be a list (up to 32): one snapshot per value, all
         written in one pass over the sources; a list is answered with a
-        list. With ``wait`` polls until every result is complete
+        list. ``method="ema_pytorch"`` solves as ema-pytorch's
+        ``PostHocEMA.synthesize_ema_model`` (every source, any step up to the
+        newest, float32 exponents, weights not scaled to sum to 1);
+        ``source_dtype`` (``"fp16"``, ``"bf16"``) rounds each source to that
+        dtype first. With ``wait`` polls until every result is complete
         (``progress``: a tqdm bar of the source bytes read)."""
         sweep = not isinstance(sigma_rel, (int, float))
         body: dict[str, Any] = {
@@ -764,6 +772,10 @@ class Run:
             body["profiles"] = list(profiles)
         if name is not None:
             body["name"] = name
+        if method is not None:
+            body["method"] = method
+        if source_dtype is not None:
+            body["source_dtype"] = source_dtype
         answer = self._post("posthoc", body)
         rows = list(answer["snapshots"]) if sweep else [dict(answer)]
         if wait:

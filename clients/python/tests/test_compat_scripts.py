@@ -28,6 +28,11 @@ PORTS = {
         "from polyak.compat.ema_pytorch import",
         {"warmup"},
     ),
+    "train_ema_pytorch_posthoc.py": (
+        "from ema_pytorch import",
+        "from polyak.compat.ema_pytorch import",
+        {"karras"},
+    ),
     "train_timm.py": (
         "from timm.utils.model_ema import",
         "from polyak.compat.timm import",
@@ -48,8 +53,9 @@ def run_script(source: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("script", list(PORTS))
-def test_training_script_runs_with_one_import_changed(server, monkeypatch, script):
+def test_training_script_runs_with_one_import_changed(server, monkeypatch, tmp_path, script):
     original, replacement, kinds = PORTS[script]
+    monkeypatch.chdir(tmp_path)  # where a script writes its files (checkpoints)
     source = (SCRIPTS / script).read_text()
     lines = source.splitlines(keepends=True)
     changed = [i for i, line in enumerate(lines) if line.startswith(original)]
@@ -90,7 +96,7 @@ def closed_port() -> str:
 
 def test_unreachable_at_construction_names_the_url():
     from polyak.compat.diffusers import EMAModel
-    from polyak.compat.ema_pytorch import EMA
+    from polyak.compat.ema_pytorch import EMA, PostHocEMA
     from polyak.compat.swa_utils import AveragedModel
     from polyak.compat.timm import ModelEmaV2, ModelEmaV3
 
@@ -99,6 +105,7 @@ def test_unreachable_at_construction_names_the_url():
     for make in (
         lambda: AveragedModel(model, url=url),
         lambda: EMA(model, url=url),
+        lambda: PostHocEMA(model, sigma_rels=(0.05, 0.28), url=url),
         lambda: ModelEmaV2(model, url=url),
         lambda: ModelEmaV3(model, url=url),
         lambda: EMAModel(model.parameters(), url=url),

@@ -77,6 +77,38 @@ pub struct Plan {
     pub targets: Vec<PlannedTarget>,
 }
 
+/// How a post-hoc synthesis solves for its weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PosthocMethod {
+    /// EDM2's `solve_posthoc_coefficients`: the sources at or before the
+    /// target step (one of theirs), weights scaled to sum to 1.
+    #[default]
+    Edm2,
+    /// ema-pytorch `PostHocEMA.synthesize_ema_model`: every source, also
+    /// those after the target step (any step up to the newest source's),
+    /// exponents in float32, weights as solved.
+    EmaPytorch,
+}
+
+/// The dtype post-hoc sources are rounded to before they are weighted
+/// (ema-pytorch's `checkpoint_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceDtype {
+    Fp16,
+    Bf16,
+}
+
+impl SourceDtype {
+    fn dtype(self) -> DType {
+        match self {
+            SourceDtype::Fp16 => DType::F16,
+            SourceDtype::Bf16 => DType::BF16,
+        }
+    }
+}
+
 /// The power profiles of a run (`name -> gamma`), restricted to `only`.
 fn power_profiles(
     config: &RunConfig,
@@ -86,7 +118,9 @@ fn power_profiles(
         .profiles
         .iter()
         .filter_map(|p| match p {
-            ProfileSpec::Power { name, gamma, .. } => gamma.map(|g| (name.clone(), g)),
+            ProfileSpec::Power { name, gamma, .. } | ProfileSpec::Karras { name, gamma, .. } => {
+                gamma.map(|g| (name.clone(), g))
+            }
             _ => None,
         })
         .collect();
@@ -197,13 +231,14 @@ fn steps_text(steps: &[u64]) -> String {
 
 /// Solves for the weights of each `sigma_rel` at `step` (default: the
 /// newest usable step), from the stored snapshots of `profiles` (default:
-/// every power profile) at or before it.
+/// every power profile) at or before it (`ema_pytorch`: all of them).
 pub async fn plan(
     state: &Snaps,
     run: &RunHandle,
     sigma_rels: &[f64],
     step: Option<u64>,
     profiles: Option<&[String]>,
+    method: PosthocMethod,
 ) -> Result<Plan, SnapshotError> {
     let config = &run.config;
     let target_gammas = check_sigmas(sigma_rels)?;
@@ -219,6 +254,21 @@ pub async fn plan(
             ))
         })?,
         Some(s) if usable_steps.binary_search(&s).is_ok() => s,
+        // ema-pytorch synthesises at any step up to its newest checkpoint.
+        Some(s)
+            if method == PosthocMethod::EmaPytorch
+                && usable_steps.last().is_some_and(|&newest| s <= newest) =>
+        {
+            s
+        }
+        Some(s) if method == PosthocMethod::EmaPytorch => {
+            return Err(SnapshotError::Invalid(format!(
+                "step: {s} is past the newest snapshot of the power profiles {:?}; usable \
+                 steps: {}",
+                sorted_names(&gammas),
+                steps_text(&usable_steps)
+            )))
+        }
         Some(s) => {
             return Err(SnapshotError::Invalid(format!(
                 "step: {s} has no complete snapshot of the power profiles {:?}; a post-hoc EMA \
@@ -229,7 +279,10 @@ pub async fn plan(
             )))
         }
     };
-    let sources: Vec<PowerSource> = all.into_iter().filter(|s| s.step <= step).collect();
+    let sources: Vec<PowerSource> = match method {
+        PosthocMethod::Edm2 => all.into_iter().filter(|s| s.step <= step).collect(),
+        PosthocMethod::EmaPytorch => all,
+    };
     let inputs: Vec<Source> = sources
         .iter()
         .map(|s| Source {
@@ -238,7 +291,11 @@ pub async fn plan(
         })
         .collect();
     let gs = target_gammas.clone();
-    let fits = tokio::task::spawn_blocking(move || posthoc::solve(&inputs, (step + 1) as f64, &gs))
+    let solve = match method {
+        PosthocMethod::Edm2 => posthoc::solve,
+        PosthocMethod::EmaPytorch => posthoc::solve_ema_pytorch,
+    };
+    let fits = tokio::task::spawn_blocking(move || solve(&inputs, (step + 1) as f64, &gs))
         .await
         .map_err(|e| SnapshotError::Worker(format!("solving the post-hoc weights: {e}")))?
         .map_err(|e| match e {
@@ -302,6 +359,14 @@ pub struct Started {
     pub total: u64,
 }
 
+/// How `POST /posthoc` solves and reads its sources.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Synthesis {
+    pub method: PosthocMethod,
+    /// Round every source value to this dtype before weighting it.
+    pub source_dtype: Option<SourceDtype>,
+}
+
 /// `POST /posthoc`: one derived snapshot per `sigma_rel` (kind `posthoc`,
 /// one profile `name`), written in one pass over the sources.
 pub async fn posthoc(
@@ -311,9 +376,10 @@ pub async fn posthoc(
     step: Option<u64>,
     name: Option<String>,
     profiles: Option<&[String]>,
+    synthesis: Synthesis,
 ) -> Result<Started, SnapshotError> {
     let name = profile_name(name, SnapshotKind::Posthoc.as_str())?;
-    let plan = plan(state, run, sigma_rels, step, profiles).await?;
+    let plan = plan(state, run, sigma_rels, step, profiles, synthesis.method).await?;
     let sweep_ids: Vec<String> = plan
         .targets
         .iter()
@@ -331,6 +397,8 @@ pub async fn posthoc(
                 "gamma": s.gamma, "sigma_rel": s.sigma_rel, "weight": w,
             })).collect::<Vec<_>>(),
             "sweep": sweep_ids,
+            "method": synthesis.method,
+            "source_dtype": synthesis.source_dtype,
         });
         rows.push(derived_row(
             run,
@@ -358,7 +426,8 @@ pub async fn posthoc(
     // The newest source carries the copied tensors (EDM2 copies buffers
     // from its inputs in order, so the last one's stay).
     let base = sources.len() - 1;
-    start(state, run, rows, sources, base, outputs).await
+    let round_to = synthesis.source_dtype.map(SourceDtype::dtype);
+    start(state, run, rows, sources, base, outputs, round_to).await
 }
 
 /// How a merge weighs its snapshots, oldest to newest.
@@ -451,7 +520,7 @@ pub async fn merge(
         profile: name,
         weights,
     };
-    start(state, run, vec![row], sources, base, vec![output]).await
+    start(state, run, vec![row], sources, base, vec![output], None).await
 }
 
 /// `alpha` of the exp weights (default 0.5); the others take none.
@@ -581,6 +650,7 @@ async fn start(
     sources: Vec<JobSource>,
     base: usize,
     outputs: Vec<JobOutput>,
+    round_to: Option<DType>,
 ) -> Result<Started, SnapshotError> {
     let Some(kind) = rows.first().map(|r| r.kind) else {
         return Err(SnapshotError::Internal(
@@ -667,6 +737,7 @@ async fn start(
         base,
         outputs,
         total,
+        round_to,
     };
     spawn_job(state.clone(), job);
     Ok(Started { rows, total })
@@ -682,6 +753,8 @@ struct Job {
     base: usize,
     outputs: Vec<JobOutput>,
     total: u64,
+    /// Sources rounded to this dtype before they are weighted.
+    round_to: Option<DType>,
 }
 
 /// Runs a job on a blocking thread and records how it ended.
@@ -884,6 +957,7 @@ fn write_outputs(
             &paths,
             job.base,
             job.out_dtype,
+            job.round_to,
             specs,
             &mut |bytes| {
                 done += bytes;

@@ -4,7 +4,7 @@ import line, keep the code; the EMA is kept by a polyak server.
 | original | drop-in |
 | --- | --- |
 | ``torch.optim.swa_utils.AveragedModel`` | :mod:`polyak.compat.swa_utils` |
-| ``ema_pytorch.EMA`` | :mod:`polyak.compat.ema_pytorch` |
+| ``ema_pytorch.EMA``, ``PostHocEMA`` | :mod:`polyak.compat.ema_pytorch` |
 | timm ``ModelEmaV2`` / ``ModelEmaV3`` | :mod:`polyak.compat.timm` |
 | diffusers ``EMAModel`` | :mod:`polyak.compat.diffusers` |
 | Lightning ``EMAWeightAveraging``, ``WeightAveraging`` | :mod:`polyak.compat.lightning` |

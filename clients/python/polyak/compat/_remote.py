@@ -51,7 +51,9 @@ class RemoteEma:
     ``owner`` names the drop-in class in the log line and the generated run
     name; ``profile`` is the profile without its name; ``copy`` are exact
     names the server copies instead of averaging; ``skip`` exact names
-    never pushed (the drop-in keeps them itself).
+    never pushed (the drop-in keeps them itself). ``more`` are further
+    profiles of the same run (name -> profile without its name), fed by
+    the same pushes (``PostHocEMA``'s EMAs).
     """
 
     def __init__(
@@ -66,8 +68,10 @@ class RemoteEma:
         copy: Sequence[str] = (),
         skip: Sequence[str] = (),
         pusher_options: Mapping[str, Any] | None = None,
+        more: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.owner = owner
+        self.more = [{"name": n, **p} for n, p in (more or {}).items()]
         self.client = Client(url, token)
         self.base = run or f"{owner.lower()}-{uuid.uuid4().hex[:10]}"
         self.update_every = int(update_every)
@@ -87,7 +91,7 @@ class RemoteEma:
             self.run = self.client.create_run(
                 name,
                 update_every=self.update_every,
-                profiles=[self.profile],
+                profiles=[self.profile, *self.more],
                 copy_patterns=[_glob_exact(n) for n in self.copy] or None,
                 exist_ok=True,
             )
@@ -148,15 +152,15 @@ class RemoteEma:
         step = int(step) - int(step) % self.update_every
         self.push(state, step)
 
-    def read_into(self, targets: Mapping[str, torch.Tensor]) -> None:
-        """Copies the run's EMA into ``targets`` (canonical name -> the
-        caller's tensor) in place, after every push is acknowledged; raises
-        when the server cannot be reached or lacks a name, never hands
-        back stale values silently."""
+    def read_into(self, targets: Mapping[str, torch.Tensor], profile: str = PROFILE) -> None:
+        """Copies the run's EMA (of ``profile``) into ``targets`` (canonical
+        name -> the caller's tensor) in place, after every push is
+        acknowledged; raises when the server cannot be reached or lacks a
+        name, never hands back stale values silently."""
         if self.last_step is None:
             return  # nothing pushed: the local tensors are the EMA
         self.pusher.flush(READ_TIMEOUT)
-        ema = self.run.fetch_ema(PROFILE)
+        ema = self.run.fetch_ema(profile)
         missing = [n for n in targets if n not in ema]
         if missing:
             raise PolyakError(

@@ -1,4 +1,4 @@
-"""``ema_pytorch.EMA`` with the EMA kept by polyak.
+"""``ema_pytorch.EMA`` and ``PostHocEMA`` with the EMAs kept by polyak.
 
 A subclass of ema-pytorch's ``EMA`` taking all of its arguments. Its
 schedule (copy while ``step <= update_after_step``, then ema-pytorch's
@@ -16,20 +16,80 @@ What stays on the trainer: names in ``ignore_names`` /
 while ``step <= update_after_step``, which is done here) and integer
 buffers (ema-pytorch leaves them as they were copied at construction).
 ``load_state_dict`` starts a fresh run from the loaded EMA at its step.
+
+``PostHocEMA`` takes all of ema-pytorch's arguments (its ``KarrasEMA``
+ones as keywords). Each of its EMAs (``ema_models``) is one ``karras``
+profile of one run (``ema``, ``ema1``, ...): ema-pytorch's
+``(1 - 1/(step + 2))^(gamma + 1)`` every ``update_every`` steps, the
+gammas from ema-pytorch's own ``sigma_rel_to_gamma``. ``update()`` pushes
+the online model once for all of them. ``checkpoint()`` (every
+``checkpoint_every_num_steps`` updates, or by hand) asks the server for a
+snapshot at the step ema-pytorch names the file by (a push marks that step
+when it is not an update step; the profiles leave their EMA as it is), so
+the synthesis uses the same times. Nothing is written to
+``checkpoint_folder``. ``synthesize_ema_model(sigma_rel=|gamma=, step=)``
+is the server's post-hoc synthesis solved as ema-pytorch solves it
+(``method="ema_pytorch"``: every checkpoint, also those after ``step``,
+float32 exponents, weights as solved) from the checkpoints rounded to
+``checkpoint_dtype`` (``float16`` by default, ``bfloat16``; others are
+exact), into a new ema-pytorch ``KarrasEMA`` whose averaged tensors hold
+the result; ema-pytorch accumulates the weighted sum in float32, the server
+in float64, so the two agree to float32 round-off of that sum.
+Names in ``param_or_buffer_names_no_ema`` and ``ignore_names`` /
+``ignore_startswith_names`` and integer buffers stay on the trainer (as
+ema-pytorch copies or keeps them). Not served: resuming from
+``load_state_dict`` and ``copy_params_from_model_to_ema`` (both would reset
+the server's EMAs and lose their checkpoints), and calling ``update()`` on
+one of ``ema_models`` alone; each raises.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from ema_pytorch import EMA as _EMA
+from ema_pytorch import PostHocEMA as _PostHocEMA
+from ema_pytorch.post_hoc_ema import KarrasEMA as _KarrasEMA
+from ema_pytorch.post_hoc_ema import sigma_rel_to_gamma
 from torch import nn
 
-from ._remote import RemoteEma, canonical_keys
+from ..errors import PolyakError
+from ._remote import PROFILE, READ_TIMEOUT, RemoteEma, canonical_keys
 
-__all__ = ["EMA"]
+__all__ = ["EMA", "PostHocEMA"]
+
+
+def _tensors(
+    owner: Any, module: nn.Module, local: Callable[[str], bool]
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of ``module`` that ema-pytorch's ``owner`` (``EMA``
+    or ``KarrasEMA``) handles, in its order, less the names it keeps
+    locally (``local``)."""
+    return [
+        (n, t)
+        for n, t in [*owner.get_params_iter(module), *owner.get_buffers_iter(module)]
+        if not local(n)
+    ]
+
+
+def _by_canonical_name(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The tensors' data under the names the server keeps them by."""
+    return dict(
+        zip(canonical_keys([n for n, _ in tensors]), [t.data for _, t in tensors], strict=True)
+    )
+
+
+def _paired(owner: Any, ema: nn.Module, online: nn.Module) -> Any:
+    """((name, EMA tensor), (name, online tensor)) in ema-pytorch's order."""
+    return zip(
+        [*owner.get_params_iter(ema), *owner.get_buffers_iter(ema)],
+        [*owner.get_params_iter(online), *owner.get_buffers_iter(online)],
+        strict=True,
+    )
 
 
 class EMA(_EMA):
@@ -146,17 +206,10 @@ class EMA(_EMA):
 
     def _served(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of what the server keeps, in ema-pytorch's order."""
-        return [
-            (n, t)
-            for n, t in [*self.get_params_iter(module), *self.get_buffers_iter(module)]
-            if not self._ignored(n)
-        ]
+        return _tensors(self, module, self._ignored)
 
     def _targets(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        served = self._served(module)
-        return dict(
-            zip(canonical_keys([n for n, _ in served]), [t.data for _, t in served], strict=True)
-        )
+        return _by_canonical_name(self._served(module))
 
     def _state_of(self, online: nn.Module) -> dict[str, torch.Tensor]:
         """The online model's tensors under the EMA module's names (paired
@@ -171,12 +224,7 @@ class EMA(_EMA):
         """ema-pytorch's copies of the names the server never sees."""
         ema = self._modules["ema_model"]
         assert ema is not None
-        pairs = zip(
-            [*self.get_params_iter(ema), *self.get_buffers_iter(ema)],
-            [*self.get_params_iter(self.model), *self.get_buffers_iter(self.model)],
-            strict=True,
-        )
-        for (name, mine), (_, theirs) in pairs:
+        for (name, mine), (_, theirs) in _paired(self, ema, self.model):
             if self._ignored(name):
                 self.inplace_copy(mine.data, theirs.data)
 
@@ -232,3 +280,281 @@ class EMA(_EMA):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._reseed()
         return result
+
+
+# -- PostHocEMA -------------------------------------------------------------
+
+#: ema-pytorch's ``checkpoint_dtype`` -> the server's ``source_dtype``
+#: (other dtypes hold float32 values exactly).
+_SOURCE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+#: The profile the server stores a synthesis under.
+_SYNTHESIZED = "posthoc"
+
+
+def _profile_name(index: int) -> str:
+    return PROFILE if index == 0 else f"{PROFILE}{index}"
+
+
+def gamma_to_sigma_rel(gamma: float) -> float:
+    """EDM2 ``exp_to_std``: the relative standard deviation of the power
+    profile of exponent ``gamma``."""
+    gamma = float(gamma)
+    return math.sqrt((gamma + 1) / ((gamma + 2) ** 2 * (gamma + 3)))
+
+
+class KarrasEMA(_KarrasEMA):
+    """One EMA of a :class:`PostHocEMA` (its ``ema_models``, made by it):
+    ema-pytorch's ``KarrasEMA`` whose ``ema_model`` holds the server's EMA
+    of one profile of the ``PostHocEMA``'s run (read when used)."""
+
+    def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_remote"] = None
+        self.__dict__["_read_at"] = None
+        super().__init__(model, *args, **kwargs)
+        self._profile = PROFILE
+
+    @property
+    def ema_model(self) -> nn.Module | None:  # type: ignore[override]
+        """The EMA module, holding the server's EMA (read now)."""
+        module = self._modules.get("ema_model")
+        remote = self.__dict__.get("_remote")
+        if module is not None and remote is not None and remote.last_step is not None:
+            if self.__dict__["_read_at"] != remote.last_step:
+                remote.read_into(self._targets(module), self._profile)
+                self.__dict__["_read_at"] = remote.last_step
+        return module
+
+    @ema_model.setter
+    def ema_model(self, value: nn.Module | None) -> None:
+        self._modules["ema_model"] = value
+
+    def _kept_here(self, name: str) -> bool:
+        """Names ema-pytorch copies (``param_or_buffer_names_no_ema``) or
+        leaves (``ignore_*``) rather than averages."""
+        return (
+            name in self.ignore_names
+            or any(name.startswith(p) for p in self.ignore_startswith_names)
+            or name in self.param_or_buffer_names_no_ema
+        )
+
+    def _averaged(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of what the server averages, in ema-pytorch's order."""
+        return _tensors(self, module, self._kept_here)
+
+    def _targets(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return _by_canonical_name(self._averaged(module))
+
+    def _advance(self) -> bool:
+        """ema-pytorch's ``update`` less the averaging: the step count, the
+        first copy, the copies of ``param_or_buffer_names_no_ema``. True
+        when the step updates the EMA."""
+        step = int(self.step.item())
+        self.step += 1
+        if step % self.update_every != 0:
+            return False
+        ema = self._modules["ema_model"]
+        assert ema is not None
+        if not self.initted.item():
+            self.copy_params_from_model_to_ema()
+            self.initted.data.copy_(torch.tensor(True))
+        if self.frozen:
+            return True
+        for (name, mine), (_, theirs) in _paired(self, ema, self.model):
+            if name in self.param_or_buffer_names_no_ema:
+                self.inplace_copy(mine.data, theirs.data)
+        return True
+
+    def copy_params_from_model_to_ema(self) -> None:
+        # The first update's copy: made on the module itself (the server's
+        # first push copies too).
+        ema = self._modules["ema_model"]
+        assert ema is not None
+        for (_, mine), (_, theirs) in _paired(self, ema, self.model):
+            self.inplace_copy(mine.data, theirs.data)
+
+    def update(self) -> None:
+        raise NotImplementedError(
+            "polyak's KarrasEMA is updated by the PostHocEMA that holds it (PostHocEMA.update())"
+        )
+
+
+class PostHocEMA(_PostHocEMA):
+    """ema-pytorch's ``PostHocEMA`` with its EMAs kept, checkpointed and
+    synthesised by a polyak server (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ema_model: Callable[[], nn.Module] | None = None,
+        sigma_rels: tuple[float, ...] | None = None,
+        gammas: tuple[float, ...] | None = None,
+        checkpoint_every_num_steps: int | Literal["manual"] = 1000,
+        checkpoint_folder: str = "./post-hoc-ema-checkpoints",
+        checkpoint_dtype: torch.dtype = torch.float16,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        run: str | None = None,
+        pusher_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # ema-pytorch's __init__ less the checkpoint folder: the
+        # checkpoints are the server's snapshots.
+        nn.Module.__init__(self)
+        assert (sigma_rels is not None) ^ (gammas is not None)
+        if sigma_rels is not None:
+            gammas = tuple(map(sigma_rel_to_gamma, sigma_rels))
+        assert gammas is not None
+        assert len(gammas) > 1, (
+            "at least 2 ema models with different gammas in order to synthesize new ema "
+            "models of a different gamma"
+        )
+        assert len(set(gammas)) == len(gammas), "calculated gammas must be all unique"
+        self.maybe_ema_model = ema_model
+        self.gammas = gammas
+        self.num_ema_models = len(gammas)
+        self._model = [model]
+        self.ema_models = nn.ModuleList(
+            [KarrasEMA(model, ema_model=ema_model, gamma=gamma, **kwargs) for gamma in gammas]
+        )
+        self.checkpoint_folder = Path(checkpoint_folder)
+        self.checkpoint_every_num_steps = checkpoint_every_num_steps
+        self.checkpoint_dtype = checkpoint_dtype
+        self.ema_kwargs = kwargs
+        specs = [
+            {
+                "kind": "karras",
+                "gamma": float(m.gamma),
+                "update_every": int(m.update_every),
+                "frozen": bool(m.frozen),
+            }
+            for m in self.ema_models
+        ]
+        self._remote = RemoteEma(
+            "PostHocEMA",
+            specs[0],
+            url=url,
+            token=token,
+            run=run,
+            # The run applies every push; the profiles skip the steps
+            # between updates (a push there marks a checkpoint's step).
+            update_every=1,
+            pusher_options=pusher_options,
+            more={_profile_name(i): spec for i, spec in enumerate(specs) if i > 0},
+        )
+        for i, m in enumerate(self.ema_models):
+            m._remote = self._remote
+            m._profile = _profile_name(i)
+        #: Checkpoint snapshots asked for and not yet seen complete.
+        self._pending: list[dict[str, Any]] = []
+
+    def _online_state(self) -> dict[str, torch.Tensor]:
+        """The online model's averaged tensors under the EMA module's
+        canonical names (paired in order, as ema-pytorch pairs them)."""
+        first: KarrasEMA = self.ema_models[0]  # type: ignore[assignment]
+        ema = first._modules["ema_model"]
+        assert ema is not None
+        names = [n for n, _ in first._averaged(ema)]
+        theirs = [t.detach() for _, t in first._averaged(self.model)]
+        return dict(zip(canonical_keys(names), theirs, strict=True))
+
+    def update(self) -> None:
+        """ema-pytorch's ``update``: every EMA steps; on an update step the
+        online model is pushed once for all of them; every
+        ``checkpoint_every_num_steps`` updates, a checkpoint."""
+        step = int(self.step.item())
+        updates = [m._advance() for m in self.ema_models]  # type: ignore[operator]
+        if any(updates):
+            self._remote.push(self._online_state(), step)
+        if self.checkpoint_every_num_steps == "manual":
+            return
+        if int(self.step.item()) % self.checkpoint_every_num_steps == 0:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Asks the server for a snapshot of every EMA as it is after the
+        updates so far, at the step ema-pytorch would name the checkpoint
+        file by (its ``step``: updates so far); it is written while
+        training goes on."""
+        count = int(self.step.item())
+        if count == 0:
+            raise ValueError("PostHocEMA.checkpoint() before the first update(): nothing averaged")
+        step = count - 1
+        remote = self._remote
+        if remote.last_step is None or remote.last_step < step:
+            # Not an update step: the karras profiles leave their EMAs as
+            # they are; the push makes the run's step the checkpoint's.
+            remote.push(self._online_state(), step)
+        # A cut at a step the run has not applied yet waits for it: the
+        # trainer goes on while the push and the snapshot are written.
+        self._pending.append(
+            remote.run.snapshot(step, wait=False, label=f"PostHocEMA checkpoint {count}")
+        )
+
+    def copy_params_from_model_to_ema(self) -> None:
+        raise NotImplementedError(
+            "polyak's PostHocEMA cannot reset the server's EMAs without losing their checkpoints"
+        )
+
+    def copy_params_from_ema_to_model(self) -> None:
+        for m in self.ema_models:
+            _ = m.ema_model  # the server's EMA into the module first
+            m.copy_params_from_ema_to_model()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        for m in self.ema_models:
+            _ = m.ema_model
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "resuming polyak's PostHocEMA from a state dict is not served: the server's run "
+            "keeps the EMAs and their checkpoints"
+        )
+
+    def synthesize_ema_model(
+        self,
+        gamma: float | None = None,
+        sigma_rel: float | None = None,
+        step: int | None = None,
+    ) -> _KarrasEMA:
+        """ema-pytorch's ``synthesize_ema_model``, computed by the server
+        from its checkpoints (``step``: an update count up to the newest
+        checkpoint's, default that one). Returns ema-pytorch's own
+        ``KarrasEMA``, not tied to the server."""
+        assert (gamma is not None) ^ (sigma_rel is not None)
+        if sigma_rel is not None:
+            gamma = sigma_rel_to_gamma(sigma_rel)
+        else:
+            sigma_rel = gamma_to_sigma_rel(gamma)  # type: ignore[arg-type]
+        remote = self._remote
+        remote.pusher.flush(READ_TIMEOUT)
+        for snap in self._pending:
+            remote.run.wait_snapshot(snap)
+        self._pending.clear()
+        if step is not None and int(step) < 1:
+            raise PolyakError(f"step: {step} is before the first update", code="invalid_request")
+        row = remote.run.posthoc(
+            float(sigma_rel),  # type: ignore[arg-type]
+            step=None if step is None else int(step) - 1,
+            name=_SYNTHESIZED,
+            method="ema_pytorch",
+            source_dtype=_SOURCE_DTYPES.get(self.checkpoint_dtype),
+        )
+        try:
+            tensors = remote.run.download(row, _SYNTHESIZED, progress=False)
+        finally:
+            # The result lives on in the returned module; the derived
+            # snapshot would only take room.
+            remote.run.delete_snapshot(row)
+        synthesized = _KarrasEMA(
+            model=self.model, ema_model=self.maybe_ema_model, gamma=gamma, **self.ema_kwargs
+        )
+        # Placed as KarrasEMA does it (the synthesis never copies ignored
+        # names: they stay the online model's).
+        helper: KarrasEMA = self.ema_models[0]  # type: ignore[assignment]
+        with torch.no_grad():
+            for name, t in helper._targets(synthesized.ema_model).items():
+                t.copy_(tensors[name])
+        return synthesized
