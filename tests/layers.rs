@@ -47,8 +47,9 @@ const LAYERS: &[(&str, u32)] = &[
     // service's nodes keeping up with each other (failover restores ranks
     // from snapshots); the lease, which lets taken ranks go, last.
     ("services::ingest", 9),
-    ("services::runs", 9),
     ("services::cluster", 9),
+    // Creating a run places it and tells the peers (cluster).
+    ("services::runs", 10),
     ("services::nodes", 10),
     // Handles to the services, then the HTTP edge, then the wiring.
     ("state", 11),

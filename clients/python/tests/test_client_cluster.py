@@ -869,7 +869,10 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
     any of them."""
     _, (a, _b, c) = cluster
     with polyak.Client(a.url) as client:
-        client.create_run(run_name, world_size=3, alerts={"stale_after_seconds": 1})
+        # The disk rule off: a nearly full disk's own alert is not counted.
+        client.create_run(
+            run_name, world_size=3, alerts={"stale_after_seconds": 1, "disk_free_below": 0}
+        )
     placement = httpx.get(f"{a.url}/v1/runs/{run_name}/placement").json()
     assert {p["node"] for p in placement.values()} == {"node-a", "node-b", "node-c"}
     body = safetensors.torch.save({"w": torch.ones(4)})
