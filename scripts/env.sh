@@ -18,7 +18,8 @@ polyak_venv() {
   local extras="$1"   # "" or "test"
   local stamp_file="$POLYAK_VENV/.polyak-stamp"
   local stamp
-  stamp="$(cat "$POLYAK_ROOT/scripts/env.sh" "$POLYAK_ROOT/clients/python/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+  stamp="$(cat "$POLYAK_ROOT/scripts/env.sh" "$POLYAK_ROOT/clients/python/pyproject.toml" \
+    "$POLYAK_ROOT/clients/python-testing/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
   if [ -f "$stamp_file" ] && grep -qx -- "$stamp" "$stamp_file" 2>/dev/null; then
     return 0
   fi
@@ -31,10 +32,12 @@ polyak_venv() {
     polyak_log "installing torch==$POLYAK_TORCH_VERSION (a large download the first time)"
     "${pip[@]}" "torch==$POLYAK_TORCH_VERSION"
   fi
-  local target="$POLYAK_ROOT/clients/python"
-  if [ -n "$extras" ]; then target="$target[$extras]"; fi
+  local targets=(-e "$POLYAK_ROOT/clients/python${extras:+[$extras]}")
+  # The tests' support package (servers, backing services, fixtures) is
+  # installed beside the client for the tests and benches, never for users.
+  if [ "$extras" = "test" ]; then targets+=(-e "$POLYAK_ROOT/clients/python-testing"); fi
   polyak_log "installing the polyak Python client${extras:+ with [$extras] extras}"
-  "${pip[@]}" -e "$target" "torch==$POLYAK_TORCH_VERSION"
+  "${pip[@]}" "${targets[@]}" "torch==$POLYAK_TORCH_VERSION"
   echo "$stamp" > "$stamp_file"
 }
 
