@@ -30,6 +30,19 @@ def _wait_for(check, timeout: float, what: str) -> None:
     raise RuntimeError(f"{what} did not come up in {timeout:.0f} s: {last!r}")
 
 
+def _end(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> None:
+    """Sends ``sig`` to a running ``proc``, and SIGKILL if it has not exited
+    after ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _postgres_bindir() -> Path:
     try:
         out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True)
@@ -203,13 +216,7 @@ class PostgresService:
 
     def stop(self, timeout: float = 30.0, *, keep_data: bool = False) -> None:
         """Stops the cluster (fast shutdown); ``keep_data`` for a restart."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # fast shutdown
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _end(self.proc, signal.SIGINT, timeout)  # SIGINT: fast shutdown
         self.proc = None
         if self.dir is not None and not keep_data:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -368,13 +375,7 @@ class S3Service:
     def stop(self, timeout: float = 5.0, *, keep_data: bool = False) -> None:
         """Stops the service (SIGTERM, then SIGKILL: ``weed`` can take long
         to drain); ``keep_data`` for a restart."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _end(self.proc, signal.SIGTERM, timeout)
         self.proc = None
         if not keep_data and self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
