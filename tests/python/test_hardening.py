@@ -20,7 +20,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import PolyakServer, find_binary
+from polyak_testing import PolyakServer, find_binary
 
 ADMIN = "hardening-admin-token-0123456789"
 

@@ -33,9 +33,9 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import Backends, NetLab, TcpProxy, read_sse
 from polyak.wire import ALIASES_KEY, SHARDS_KEY, read_safetensors
-from polyak_refs import assert_state_close
+from polyak_testing import Backends, NetLab, TcpProxy, read_sse
+from polyak_testing.refs import assert_state_close
 from polyak_workers import dcp_loads, run_ranks, snapshot_worker
 from test_client_distributed import _check, _train
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
