@@ -365,6 +365,16 @@ def test_posthoc_resume_refuses_what_it_cannot_serve(server, tmp_path):
     uneven = {**state, "ema_models.1.step": torch.tensor(3)}
     with pytest.raises(ValueError, match="different steps"):
         again.load_state_dict(uneven)
+    # A run of other EMAs (ema-pytorch would synthesise from the wrong
+    # gammas): the server names the difference.
+    other = PostHocEMA(small_model(), **{**common, "sigma_rels": (0.05, 0.2)}, url=server.url)
+    mine = other._remote.name
+    with pytest.raises(polyak.PolyakError) as err:
+        other.load_state_dict(saved(ema.state_dict()))  # the run's own step: no going back
+    assert err.value.code == "run_exists" and "gamma" in str(err.value)
+    other.update()  # still its own run, still pushing
+    other._remote.pusher.flush()
+    assert other._remote.name == mine and other._remote.run.rank(0)["last_step"] == 0
     # Nothing changed: the new object, its run, the old run.
     after = again.state_dict()
     assert before.pop("_extra_state") == after.pop("_extra_state") == {"polyak_run": own}

@@ -160,21 +160,19 @@ class RemoteEma:
         ``run_exists`` naming the differences) the one pushed to and read
         from, with a new pusher; what was pushed before is acknowledged
         first. The run left, when its name was generated here and nothing
-        was pushed to it, is deleted."""
+        was pushed to it, is deleted. A refusal changes nothing."""
         left, unused = self.run, self._generated and self.last_step is None
-        self.close()
+        pusher = self.pusher
+        pusher.flush(READ_TIMEOUT)
+        # Checks the run's configuration before anything is left.
         self._open(name, {k: v for k, v in self.profile.items() if k != "name"})
+        pusher.close()
         if unused and left.name != name:
             try:
                 left.delete()
             except PolyakError as e:
                 log.warning("polyak: could not delete the unused run %s: %s", left.name, e)
         self._generated = False
-
-    def applied_step(self) -> int | None:
-        """The last step the server applied to the run (``None``: none)."""
-        step = self.run.rank(0).get("last_step")
-        return None if step is None else int(step)
 
     def read_into(self, targets: Mapping[str, torch.Tensor], profile: str = PROFILE) -> None:
         """Copies the run's EMA (of ``profile``) into ``targets`` (canonical
