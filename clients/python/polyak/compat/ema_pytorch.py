@@ -315,6 +315,21 @@ def _profile_name(index: int) -> str:
     return PROFILE if index == 0 else f"{PROFILE}{index}"
 
 
+def _settled(run: Any, applied: int) -> list[dict[str, Any]]:
+    """``run``'s complete snapshots once those of the steps it applied
+    are written (a checkpoint asked for just before a trainer stopped)."""
+    out = []
+    for snap in run.snapshots():
+        if snap["status"] == "pending" and int(snap["step"]) <= applied:
+            try:
+                snap = run.wait_snapshot(snap, timeout=READ_TIMEOUT)
+            except PolyakError:
+                continue  # failed: not a checkpoint
+        if snap["status"] == "complete":
+            out.append(snap)
+    return out
+
+
 def gamma_to_sigma_rel(gamma: float) -> float:
     """EDM2 ``exp_to_std``: the relative standard deviation of the power
     profile of exponent ``gamma``."""
@@ -678,7 +693,7 @@ class PostHocEMA(_PostHocEMA):
             # ``averaged``).
             steps = [
                 int(s["step"])
-                for s in found.snapshots(status="complete")
+                for s in _settled(found, int(applied))
                 if s["kind"] in _RESTORABLE and averaged <= int(s["step"]) <= last
             ]
             if not steps:
