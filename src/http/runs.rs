@@ -20,7 +20,7 @@ use crate::events::{Event, RunCreated};
 use crate::registry::{token_hash, RankSummary, RunHandle, RunTokens};
 use crate::run::{RunConfig, RunSpec};
 use crate::services::{cluster, runs};
-use crate::snapshot::format::profile_part;
+use crate::snapshot::convert::profile_part;
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
 use crate::store::RunFinish;
