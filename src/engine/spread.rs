@@ -154,10 +154,10 @@ impl RunEngines {
 
     /// Sends the command `send` makes to every engine of the run, all at
     /// once; the answers in engine order.
-    async fn on_all<'a, R, F, Fut>(&self, send: F) -> Result<Vec<R>, EngineError>
+    async fn on_all<R, F, Fut>(&self, send: F) -> Result<Vec<R>, EngineError>
     where
         F: Fn(EngineHandle) -> Fut,
-        Fut: Future<Output = Result<R, EngineError>> + 'a,
+        Fut: Future<Output = Result<R, EngineError>>,
     {
         join_all(self.all().into_iter().map(send))
             .await

@@ -13,7 +13,7 @@ use super::format::{assemble, averaged_members, copied_members, FormatError, Par
 use super::meta::check_part_format;
 use crate::engine::capture::{RankMeta, RestoredRank};
 use crate::engine::host_bytes;
-use crate::engine::rank::{RankLayout, Slot};
+use crate::wire::layout::{RankLayout, Slot};
 use crate::wire::DType;
 
 impl From<tch::TchError> for FormatError {

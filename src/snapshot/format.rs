@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 
 use super::meta::{check_part_format, MetaError, FORMAT_KEY, FORMAT_VERSION};
-use crate::engine::rank::{RankLayout, Slot};
+use crate::wire::layout::{RankLayout, Slot};
 use crate::wire::push::{ALIASES_KEY, SHARDS_KEY};
 use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
 

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::capture::RankMeta;
-use crate::engine::rank::{Group, LayoutTensor, RankLayout, Slot};
+use crate::wire::layout::{Group, LayoutTensor, RankLayout, Slot};
 use crate::wire::{Chunk, DType};
 
 /// The format this version writes.
