@@ -48,7 +48,7 @@ import polyak
 import torch
 from ema_pytorch import EMA
 from polyak._push.sender import Sender
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 from torch import nn
 
 

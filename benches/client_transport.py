@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import polyak
 import safetensors.torch
 import torch
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 
 MIB = 1 << 20
 

@@ -45,9 +45,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "clients" / "python-testing"))
 
-from polyak.testing import Backends, PolyakServer  # noqa: E402
 from polyak.wire import HostBody, TensorSpec, WireLayout  # noqa: E402
+from polyak_testing import Backends, PolyakServer  # noqa: E402
 
 
 def body_of(t: torch.Tensor) -> bytes:

@@ -31,10 +31,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "clients" / "python-testing"))
 sys.path.insert(0, str(HERE))
 
 from polyak import Client  # noqa: E402
-from polyak.testing import PolyakServer  # noqa: E402
+from polyak_testing import PolyakServer  # noqa: E402
 
 MB = 1 << 20
 #: Where the runs keep their EMA and where torch's baselines run (--device).

@@ -36,9 +36,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "clients" / "python-testing"))
 
-from polyak.testing import PolyakServer  # noqa: E402
 from polyak.wire import HostBody, TensorSpec, WireLayout  # noqa: E402
+from polyak_testing import PolyakServer  # noqa: E402
 
 RANKS = 8
 

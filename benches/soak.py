@@ -30,11 +30,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "clients" / "python-testing"))
 sys.path.insert(0, str(HERE))
 
 from e2e import MB, Http, safetensors_body  # noqa: E402
 from polyak import Client  # noqa: E402
-from polyak.testing import PolyakServer  # noqa: E402
+from polyak_testing import PolyakServer  # noqa: E402
 
 
 def resources(pid: int, data: Path) -> dict[str, int]:

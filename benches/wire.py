@@ -35,13 +35,14 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "clients" / "python-testing"))
 sys.path.insert(0, str(HERE))
 
 from e2e import raw_tcp_rate  # noqa: E402
 from polyak import Client  # noqa: E402
 from polyak._push.mirror import DEFAULT_CODEC_LEVEL, MirrorEncoder, encode_bgz  # noqa: E402
-from polyak.testing import PolyakServer  # noqa: E402
 from polyak.wire import HostBody, TensorSpec, WireLayout, read_safetensors  # noqa: E402
+from polyak_testing import PolyakServer  # noqa: E402
 
 MB = 1 << 20
 

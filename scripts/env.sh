@@ -11,6 +11,7 @@ set -euo pipefail
 POLYAK_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 POLYAK_VENV="${POLYAK_VENV:-$POLYAK_ROOT/.venv}"
 POLYAK_TORCH_VERSION="2.13.0"
+POLYAK_TYPESCRIPT_VERSION="5.9.3"
 
 polyak_log() { printf '\033[1m[polyak]\033[0m %s\n' "$*" >&2; }
 
@@ -18,7 +19,8 @@ polyak_venv() {
   local extras="$1"   # "" or "test"
   local stamp_file="$POLYAK_VENV/.polyak-stamp"
   local stamp
-  stamp="$(cat "$POLYAK_ROOT/scripts/env.sh" "$POLYAK_ROOT/clients/python/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+  stamp="$(cat "$POLYAK_ROOT/scripts/env.sh" "$POLYAK_ROOT/clients/python/pyproject.toml" \
+    "$POLYAK_ROOT/clients/python-testing/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
   if [ -f "$stamp_file" ] && grep -qx -- "$stamp" "$stamp_file" 2>/dev/null; then
     return 0
   fi
@@ -31,11 +33,27 @@ polyak_venv() {
     polyak_log "installing torch==$POLYAK_TORCH_VERSION (a large download the first time)"
     "${pip[@]}" "torch==$POLYAK_TORCH_VERSION"
   fi
-  local target="$POLYAK_ROOT/clients/python"
-  if [ -n "$extras" ]; then target="$target[$extras]"; fi
+  local targets=(-e "$POLYAK_ROOT/clients/python${extras:+[$extras]}")
+  # The tests' support package (servers, backing services, fixtures) is
+  # installed beside the client for the tests and benches, never for users.
+  if [ "$extras" = "test" ]; then targets+=(-e "$POLYAK_ROOT/clients/python-testing"); fi
   polyak_log "installing the polyak Python client${extras:+ with [$extras] extras}"
-  "${pip[@]}" -e "$target" "torch==$POLYAK_TORCH_VERSION"
+  "${pip[@]}" "${targets[@]}" "torch==$POLYAK_TORCH_VERSION"
   echo "$stamp" > "$stamp_file"
+}
+
+# Prints the path of tsc (the dashboard's type check), installing the pinned
+# TypeScript into .tools/ (ignored) when it is not there yet.
+polyak_tsc() {
+  local dir="$POLYAK_ROOT/.tools"
+  local have
+  have="$(node -p 'require(process.argv[1]).version' "$dir/node_modules/typescript/package.json" 2>/dev/null || true)"
+  if [ "$have" != "$POLYAK_TYPESCRIPT_VERSION" ]; then
+    polyak_log "installing typescript@$POLYAK_TYPESCRIPT_VERSION into .tools for the dashboard's type check"
+    npm install --prefix "$dir" --no-save --no-package-lock --no-audit --no-fund --loglevel=error \
+      "typescript@$POLYAK_TYPESCRIPT_VERSION" >/dev/null
+  fi
+  echo "$dir/node_modules/.bin/tsc"
 }
 
 polyak_build_env() {

@@ -109,13 +109,26 @@ export function authUrl(path) {
 }
 
 /**
+ * @typedef {object} ApiOptions
+ * @property {string} [method] `GET` unless said.
+ * @property {unknown} [body] Sent as JSON.
+ * @property {AbortSignal | null} [signal] Aborts the call (the page's, when it is left).
+ * @property {number} [timeoutMs]
+ * @property {Record<string, string>} [headers]
+ */
+
+/**
  * A JSON call. Rejects with ApiError (status 0 for network failures and
  * timeouts) or an AbortError when `signal` aborts. A 401 asks for a token
  * once and retries.
+ * @param {string} path
+ * @param {ApiOptions} [options]
+ * @returns {Promise<any>}
  */
 export async function api(path, { method = 'GET', body, signal, timeoutMs = DEFAULT_TIMEOUT_MS, headers = {} } = {}) {
   for (let attempt = 0; attempt < 2; attempt += 1) {
     const token = getToken();
+    /** @type {Record<string, string>} */
     const sent = { Accept: 'application/json', ...headers };
     if (token) sent.Authorization = `Bearer ${token}`;
     if (body !== undefined) sent['Content-Type'] = 'application/json';
@@ -189,6 +202,14 @@ export const EVENT_KINDS = ['run_created', 'rank_registered', 'push', 'rejection
  * error the stream is reopened after the last event it carried (`?since=`
  * its SSE id; transient events have none, and are never replayed), after a
  * pause that grows to 10 s. Returns `{close()}`.
+ * @param {string} run
+ * @param {object} options
+ * @param {number | string | null} [options.since]
+ * @param {Iterable<number>} [options.seen]
+ * @param {string[] | null} [options.kinds]
+ * @param {(event: any) => void} options.onEvent
+ * @param {(status: 'connecting' | 'live' | 'reconnecting') => void} [options.onStatus]
+ * @param {(opens: number) => void} [options.onOpen]
  */
 export function openEvents(run, { since = null, seen = [], kinds = null, onEvent, onStatus = () => {}, onOpen = () => {} }) {
   let lastId = since;
@@ -196,7 +217,7 @@ export function openEvents(run, { since = null, seen = [], kinds = null, onEvent
   const shown = new Set(seen);
   const remember = (id) => {
     shown.add(id);
-    if (shown.size > 10_000) shown.delete(shown.values().next().value);
+    if (shown.size > 10_000) shown.delete(/** @type {number} */ (shown.values().next().value));
   };
   let source = null;
   let retryTimer = null;

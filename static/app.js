@@ -18,6 +18,14 @@ import * as snapshotsPage from './pages/snapshots.js';
 window.polyak = window.polyak || {};
 window.polyak.charts = window.polyak.charts || {};
 
+/**
+ * What a page gets: its `signal` aborts its requests when it is left, and
+ * what `onCleanup` and `every` register stops then.
+ * @typedef {ReturnType<typeof makeContext>} PageContext
+ * @typedef {{render: (root: HTMLElement, route: {run: string | null, query: URLSearchParams}, ctx: PageContext) => void}} Page
+ */
+
+/** @type {Array<[RegExp, Page]>} */
 const ROUTES = [
   [/^\/runs$/, runsPage],
   [/^\/runs\/([^/]+)$/, runPage],
@@ -93,8 +101,8 @@ function route() {
   window.polyak.charts = {};
   const ctx = makeContext();
   current = ctx;
-  document.getElementById('conn').hidden = true;
-  const root = document.getElementById('app');
+  /** @type {HTMLElement} */ (document.getElementById('conn')).hidden = true;
+  const root = /** @type {HTMLElement} */ (document.getElementById('app'));
   root.replaceChildren();
   window.scrollTo(0, 0);
   for (const [pattern, page] of ROUTES) {
@@ -120,7 +128,7 @@ function route() {
   );
 }
 
-document.getElementById('token-button').addEventListener('click', () => {
+/** @type {HTMLElement} */ (document.getElementById('token-button')).addEventListener('click', () => {
   setToken('');
   route();
 });

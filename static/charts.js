@@ -101,6 +101,33 @@ function axisSize(self, values) {
 const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: { stroke: '#e3e6ec', width: 1 } };
 
 /**
+ * @typedef {(v: number) => string} Fmt
+ * @typedef {object} ChartSeries
+ * @property {string} label
+ * @property {string} [color]
+ * @property {number} [width]
+ * @property {number[]} [dash]
+ * @property {string} [scale]
+ * @property {Fmt} [fmt]
+ * @property {boolean} [bars]
+ * @property {string} [fill]
+ * @typedef {object} ChartX
+ * @property {string} [label]
+ * @property {boolean} [time]
+ * @property {boolean} [integer]
+ * @property {Fmt} [fmt]
+ * @property {(u: any, splits: number[]) => string[]} [values]
+ * @property {any} [range] A uPlot scale range.
+ * @property {object} [axis] uPlot axis options laid over ours.
+ * @typedef {object} ChartY
+ * @property {Fmt} [fmt]
+ * @property {Fmt} [legend]
+ * @property {boolean} [log]
+ * @property {boolean} [zero]
+ * @property {string} [label]
+ */
+
+/**
  * A line (or bar) chart in `container`.
  *
  * - `series`: `[{label, color, width?, dash?, scale?, fmt?, bars?, fill?}]` (y series).
@@ -110,6 +137,15 @@ const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: 
  *   only, `zero` to start the axis at 0, as bars want); `y2`: a second axis on the right for series with `scale: 'y2'`.
  *
  * Returns `{plot, update(data), destroy()}`; `update` keeps the user's zoom.
+ * @param {HTMLElement} container
+ * @param {string} name
+ * @param {object} options
+ * @param {ChartSeries[]} options.series
+ * @param {ChartX} [options.x]
+ * @param {ChartY} [options.y]
+ * @param {ChartY | null} [options.y2]
+ * @param {number} [options.height]
+ * @param {boolean} [options.controls]
  */
 export function createChart(container, name, { series, x = {}, y = {}, y2 = null, height = 220, controls = true }) {
   // What the user chose with the chart's controls; a rebuild keeps it.
@@ -121,7 +157,7 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
   function build() {
     const width = Math.max(240, container.clientWidth || 600);
     const yFmt = y.fmt || y.legend || ((v) => String(v));
-    const yTick = y.fmt ? (v) => y.fmt(v) : fmtTick;
+    const yTick = y.fmt ? (v) => /** @type {Fmt} */ (y.fmt)(v) : fmtTick;
     const yRange = y.zero ? (u, min, max) => [0, max > 0 ? max * 1.08 : 1] : linearRange;
     const scales = { x: { time: Boolean(x.time) } };
     if (view.log) scales.y = { distr: 3, ...(view.robust ? { range: (u, min, max) => robustRange(u, 'y', min, max, true) } : {}) };
@@ -347,10 +383,11 @@ const AXIS_FONT = `${AXIS_FONT_PX}px system-ui, -apple-system, "Segoe UI", Robot
 const SLANT_DEG = 45;
 const SLANT_LINE_PX = AXIS_FONT_PX + 4;
 
+/** @type {CanvasRenderingContext2D | null} */
 let measurer = null;
 function textWidth(text) {
   if (!measurer) {
-    measurer = document.createElement('canvas').getContext('2d');
+    measurer = /** @type {CanvasRenderingContext2D} */ (document.createElement('canvas').getContext('2d'));
     measurer.font = AXIS_FONT;
   }
   return measurer.measureText(text).width;

@@ -49,8 +49,9 @@ const LAYERS: &[(&str, u32)] = &[
     // service's nodes keeping up with each other (failover restores ranks
     // from snapshots); the lease, which lets taken ranks go, last.
     ("services::ingest", 9),
-    ("services::runs", 9),
     ("services::cluster", 9),
+    // Creating a run places it and tells the peers (cluster).
+    ("services::runs", 10),
     ("services::nodes", 10),
     // Handles to the services, then the HTTP edge, then the wiring.
     ("state", 11),
@@ -515,7 +516,6 @@ const HANDLERS_REACHING_BELOW: &[(&str, &str)] = &[
     ("http::error", "store"),
     ("http::events", "store"),
     ("http::extract", "registry"),
-    ("http::insight", "registry"),
     ("http::insight", "store"),
     ("http::metrics", "store"),
     ("http::ops", "snapshot"),
@@ -526,7 +526,6 @@ const HANDLERS_REACHING_BELOW: &[(&str, &str)] = &[
     ("http::runs", "registry"),
     ("http::runs", "snapshot"),
     ("http::runs", "store"),
-    ("http::snapshots", "engine"),
     ("http::snapshots", "snapshot"),
     ("http::snapshots", "store"),
     ("http::vanished", "registry"),

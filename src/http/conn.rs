@@ -11,7 +11,11 @@
 //!   `--idle-timeout-secs`;
 //! - a request body must keep up with `--body-min-rate` after a grace of
 //!   `--body-timeout-secs` ([`TimedBody`]); a slower one fails the request, which
-//!   is answered 408 and the connection closed.
+//!   is answered 408 and the connection closed;
+//! - a request answered before its body was read to the end (refused
+//!   early: unknown run, bad token) is answered with `Connection: close`,
+//!   since hyper closes such a connection rather than read the rest: a
+//!   client that reused it would find it closed under its next request.
 //!
 //! - a response must keep up with `--send-min-rate` once the client stops
 //!   reading: the time the socket refuses bytes may not pass
@@ -31,6 +35,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -157,12 +162,16 @@ pub async fn serve(
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
             let guard = ActiveGuard::start(activity.clone());
             let http1 = req.version() <= http::Version::HTTP_11;
+            // Set once the handler read the request body to its end (or
+            // there was none).
+            let read_out = Arc::new(AtomicBool::new(false));
             let req = req.map(|body| {
                 let body = Body::new(body);
                 if http_body::Body::is_end_stream(&body) {
+                    read_out.store(true, Ordering::Relaxed);
                     body
                 } else {
-                    Body::new(TimedBody::new(body, limits))
+                    Body::new(TimedBody::new(body, limits, read_out.clone()))
                 }
             });
             let app = app.clone();
@@ -197,6 +206,17 @@ pub async fn serve(
                 } else {
                     (response, None)
                 };
+                let mut response = response;
+                if http1 && !read_out.load(Ordering::Relaxed) {
+                    // Answered before its body was read (refused early):
+                    // hyper closes the connection rather than read the rest,
+                    // so say so, and the client does not send its next
+                    // request on a connection about to close.
+                    response.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
                 // The request counts as in flight until its response body
                 // is sent (downloads and event streams included).
                 Ok::<_, std::convert::Infallible>(response.map(|body| {
@@ -512,6 +532,8 @@ pub struct TimedBody {
     started: Instant,
     received: u64,
     sleep: Pin<Box<Sleep>>,
+    /// Set when the body has been read to its end.
+    read_out: Arc<AtomicBool>,
 }
 
 /// The error a [`TimedBody`] ends with; the push and JSON readers turn it
@@ -529,7 +551,7 @@ pub struct BodyTimedOut {
 }
 
 impl TimedBody {
-    fn new(inner: Body, limits: ConnLimits) -> Self {
+    fn new(inner: Body, limits: ConnLimits, read_out: Arc<AtomicBool>) -> Self {
         let started = Instant::now();
         TimedBody {
             inner,
@@ -537,6 +559,7 @@ impl TimedBody {
             started,
             received: 0,
             sleep: Box::pin(tokio::time::sleep_until(started + limits.body)),
+            read_out,
         }
     }
 
@@ -562,10 +585,16 @@ impl http_body::Body for TimedBody {
                     let deadline = self.deadline();
                     self.sleep.as_mut().reset(deadline);
                 }
+                if self.inner.is_end_stream() {
+                    self.read_out.store(true, Ordering::Relaxed);
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(None) => {
+                self.read_out.store(true, Ordering::Relaxed);
+                Poll::Ready(None)
+            }
             Poll::Pending => {
                 if self.sleep.as_mut().poll(cx).is_ready() {
                     let err = BodyTimedOut {

@@ -16,9 +16,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{run_named, ApiJson, ApiQuery};
-use crate::clock::now_ms;
 use crate::events::{Annotated, Event};
-use crate::registry::RunHandle;
 use crate::run::alerts::AlertRules;
 use crate::run::{FieldError, RunSpec};
 use crate::services::alerts::Alert;
@@ -97,16 +95,6 @@ pub fn check_webhook(state: &AppState, alerts: &AlertRules) -> Result<(), ApiErr
     }
 }
 
-/// Stores a run's annotations and installs them on its handle.
-pub async fn store_meta(state: &AppState, run: &RunHandle, meta: RunMeta) -> Result<(), ApiError> {
-    state
-        .store()
-        .put_run_meta(&run.config.name, &meta, now_ms())
-        .await?;
-    *run.meta.lock().expect("meta lock") = meta;
-    Ok(())
-}
-
 /// Fields to change; absent ones keep their value.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -164,7 +152,7 @@ pub async fn patch_run(
         }
         Some(c) => Some(c),
     };
-    store_meta(&state, &run, meta.clone()).await?;
+    crate::services::runs::store_meta(state.shared(), &run, meta.clone()).await?;
     state.events().emit(
         &name,
         None,

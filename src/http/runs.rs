@@ -16,10 +16,9 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::clock::now_ms;
 use crate::engine::device;
-use crate::events::{Event, RunCreated};
-use crate::registry::{token_hash, RankSummary, RunHandle, RunTokens};
+use crate::registry::{RankSummary, RunHandle};
 use crate::run::{RunConfig, RunSpec};
-use crate::services::{cluster, runs};
+use crate::services::runs;
 use crate::snapshot::convert::profile_part;
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
@@ -160,125 +159,29 @@ pub async fn create_run(
     super::insight::check_webhook(&state, &meta.alerts)?;
     let registry = state.registry();
     let config = spec.validate(registry.default_device(), |d| registry.device_for(d))?;
-    // Creators and deleters of one name take turns (see `lock_name`).
-    let _name = registry.lock_name(&config.name).await;
-    if let Some(existing) = state.run(&config.name) {
-        let differences = config_differences(&existing.config, &config);
-        if q.exist_ok && differences.is_empty() {
-            return Ok((
+    Ok(
+        match runs::create(state.shared(), config, meta, q.exist_ok).await? {
+            runs::Created::Existing(run) => (
                 StatusCode::OK,
                 Json(CreatedRun {
-                    run: run_view(&existing, true),
+                    run: run_view(&run, true),
                     write_token: None,
                     read_token: None,
                 }),
-            ));
-        }
-        let message = if differences.is_empty() {
-            format!("run `{}` already exists", config.name)
-        } else {
-            format!(
-                "run `{}` already exists with another configuration: {} (existing != asked)",
-                config.name,
-                differences.join("; ")
-            )
-        };
-        return Err(ApiError::conflict("run_exists", message));
-    }
-    let tokens = state.args().token.as_ref().map(|_| {
-        (
-            format!("pkw_{}", random_hex()),
-            format!("pkr_{}", random_hex()),
-        )
-    });
-    let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
-    let created = now_ms();
-    let owners = cluster::place_new_run(state.shared(), config.world_size).await?;
-    let owner_ids: Vec<String> = owners.iter().map(|o| o.node_id.clone()).collect();
-    state
-        .store()
-        .insert_run(&config, created, hashes.clone(), &owner_ids)
-        .await?;
-    let config = Arc::new(config);
-    let handle = state
-        .registry()
-        .install_run(
-            config.clone(),
-            created,
-            hashes.map(|(write_hash, read_hash)| RunTokens {
-                write_hash,
-                read_hash,
-            }),
-            Vec::new(),
-            owners,
-        )
-        .await?;
-    state
-        .registry()
-        .record_engines(state.store(), &handle)
-        .await;
-    super::insight::store_meta(&state, &handle, meta).await?;
-    // The nodes holding its other ranks install it before the client
-    // pushes to them.
-    cluster::tell_peers(state.shared()).await;
-    state.events().emit(
-        &config.name,
-        None,
-        None,
-        Event::RunCreated(RunCreated {
-            world_size: config.world_size,
-            profiles: config.profiles.len(),
-        }),
-    );
-    tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
-    let (write_token, read_token) = tokens.unzip();
-    Ok((
-        StatusCode::CREATED,
-        Json(CreatedRun {
-            run: run_view(&handle, true),
-            write_token,
-            read_token,
-        }),
-    ))
-}
-
-/// `field: existing != asked` for every configuration value that differs,
-/// with dotted paths (`profiles[0].beta`).
-pub fn config_differences(existing: &RunConfig, asked: &RunConfig) -> Vec<String> {
-    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
-        use serde_json::Value;
-        match (a, b) {
-            (Value::Object(x), Value::Object(y)) => {
-                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
-                for k in keys {
-                    let sub = if path.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{path}.{k}")
-                    };
-                    walk(
-                        &sub,
-                        x.get(k).unwrap_or(&Value::Null),
-                        y.get(k).unwrap_or(&Value::Null),
-                        out,
-                    );
-                }
+            ),
+            runs::Created::New { run, tokens } => {
+                let (write_token, read_token) = tokens.unzip();
+                (
+                    StatusCode::CREATED,
+                    Json(CreatedRun {
+                        run: run_view(&run, true),
+                        write_token,
+                        read_token,
+                    }),
+                )
             }
-            (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
-                for (i, (p, q)) in x.iter().zip(y).enumerate() {
-                    walk(&format!("{path}[{i}]"), p, q, out);
-                }
-            }
-            _ if a != b => out.push(format!("{path}: {a} != {b}")),
-            _ => {}
-        }
-    }
-    let mut out = Vec::new();
-    match (serde_json::to_value(existing), serde_json::to_value(asked)) {
-        (Ok(a), Ok(b)) => walk("", &a, &b, &mut out),
-        _ => out.push("the configurations could not be compared".into()),
-    }
-    out
+        },
+    )
 }
 
 /// The body of `POST /v1/runs/{run}/finish`.
@@ -319,11 +222,6 @@ pub async fn finish_run(
         run: run_view(&run, true),
         snapshot,
     }))
-}
-
-fn random_hex() -> String {
-    let bytes: [u8; 24] = rand::random();
-    hex::encode(bytes)
 }
 
 /// List runs (those the caller may read).
@@ -371,13 +269,14 @@ pub async fn delete_run(
 ) -> Result<StatusCode, ApiError> {
     run_named(&state, &name)?;
     caller.require_admin()?;
-    // Creators and deleters of one name take turns (see `lock_name`); the
-    // run is looked up again under the lock (another delete may have won).
-    let _name = state.registry().lock_name(&name).await;
-    let run = run_named(&state, &name)?;
-    runs::delete(state.shared(), state.snapshots(), state.alerts(), &run).await?;
-    state.ingest().forget_run(&run.config.name);
-    cluster::tell_peers(state.shared()).await;
+    runs::delete_named(
+        state.shared(),
+        state.snapshots(),
+        state.alerts(),
+        state.ingest(),
+        &name,
+    )
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -354,7 +354,7 @@ fn evaluation(config: &RunConfig, s: StoredEval) -> Evaluation {
     let number = |key: &str| s.detail.get(key).and_then(serde_json::Value::as_f64);
     let (sigma_rel, residual) = match kind {
         CandidateKind::Posthoc => (number("sigma_rel"), number("residual")),
-        CandidateKind::Ema => (power_sigma_rel(config, &s.row.profile), None),
+        CandidateKind::Ema => (live_sigma_rel(config, &s.row.profile), None),
         CandidateKind::Online | CandidateKind::Merge => (None, None),
     };
     let mut sources: Vec<String> = s
@@ -393,10 +393,15 @@ fn candidate_kind(snapshot: SnapshotKind, profile: &str) -> CandidateKind {
     }
 }
 
-/// A live `power` profile's `sigma_rel` (filled in when the run was created).
-fn power_sigma_rel(config: &RunConfig, profile: &str) -> Option<f64> {
+/// A live `power` or `karras` profile's `sigma_rel` (filled in from its
+/// gamma when the run was created; a karras EMA is the power function of
+/// the same gamma, one step later).
+fn live_sigma_rel(config: &RunConfig, profile: &str) -> Option<f64> {
     config.profiles.iter().find_map(|p| match p {
         ProfileSpec::Power {
+            name, sigma_rel, ..
+        }
+        | ProfileSpec::Karras {
             name, sigma_rel, ..
         } if name == profile => *sigma_rel,
         _ => None,
@@ -489,5 +494,28 @@ mod tests {
             candidate_kind(SnapshotKind::Merge, "merged"),
             CandidateKind::Merge
         );
+    }
+
+    #[test]
+    fn live_power_and_karras_profiles_carry_their_sigma_rel() {
+        let spec: crate::run::RunSpec = serde_json::from_value(json!({
+            "name": "r", "world_size": 1,
+            "profiles": [
+                {"name": "p", "kind": "power", "gamma": 6.94},
+                {"name": "k", "kind": "karras", "gamma": 6.94, "update_every": 4},
+                {"name": "k2", "kind": "karras", "sigma_rel": 0.15},
+                {"name": "c", "kind": "constant", "beta": 0.99},
+            ]
+        }))
+        .unwrap();
+        let config = spec.validate("cpu", |d| Ok(d.to_string())).unwrap();
+        // EDM2 exp_to_std(6.94) = 0.1000...
+        let power = live_sigma_rel(&config, "p").unwrap();
+        assert!((power - 0.1).abs() < 1e-3, "{power}");
+        assert_eq!(live_sigma_rel(&config, "k"), Some(power));
+        let given = live_sigma_rel(&config, "k2").unwrap();
+        assert!((given - 0.15).abs() < 1e-12, "{given}");
+        assert_eq!(live_sigma_rel(&config, "c"), None);
+        assert_eq!(live_sigma_rel(&config, "missing"), None);
     }
 }

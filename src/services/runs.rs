@@ -1,22 +1,185 @@
-//! What a run's handlers ask of the engine outside ingest and snapshots:
-//! deleting a run everywhere it lives, exporting its live EMA (one rank's,
-//! or every rank's for a comparison), and whether every engine answers.
-//! The engine closures live here, not in the handlers.
+//! A run's life outside ingest and snapshots: creating it (tokens,
+//! placement, the catalog, the registry, the peers told), deleting it
+//! everywhere it lives, exporting one rank's live EMA, and whether every
+//! engine answers. The handlers extract and render; the engine closures
+//! live here.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::alerts::AlertsSvc;
+use super::cluster;
+use super::ingest::Ingest;
 use super::snapshots::{self, Snaps};
 use super::{Context, ServiceError};
-use crate::engine::rank::RankLayout;
+use crate::clock::now_ms;
 use crate::engine::{EmaExport, EngineError};
+use crate::events::{Event, RunCreated};
 use crate::registry::RunHandle;
-use crate::snapshot::compare::RankTensors;
+use crate::registry::{token_hash, RunTokens};
+use crate::run::RunConfig;
+use crate::store::meta::RunMeta;
 use crate::wire::DType;
 
 /// Tries of the catalog delete that met a deadlock, at most.
 const DELETE_TRIES: u32 = 6;
+
+/// What a create became.
+pub enum Created {
+    /// The run exists with this very configuration (`exist_ok`).
+    Existing(Arc<RunHandle>),
+    /// A new run, with its write and read tokens when the server has an
+    /// admin token (shown once, stored hashed).
+    New {
+        run: Arc<RunHandle>,
+        tokens: Option<(String, String)>,
+    },
+}
+
+/// Creates a run: its tokens, its ranks placed over the live nodes, its
+/// rows in the catalog, its engines, its annotations, the nodes holding
+/// its other ranks told (before the client pushes to them), an event. A
+/// run of that name already there is `Existing` when `exist_ok` and the
+/// configurations agree, else `409 run_exists` with the differences.
+pub async fn create(
+    ctx: &Context,
+    config: RunConfig,
+    meta: RunMeta,
+    exist_ok: bool,
+) -> Result<Created, ServiceError> {
+    // Creators and deleters of one name take turns (see `lock_name`).
+    let _name = ctx.registry.lock_name(&config.name).await;
+    if let Some(existing) = ctx.run(&config.name) {
+        let differences = config_differences(&existing.config, &config);
+        if exist_ok && differences.is_empty() {
+            return Ok(Created::Existing(existing));
+        }
+        let message = if differences.is_empty() {
+            format!("run `{}` already exists", config.name)
+        } else {
+            format!(
+                "run `{}` already exists with another configuration: {} (existing != asked)",
+                config.name,
+                differences.join("; ")
+            )
+        };
+        return Err(ServiceError::conflict("run_exists", message));
+    }
+    let tokens = ctx.args.token.as_ref().map(|_| {
+        (
+            format!("pkw_{}", random_hex()),
+            format!("pkr_{}", random_hex()),
+        )
+    });
+    let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
+    let created = now_ms();
+    let owners = cluster::place_new_run(ctx, config.world_size).await?;
+    let owner_ids: Vec<String> = owners.iter().map(|o| o.node_id.clone()).collect();
+    ctx.store
+        .insert_run(&config, created, hashes.clone(), &owner_ids)
+        .await?;
+    let config = Arc::new(config);
+    let run = ctx
+        .registry
+        .install_run(
+            config.clone(),
+            created,
+            hashes.map(|(write_hash, read_hash)| RunTokens {
+                write_hash,
+                read_hash,
+            }),
+            Vec::new(),
+            owners,
+        )
+        .await?;
+    ctx.registry.record_engines(&ctx.store, &run).await;
+    store_meta(ctx, &run, meta).await?;
+    cluster::tell_peers(ctx).await;
+    ctx.events.emit(
+        &config.name,
+        None,
+        None,
+        Event::RunCreated(RunCreated {
+            world_size: config.world_size,
+            profiles: config.profiles.len(),
+        }),
+    );
+    tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
+    Ok(Created::New { run, tokens })
+}
+
+/// Stores a run's annotations and installs them on its handle.
+pub async fn store_meta(ctx: &Context, run: &RunHandle, meta: RunMeta) -> Result<(), ServiceError> {
+    ctx.store
+        .put_run_meta(&run.config.name, &meta, now_ms())
+        .await?;
+    *run.meta.lock().expect("meta lock") = meta;
+    Ok(())
+}
+
+fn random_hex() -> String {
+    let bytes: [u8; 24] = rand::random();
+    hex::encode(bytes)
+}
+
+/// `field: existing != asked` for every configuration value that differs,
+/// with dotted paths (`profiles[0].beta`).
+pub fn config_differences(existing: &RunConfig, asked: &RunConfig) -> Vec<String> {
+    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        use serde_json::Value;
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                for k in keys {
+                    let sub = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    walk(
+                        &sub,
+                        x.get(k).unwrap_or(&Value::Null),
+                        y.get(k).unwrap_or(&Value::Null),
+                        out,
+                    );
+                }
+            }
+            (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+                for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                    walk(&format!("{path}[{i}]"), p, q, out);
+                }
+            }
+            _ if a != b => out.push(format!("{path}: {a} != {b}")),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    match (serde_json::to_value(existing), serde_json::to_value(asked)) {
+        (Ok(a), Ok(b)) => walk("", &a, &b, &mut out),
+        _ => out.push("the configurations could not be compared".into()),
+    }
+    out
+}
+
+/// Deletes the run called `name`, under the name's lock (creators and
+/// deleters take turns; the run is looked up again under it, another
+/// delete may have won): see [`delete`]; then its ingest state is
+/// forgotten and the peers told.
+pub async fn delete_named(
+    ctx: &Context,
+    snaps: &Snaps,
+    alerts: &AlertsSvc,
+    ingest: &Ingest,
+    name: &str,
+) -> Result<(), ServiceError> {
+    let _name = ctx.registry.lock_name(name).await;
+    let run = ctx
+        .run(name)
+        .ok_or_else(|| ServiceError::not_found("run_not_found", format!("no run `{name}`")))?;
+    delete(ctx, snaps, alerts, &run).await?;
+    ingest.forget_run(&run.config.name);
+    cluster::tell_peers(ctx).await;
+    Ok(())
+}
 
 /// Deletes a run: out of the registry and the catalog, its EMA freed on
 /// its engine, its metrics and alerts forgotten, its files removed.
@@ -70,26 +233,6 @@ pub async fn rank_ema(
     })?;
     let export = engine.export_ema(&run.config.name, rank, profile).await??;
     Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)
-}
-
-/// Every rank's live EMA of `profile`, as named tensor bytes beside the
-/// rank's layout (what a comparison reads).
-pub async fn live_tensors(
-    run: &RunHandle,
-    profile: &str,
-) -> Result<HashMap<u32, (Arc<RankLayout>, RankTensors)>, ServiceError> {
-    let exports = run.engines.export_all(&run.config.name, profile).await?;
-    tokio::task::spawn_blocking(move || -> Result<_, ServiceError> {
-        let mut out = HashMap::new();
-        for (rank, export) in exports {
-            let host = export.to_host(None)?;
-            let tensors =
-                crate::snapshot::convert::flat_tensors(host.layout.as_ref(), host.ema, host.copied);
-            out.insert(rank, (host.layout.clone(), tensors));
-        }
-        Ok(out)
-    })
-    .await?
 }
 
 /// Whether every engine thread still takes work.

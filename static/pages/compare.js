@@ -188,7 +188,7 @@ export function render(root, { run, query }, ctx) {
 
     const card = chartCard('Relative difference per tensor', `A = ${resp.a} (${resp.profile}) · B = ${resp.b} (${resp.profile_b})`);
     const logToggle = h('input', { type: 'checkbox', 'aria-label': 'log scale' });
-    card.el.querySelector('.card-head').append(h('label', { class: 'check' }, logToggle, ' log scale'));
+    /** @type {HTMLElement} */ (card.el.querySelector('.card-head')).append(h('label', { class: 'check' }, logToggle, ' log scale'));
     card.note.hidden = true;
 
     const filter = h('input', { type: 'search', placeholder: 'filter tensors (e.g. attn, weight)', 'aria-label': 'filter tensors', dataset: { testid: 'tensor-filter' } });

@@ -529,7 +529,9 @@ const KIND_TONE = { rejection: 'bad', snapshot: 'info', rank_registered: 'ok', r
 
 function eventsPanel(ctx) {
   const shown = new Set(loadSetting('log_kinds', RARE_KINDS));
+  /** @type {Map<string, any[]>} */
   const kept = new Map(LOG_KINDS.map((k) => [k, []]));
+  /** @type {Map<string, number>} */
   const counts = new Map(LOG_KINDS.map((k) => [k, 0]));
   const chipBar = h('div', { class: 'chips filter-chips', role: 'group', 'aria-label': 'event kinds' });
   const list = h('ol', { class: 'event-log', dataset: { testid: 'events' } });
@@ -612,11 +614,11 @@ function eventsPanel(ctx) {
         kept.set(e.kind, []);
         counts.set(e.kind, 0);
       }
-      const arr = kept.get(e.kind);
+      const arr = /** @type {any[]} */ (kept.get(e.kind));
       order.set(e, arrived++);
       arr.push(e);
       if (arr.length > LOG_KEPT_PER_KIND) arr.splice(0, arr.length - LOG_KEPT_PER_KIND);
-      counts.set(e.kind, counts.get(e.kind) + 1);
+      counts.set(e.kind, /** @type {number} */ (counts.get(e.kind)) + 1);
       schedule();
     },
     ready() {

@@ -1,7 +1,8 @@
 """Fixtures for the dashboard tests: the real polyak server, a training
 process feeding it through the Python client, and headless Chromium driven
 by Playwright (Debian's ``chromium``; Playwright's own browsers are not
-used)."""
+used). The fixtures every test tree shares (``polyak_binary``,
+``backends``, ...) come from :mod:`polyak_testing.plugin`."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from dashkit import (
     chromium_path,
 )
 from playwright.sync_api import Browser, Page, sync_playwright
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 
 
 @pytest.fixture(scope="session")
-def dash_server(tmp_path_factory: pytest.TempPathFactory):
-    srv = PolyakServer(tmp_path_factory.mktemp("dashboard-data"))
+def dash_server(tmp_path_factory: pytest.TempPathFactory, polyak_binary: str):
+    srv = PolyakServer(tmp_path_factory.mktemp("dashboard-data"), binary=polyak_binary)
     srv.start()
     yield srv
     srv.stop()

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from dashkit import RUN, WORLD_SIZE, screenshot
 from playwright.sync_api import Page, expect
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 
 # The feeder's model (tests/browser/feeder.py: TinyMLP).
 MODEL_SHAPES = {

@@ -7,29 +7,22 @@ that never held it before), and the ranks summary counts the failover."""
 
 from __future__ import annotations
 
-import time
-
 import polyak
 import pytest
 import torch
 from playwright.sync_api import Page, expect
 from polyak import RetryPolicy
-from polyak.testing import Backends, state_step
+from polyak_testing import Backends, state_step, wait_for
 
 LEASE = 2.0
 
 
 @pytest.fixture(scope="module")
 def backends():
-    yield from Backends.session()
-
-
-def _wait(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return got
+    # Its own services, stopped when the module ends (the session's would
+    # keep running through the other browser tests).
+    with Backends() as b:
+        yield b
 
 
 @pytest.mark.slow
@@ -58,7 +51,7 @@ def test_the_run_page_shows_a_rank_taken_over(page: Page, tmp_path, backends: Ba
 
             for step in range(4):
                 push(step)
-            _wait(lambda: state_step(a.url, run_name, lost) == 3, 30, "b's state snapshot")
+            wait_for(lambda: state_step(a.url, run_name, lost) == 3, 30, "b's state snapshot")
             push(4)
             push(5)
             b.kill()
@@ -70,7 +63,7 @@ def test_the_run_page_shows_a_rank_taken_over(page: Page, tmp_path, backends: Ba
                 f = run.rank(lost).get("failover")
                 return f if f and f.get("lost_steps") is not None else None
 
-            failover = _wait(reported, 30, "the failover report")
+            failover = wait_for(reported, 30, "the failover report")
         assert failover["from_node"] == "node-b" and failover["resumed_step"] == 6
         restored = failover["restored_step"]
         lost_steps = failover["lost_steps"]

@@ -10,7 +10,7 @@ import polyak
 import pytest
 import torch
 from playwright.sync_api import Page, expect
-from polyak.testing import check_wire_totals
+from polyak_testing import check_wire_totals
 
 pytest.importorskip("zstandard")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import torch
-from polyak.testing import Backends, LabHost, PolyakServer
+from polyak_testing import Backends, LabHost, PolyakServer
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 #: Nodes of the service.

@@ -71,7 +71,7 @@ def check_rank_emas(
     """Every rank's live EMA of every profile in ``want`` (full reference
     state dicts) equals its chunk of the reference; tensors that are not
     averaged equal the rank's chunk of ``online``."""
-    from refs import rel_err
+    from polyak_testing.refs import rel_err
 
     for rank in range(world):
         copied, _ = rank_chunks(online, world, rank)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from polyak.testing import find_binary
+from polyak_testing import find_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ROOT / "benches"

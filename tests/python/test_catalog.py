@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import safetensors.torch
 import torch
+from polyak_testing import wait_for
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 V0 = Path(__file__).resolve().parent / "data" / "catalog-v0"
@@ -58,16 +58,6 @@ def create(c: httpx.Client, run: str, **extra):
     assert r.status_code == 201, r.text
 
 
-def wait_for(check, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def snapshots(c: httpx.Client, run: str) -> list[dict]:
     r = c.get(f"/v1/runs/{run}/snapshots")
     assert r.status_code == 200, r.text
@@ -85,7 +75,7 @@ def test_a_catalog_written_by_the_previous_version_is_read(tmp_path, backend):
     backends: its runs, old-style ids, snapshots and state come back."""
     if not backend.startswith("sqlite"):
         pytest.skip("the previous version wrote SQLite only")
-    from polyak.testing import PolyakServer
+    from polyak_testing import PolyakServer
 
     data = tmp_path / "data"
     shutil.copytree(V0, data)
@@ -293,7 +283,7 @@ def test_catalog_outage_on_postgres(tmp_path, backend):
     (their bookkeeping is batched); once it is back everything answers again."""
     if not backend.startswith("postgres") or os.environ.get("POLYAK_TEST_DATABASE_URL"):
         pytest.skip("needs a PostgreSQL of its own to stop")
-    from polyak.testing import PolyakServer, PostgresService
+    from polyak_testing import PolyakServer, PostgresService
 
     pg = PostgresService().start()
     srv = PolyakServer(tmp_path / "data", "--catalog", pg.new_database())

@@ -15,7 +15,7 @@ import httpx
 import safetensors.torch
 import torch
 import yaml
-from polyak.testing import Backends, PolyakServer, free_port
+from polyak_testing import Backends, PolyakServer, free_port
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
 TOKEN = "compose-token-0123456789"

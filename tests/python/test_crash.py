@@ -17,7 +17,7 @@ import httpx
 import safetensors.torch
 import torch
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 RUN = "crashy"

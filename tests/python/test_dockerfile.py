@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import safetensors.torch
 import torch
-from polyak.testing import free_port
+from polyak_testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 
 MAX_STEP = 2**53
 

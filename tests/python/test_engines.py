@@ -17,8 +17,8 @@ import httpx
 import safetensors.torch
 import torch
 from polyak import Client
-from polyak.testing import PolyakServer
-from refs import EmaTrainer, rel_err
+from polyak_testing import PolyakServer
+from polyak_testing.refs import EmaTrainer, rel_err
 from shardsim import check_rank_emas, push_ranks, rank_chunks
 
 WORLD = 8

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from polyak.cli import main
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 PROFILES = [

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import Backends, PolyakServer, PostgresService, state_step
+from polyak_testing import Backends, PolyakServer, PostgresService, state_step
 
 LEASE = 3.0
 

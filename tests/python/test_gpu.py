@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 from polyak import Client
-from polyak.testing import PolyakServer
-from refs import EmaTrainer, rel_err
+from polyak_testing import PolyakServer
+from polyak_testing.refs import EmaTrainer, rel_err
 from shardsim import check_rank_emas, push_ranks
 
 pytestmark = pytest.mark.skipif(

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import PolyakServer, find_binary
+from polyak_testing import PolyakServer, find_binary
 
 ADMIN = "hardening-admin-token-0123456789"
 
@@ -548,3 +548,64 @@ def test_body_timeout_on_json_bodies_too(fresh_server):
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b'"body_timeout"' in reply
     assert httpx.get(f"{url}/v1/runs/slowjson").status_code == 404
+
+
+# --- connections ---------------------------------------------------------------
+
+
+def _exchange(sock: socket.socket, head: str, body: bytes = b"") -> tuple[str, bytes]:
+    """Sends one request and reads one whole response (its head and a
+    body of ``content-length`` bytes)."""
+    sock.sendall(head.encode() + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {data!r}"
+        data += chunk
+    raw_head, rest = data.split(b"\r\n\r\n", 1)
+    text = raw_head.decode().lower()
+    length = next(
+        int(line.split(":", 1)[1])
+        for line in text.split("\r\n")
+        if line.startswith("content-length:")
+    )
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed mid-answer"
+        rest += chunk
+    return text, rest
+
+
+def test_a_request_refused_before_its_body_was_read_closes_its_connection(fresh_server):
+    """A push to a run that does not exist is refused before its body is
+    read; hyper then closes the connection rather than read the rest. The
+    answer says ``Connection: close``, so a client does not send its next
+    request on it (before, nothing said so, and a client that reused the
+    connection met "Server disconnected"). A request whose body was read
+    keeps its connection."""
+    fresh_server.start()
+    host, port = fresh_server.url.rsplit("//", 1)[1].split(":")
+    big = b"x" * 200_000
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head, _ = _exchange(
+            sock,
+            "PUT /v1/runs/nowhere/ranks/0/steps/1 HTTP/1.1\r\nHost: t\r\n"
+            f"Content-Length: {len(big)}\r\n\r\n",
+            big,
+        )
+        assert head.startswith("http/1.1 404"), head
+        assert "\r\nconnection: close" in head, head
+    # A body read to its end (a JSON body the server parses and refuses):
+    # the connection stays open and answers the next request.
+    bad = b'{"name": "' + b"y" * 200_000 + b'"}'
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head, _ = _exchange(
+            sock,
+            "POST /v1/runs HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(bad)}\r\n\r\n",
+            bad,
+        )
+        assert head.startswith("http/1.1 4"), head
+        assert "connection: close" not in head, head
+        head, _ = _exchange(sock, "GET /livez HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert head.startswith("http/1.1 200"), head

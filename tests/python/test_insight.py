@@ -15,6 +15,7 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
+from polyak_testing import wait_for
 
 
 @pytest.fixture()
@@ -27,16 +28,6 @@ def push(c, run, rank, step, state, status=200):
     r = c.put(f"/v1/runs/{run}/ranks/{rank}/steps/{step}", content=safetensors.torch.save(state))
     assert r.status_code == status, r.text
     return r.json()
-
-
-def wait_for(fn, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def alert(c, run, key, state=None):

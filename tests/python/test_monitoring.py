@@ -10,7 +10,7 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import read_sse
+from polyak_testing import read_sse
 
 
 def push(c, run, rank, step, state):

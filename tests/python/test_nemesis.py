@@ -71,7 +71,7 @@ from nemesis import (
     weights,
 )
 from polyak import RetryPolicy
-from polyak.testing import Backends, NetLab
+from polyak_testing import Backends, NetLab
 
 LEASE = 3.0
 BETA = 0.9

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import httpx
-from polyak.testing import Backends, PolyakServer
+from polyak_testing import Backends, PolyakServer
 
 LEASE = "1"
 

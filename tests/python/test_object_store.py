@@ -11,7 +11,7 @@ import hashlib
 import httpx
 import safetensors.torch
 import torch
-from polyak.testing import Backends, wait_settled
+from polyak_testing import Backends, wait_settled
 
 
 def state(step: int, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from refs import rel_err, std_to_exp
+from polyak_testing.refs import rel_err, std_to_exp
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 

@@ -14,7 +14,7 @@ import httpx
 import safetensors.torch
 import torch
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 SECONDS = float(os.environ.get("POLYAK_RACE_SECONDS", "6"))

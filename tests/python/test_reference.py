@@ -13,9 +13,9 @@ import pytest
 import safetensors.torch
 import torch
 from ema_pytorch import EMA
-from refs import (
+from polyak_testing.refs import (
     Edm2Ema,
-    Trainer,
+    SmallNetTrainer,
     assert_state_close,
     averaged_state,
     ema_pytorch_state,
@@ -71,7 +71,7 @@ def test_all_profiles_match_their_anchors_update_every_1(client):
             ],
         },
     )
-    tr = Trainer(seed=0)
+    tr = SmallNetTrainer(seed=0)
     model = tr.model
     ema_c = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
     ema_w = EMA(model, update_every=1, **warmup)
@@ -131,7 +131,7 @@ def test_update_every_10_warmup_power_half_life(client):
             ],
         },
     )
-    tr = Trainer(seed=1)
+    tr = SmallNetTrainer(seed=1)
     ema_w = EMA(tr.model, update_every=10, **warmup)
     edm_p = edm_h = None
     prev = None
@@ -175,9 +175,9 @@ def test_bf16_pushes_and_delta_pushes(client):
     beta = 0.95
     for name, mirror in (("bf16", False), ("full", True), ("delta", True)):
         create_constant(client, f"ref-{name}", beta, mirror=mirror)
-    tr = Trainer(seed=2)
+    tr = SmallNetTrainer(seed=2)
     exact = AveragedModel(tr.model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
-    shadow = Trainer(seed=2).model  # holds the bf16-rounded weights
+    shadow = SmallNetTrainer(seed=2).model  # holds the bf16-rounded weights
     rounded = AveragedModel(shadow, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
     mirror: dict[str, torch.Tensor] | None = None
     for step in range(50):
@@ -231,7 +231,7 @@ def test_ema_dtypes_bfloat16_and_float64(client):
     dtypes = {"bfloat16": torch.bfloat16, "float64": torch.float64}
     for name in dtypes:
         create_constant(client, f"ref-ema-{name}", beta, ema_dtype=name)
-    tr = Trainer(seed=4)
+    tr = SmallNetTrainer(seed=4)
     exact = AveragedModel(tr.model, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True)
     anchors: dict[str, dict[str, torch.Tensor]] = {name: {} for name in dtypes}
     for step in range(50):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 
 ADMIN = "schemathesis-admin-token-0123456789"
 CHECKS = ",".join(

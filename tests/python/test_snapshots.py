@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from polyak.testing import check_compare, wait_settled
-from refs import SmallNet, averaged_state, rel_err
+from polyak_testing import check_compare, wait_settled
+from polyak_testing.refs import SmallNet, averaged_state, rel_err
 from shardsim import push_ranks
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 WORLD = 2

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 import torch
-from polyak.testing import StoreView
-from refs import SmallNet
+from polyak_testing import StoreView
+from polyak_testing.refs import SmallNet
 from shardsim import push_ranks
 
 BACKEND_MATRIX = True

@@ -35,7 +35,6 @@ Layout:
   ``EMA`` and ``PostHocEMA``, timm's ``ModelEmaV2/V3``, diffusers' ``EMAModel`` and Lightning's
   weight averaging, with the EMA on the server.
 - :mod:`polyak.cli`: ``python -m polyak``.
-- :mod:`polyak.testing`: a real server on a free port, for tests.
 """
 
 from ._version import __version__

@@ -21,7 +21,7 @@ import polyak
 import torch
 import torch.distributed as dist
 from ema_pytorch import EMA
-from polyak_refs import (
+from polyak_testing.refs import (
     TinyTransformer,
     averaged_state,
     batch,

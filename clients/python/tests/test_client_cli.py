@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 from polyak.cli import main
-from polyak_refs import Trainer, train_and_push
+from polyak_testing.refs import Trainer, train_and_push
 
 
 def test_cli_runs_status_and_ema(server, client, run_name, tmp_path, capsys):

@@ -33,9 +33,9 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import Backends, NetLab, TcpProxy, read_sse
 from polyak.wire import ALIASES_KEY, SHARDS_KEY, read_safetensors
-from polyak_refs import assert_state_close
+from polyak_testing import Backends, NetLab, TcpProxy, read_sse
+from polyak_testing.refs import assert_state_close
 from polyak_workers import dcp_loads, run_ranks, snapshot_worker
 from test_client_distributed import _check, _train
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -869,7 +869,10 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
     any of them."""
     _, (a, _b, c) = cluster
     with polyak.Client(a.url) as client:
-        client.create_run(run_name, world_size=3, alerts={"stale_after_seconds": 1})
+        # The disk rule off: a nearly full disk's own alert is not counted.
+        client.create_run(
+            run_name, world_size=3, alerts={"stale_after_seconds": 1, "disk_free_below": 0}
+        )
     placement = httpx.get(f"{a.url}/v1/runs/{run_name}/placement").json()
     assert {p["node"] for p in placement.values()} == {"node-a", "node-b", "node-c"}
     body = safetensors.torch.save({"w": torch.ones(4)})

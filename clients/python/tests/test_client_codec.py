@@ -19,8 +19,8 @@ from polyak._push.mirror import (
     encode_bgz,
     quantise,
 )
-from polyak.testing import check_wire_totals
 from polyak.wire import HostBody, TensorSpec, WireLayout, read_safetensors
+from polyak_testing import check_wire_totals
 
 pytest.importorskip("zstandard")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import polyak
 import pytest
 import torch
-from polyak_refs import assert_state_close
+from polyak_testing.refs import assert_state_close
 from polyak_workers import run_ranks, train_worker
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 

@@ -16,7 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 from polyak.cli import build_parser, main
-from polyak_refs import Trainer, train_and_push
+from polyak_testing.refs import Trainer, train_and_push
 
 
 def constant(name: str, beta: float) -> dict[str, object]:

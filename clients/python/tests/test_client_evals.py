@@ -27,13 +27,16 @@ from pathlib import Path
 
 import httpx
 import polyak
+import polyak_testing
 import pytest
 import torch
 from polyak.evals import POORLY_FITTED, load_weights
-from polyak_refs import VOCAB, TinyTransformer, lm_loss, wait_for
+from polyak_testing import wait_for
+from polyak_testing.refs import VOCAB, TinyTransformer, lm_loss
 from polyak_workers import ddp_finish_worker, run_ranks
 
-TESTS = Path(__file__).resolve().parent
+# Where the worker script finds polyak_testing, installed or not.
+SUPPORT = Path(polyak_testing.__file__).resolve().parents[1]
 STEPS = 16
 SNAPSHOT_EVERY = 4
 PROFILES = [
@@ -44,9 +47,9 @@ PROFILES = [
 
 SCRIPT = """
 import os, sys, time
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {support!r})
 import torch
-from polyak_refs import TinyTransformer, lm_loss, VOCAB, SEQ
+from polyak_testing.refs import TinyTransformer, lm_loss, VOCAB, SEQ
 
 torch.set_num_threads(1)
 HELD_OUT = torch.randint(0, VOCAB, (16, SEQ), generator=torch.Generator().manual_seed(4242))
@@ -72,7 +75,7 @@ def evaluate(model):
 
 def held_out_loss(state: dict[str, torch.Tensor]) -> float:
     """The held-out loss of weights, as this test computes it."""
-    from polyak_refs import SEQ
+    from polyak_testing.refs import SEQ
 
     model = load_weights(TinyTransformer(), state)
     model.eval()
@@ -118,7 +121,7 @@ def evaluated(server, tmp_path_factory):
     )
     log, gate = tmp / "calls.log", tmp / "gate"
     script = tmp / "eval.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS), log=str(log)))
+    script.write_text(SCRIPT.format(support=str(SUPPORT), log=str(log)))
     first = _worker(server, run.name, script, PAUSE_AT="3", GATE=str(gate))
     try:
         cfg = {
@@ -179,7 +182,7 @@ def test_every_candidate_is_evaluated_once_across_a_restart(evaluated):
 def test_posthoc_search_equals_synthesis_by_hand_and_best_serves_it(evaluated):
     run = evaluated["run"]
     idx_gen = torch.Generator().manual_seed(4242)
-    from polyak_refs import SEQ
+    from polyak_testing.refs import SEQ
 
     held = torch.randint(0, VOCAB, (16, SEQ), generator=idx_gen)
 

@@ -18,7 +18,7 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-from polyak_refs import stderr_on_a_terminal
+from polyak_testing import stderr_on_a_terminal
 
 # A trainer that pushes step 0 and returns without flushing. Its own exit
 # handler, registered after the pusher's and so run before it, says when

@@ -27,8 +27,8 @@ import pytest
 import torch
 from ema_pytorch import EMA
 from polyak import RetryPolicy
-from polyak.testing import Backends, state_step
-from polyak_refs import TinyTransformer, Trainer, averaged_state, ema_pytorch_state, rel_err
+from polyak_testing import Backends, state_step
+from polyak_testing.refs import TinyTransformer, Trainer, averaged_state, ema_pytorch_state, rel_err
 from test_client_cluster import _catalog_rows, _wait
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 

@@ -23,8 +23,8 @@ import pytest
 import safetensors.torch
 import torch
 from ema_pytorch import EMA
-from polyak.testing import TcpProxy
-from polyak_refs import (
+from polyak_testing import TcpProxy
+from polyak_testing.refs import (
     TinyTransformer,
     Trainer,
     assert_state_close,

@@ -22,8 +22,8 @@ import polyak
 import pytest
 import safetensors.torch
 import torch
-from polyak.testing import check_compare
-from polyak_refs import (
+from polyak_testing import check_compare
+from polyak_testing.refs import (
     TinyTransformer,
     Trainer,
     assert_state_close,
@@ -34,7 +34,7 @@ from polyak_refs import (
 from polyak_workers import dcp_loads, run_ranks, snapshot_worker
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-# Run on every catalog and store pair (see tests/python/conftest.py).
+# Run on every catalog and store pair (see polyak_testing.plugin).
 BACKEND_MATRIX = True
 
 BETA = 0.9

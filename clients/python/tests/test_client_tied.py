@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
-from polyak_refs import averaged_state
+from polyak_testing.refs import averaged_state
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 BETA = 0.8

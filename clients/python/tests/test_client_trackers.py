@@ -36,15 +36,8 @@ import pytest
 import torch
 from polyak.cli import main
 from polyak.evals import load_weights
-from polyak_refs import (
-    SEQ,
-    VOCAB,
-    TinyTransformer,
-    lm_loss,
-    stderr_on_a_terminal,
-    train_step,
-    wait_for,
-)
+from polyak_testing import stderr_on_a_terminal, wait_for
+from polyak_testing.refs import SEQ, VOCAB, TinyTransformer, lm_loss, train_step
 
 STEPS = 12
 SNAPSHOT_EVERY = 4
@@ -439,7 +432,7 @@ def test_eval_command_writes_to_tensorboard(trained, tmp_path):
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-        "from polyak_refs import TinyTransformer as build_model\n"
+        "from polyak_testing.refs import TinyTransformer as build_model\n"
         "from test_client_trackers import evaluate\n"
     )
     out = tmp_path / "tb"

@@ -6,13 +6,24 @@ and with ema-pytorch's default float16 checkpoints."""
 
 from __future__ import annotations
 
+import io
+
 import polyak
 import pytest
 import torch
-from compat_helpers import Trainer, assert_differs, assert_same, one_thread, steps, twins  # noqa: F401 (autouse)
+from compat_helpers import (  # noqa: F401 (one_thread: autouse)
+    Trainer,
+    assert_differs,
+    assert_same,
+    one_thread,
+    small_model,
+    steps,
+    twins,
+)
 from ema_pytorch import PostHocEMA as Original
 from ema_pytorch.post_hoc_ema import sigma_rel_to_gamma, solve_weights
 from polyak.compat.ema_pytorch import KarrasEMA, PostHocEMA
+from torch import nn
 
 N = 60
 SIGMA_RELS = (0.05, 0.28)
@@ -203,10 +214,6 @@ def test_posthoc_run_holds_karras_profiles_and_checkpoints(server, tmp_path):
         assert kinds == [("ema", "karras", 4), ("ema1", "karras", 4), ("ema2", "karras", 4)]
         snaps = [run.wait_snapshot(s) for s in run.snapshots(kind="manual")]
         assert [s["step"] for s in snaps] == [8]  # ema-pytorch names it 9: t = step + 1
-    with pytest.raises(NotImplementedError):
-        ema.ema_models[0].update()
-    with pytest.raises(NotImplementedError):
-        ema.load_state_dict(ema.state_dict())
 
 
 def test_posthoc_options_refuse_bad_input(server, tmp_path):
@@ -240,3 +247,208 @@ def test_posthoc_options_refuse_bad_input(server, tmp_path):
     edm2 = run.posthoc_plan(0.1, step=4)
     assert [s["step"] for s in edm2["sources"]] == [4, 4]
     assert abs(sum(edm2["targets"][0]["weights"]) - 1.0) < 1e-9
+
+
+def saved(state: dict) -> dict:
+    """``state`` as a checkpoint file gives it back (copies, not the live
+    tensors)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def restarted(t: Trainer) -> Trainer:
+    """A trainer as one restarted from a checkpoint of ``t`` taken now:
+    the model, the optimizer and the batch stream where they are."""
+    model = small_model()
+    model.load_state_dict(saved(t.model.state_dict()))
+    again = Trainer(model)
+    again.opt.load_state_dict(saved(t.opt.state_dict()))
+    again.gen.set_state(t.gen.get_state())
+    return again
+
+
+RESUME_CASES = {
+    # state_dict -> new instances -> load_state_dict -> more updates
+    "every-1-float32": ({"update_every": 1, "checkpoint_dtype": torch.float32}, 0),
+    # The trainer went on 12 steps (past a checkpoint) after it saved, then
+    # restarted from what it saved: the run goes back to the checkpoint.
+    "every-3-no-ema-names-steps-lost": (
+        {"update_every": 3, "param_or_buffer_names_no_ema": {"3.bias"}, "ignore_names": {"0.bias"}},
+        12,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_posthoc_ema_resumes_as_ema_pytorch(server, tmp_path, case):
+    kw, lost = RESUME_CASES[case]
+    ma, mb = twins()
+    ta, tb = Trainer(ma), Trainer(mb)
+    common = {"sigma_rels": SIGMA_RELS, "checkpoint_every_num_steps": 10, **kw}
+    folder = str(tmp_path / "original")
+    want = Original(ma, checkpoint_folder=folder, **common)
+    got = PostHocEMA(mb, **common, url=server.url)
+    for _ in steps(ta, tb, 30):
+        want.update()
+        got.update()
+    state_w, state_g = saved(want.state_dict()), saved(got.state_dict())
+    # ema-pytorch's keys, and the run standing for its checkpoint folder.
+    assert set(state_g) == {*state_w, "_extra_state"}
+    assert state_g["_extra_state"] == {"polyak_run": got._remote.name}
+    ra, rb = restarted(ta), restarted(tb)
+    for _ in steps(ta, tb, lost):
+        want.update()
+        got.update()
+    got._remote.close()  # the trainer stops; ema-pytorch's files stay
+
+    want = Original(ra.model, checkpoint_folder=folder, **common)
+    again = PostHocEMA(rb.model, **common, url=server.url)
+    fresh = again._remote.name
+    want.load_state_dict(state_w)
+    again.load_state_dict(state_g)
+    assert again._remote.name == got._remote.name
+    with polyak.Client(server.url) as client:
+        assert fresh not in {r["name"] for r in client.runs()}  # unused, deleted
+    for w, g in zip(want.ema_models, again.ema_models, strict=True):
+        assert int(g.step) == int(w.step) == 30 and bool(g.initted)
+        assert_same(w.ema_model.state_dict(), g.ema_model.state_dict())
+    for _ in steps(ra, rb, 10):
+        want.update()
+        again.update()
+    # Loaded again, through a module holding it: the same run goes on.
+    holder = nn.ModuleDict({"ema": again})
+    holder.load_state_dict(saved(holder.state_dict()))
+    assert again._remote.name == got._remote.name
+    for _ in steps(ra, rb, 15):
+        want.update()
+        again.update()
+    assert int(again.step) == int(want.step) == 55
+    for w, g in zip(want.ema_models, again.ema_models, strict=True):
+        assert_same(w.ema_model.state_dict(), g.ema_model.state_dict())
+        assert_differs(w.ema_model.state_dict(), ra.model.state_dict())
+    # Syntheses from the checkpoints before and after the restart.
+    for step in (None, 20, 45):
+        w = want.synthesize_ema_model(sigma_rel=0.15, step=step)
+        g = again.synthesize_ema_model(sigma_rel=0.15, step=step)
+        assert_synthesis_equal(want, w, g, w.gamma, step)
+
+
+def test_posthoc_resume_refuses_what_it_cannot_serve(server, tmp_path):
+    ma, mb = twins()
+    t = Trainer(ma)
+    common = {"sigma_rels": SIGMA_RELS, "update_every": 1, "checkpoint_every_num_steps": "manual"}
+    ema = PostHocEMA(ma, **common, url=server.url)
+    for _ in range(5):
+        t.step()
+        ema.update()
+    state = saved(ema.state_dict())
+    for _ in range(2):
+        t.step()
+        ema.update()
+    ema._remote.pusher.flush()
+    run = ema._remote.run
+
+    again = PostHocEMA(mb, **common, url=server.url)
+    own = again._remote.name
+    before = saved(again.state_dict())
+    # The run went on past the state (step 4) and has no checkpoint since.
+    with pytest.raises(polyak.PolyakError) as err:
+        again.load_state_dict(state)
+    assert err.value.code == "snapshot_older" and "checkpoint" in str(err.value)
+    # ema-pytorch's own state dict does not name a run.
+    original = Original(small_model(), checkpoint_folder=str(tmp_path / "o"), **common)
+    with pytest.raises(ValueError, match="_extra_state"):
+        again.load_state_dict(original.state_dict())
+    # EMAs at different steps cannot share one server run.
+    uneven = {**state, "ema_models.1.step": torch.tensor(3)}
+    with pytest.raises(ValueError, match="different steps"):
+        again.load_state_dict(uneven)
+    # A run of other EMAs (ema-pytorch would synthesise from the wrong
+    # gammas): the server names the difference.
+    other = PostHocEMA(small_model(), **{**common, "sigma_rels": (0.05, 0.2)}, url=server.url)
+    mine = other._remote.name
+    with pytest.raises(polyak.PolyakError) as err:
+        other.load_state_dict(saved(ema.state_dict()))  # the run's own step: no going back
+    assert err.value.code == "run_exists" and "gamma" in str(err.value)
+    other.update()  # still its own run, still pushing
+    other._remote.pusher.flush()
+    assert other._remote.name == mine and other._remote.run.rank(0)["last_step"] == 0
+    # Nothing changed: the new object, its run, the old run.
+    after = again.state_dict()
+    assert before.pop("_extra_state") == after.pop("_extra_state") == {"polyak_run": own}
+    assert_same(before, after, rel=0.0)
+    assert run.rank(0)["last_step"] == 6
+
+
+def test_each_karras_ema_updated_on_its_own_as_ema_pytorch(server, tmp_path):
+    """``for m in ema.ema_models: m.update()`` (and checkpoints by hand):
+    the last EMA of each round pushes for all; an EMA updated again before
+    the others, and reads in the middle of a round, raise."""
+    ma, mb = twins()
+    ta, tb = Trainer(ma), Trainer(mb)
+    common = {
+        "sigma_rels": SIGMA_RELS,
+        "checkpoint_every_num_steps": "manual",
+        "update_every": 2,
+        "checkpoint_dtype": torch.float32,
+    }
+    want = Original(ma, checkpoint_folder=str(tmp_path / "original"), **common)
+    got = PostHocEMA(mb, **common, url=server.url)
+    for i in steps(ta, tb, 24):
+        for w, g in zip(want.ema_models, got.ema_models, strict=True):
+            w.update()
+            g.update()
+        if i % 6 == 5:
+            want.checkpoint()
+            got.checkpoint()
+    assert int(got.step) == int(want.step) == 24
+    for w, g in zip(want.ema_models, got.ema_models, strict=True):
+        assert int(g.step) == int(w.step)
+        assert_same(w.ema_model.state_dict(), g.ema_model.state_dict())
+        assert_differs(w.ema_model.state_dict(), ma.state_dict())
+    for step in (None, 15):
+        w = want.synthesize_ema_model(sigma_rel=0.15, step=step)
+        g = got.synthesize_ema_model(sigma_rel=0.15, step=step)
+        assert_synthesis_equal(want, w, g, w.gamma, step)
+
+    got.ema_models[0].update()
+    with pytest.raises(NotImplementedError, match="updated again before the others"):
+        got.ema_models[0].update()
+    for read in (lambda: got.ema_models[1].ema_model, got.update, got.checkpoint):
+        with pytest.raises(RuntimeError, match="different steps"):
+            read()
+    got.ema_models[1].update()  # the round completes: reads work again
+    want.update()
+    assert_same(want.ema_models[0].ema_model.state_dict(), got.ema_models[0].ema_model.state_dict())
+
+
+def test_copy_params_from_model_to_ema_before_the_first_update(server, tmp_path):
+    """Before the first update the EMAs are only local: the copy is served
+    as ema-pytorch's; after it, it would reset the server's EMAs and raises."""
+    ma, mb = twins()
+    ta, tb = Trainer(ma), Trainer(mb)
+    common = {"sigma_rels": SIGMA_RELS, "checkpoint_every_num_steps": 5, "update_every": 1}
+    want = Original(ma, checkpoint_folder=str(tmp_path / "original"), **common)
+    got = PostHocEMA(mb, **common, url=server.url)
+    first = saved(got.ema_models[0].ema_model.state_dict())
+    for _ in steps(ta, tb, 3):  # the model moves on from the EMAs' copies
+        pass
+    want.copy_params_from_model_to_ema()
+    got.copy_params_from_model_to_ema()
+    for w, g in zip(want.ema_models, got.ema_models, strict=True):
+        assert_same(w.ema_model.state_dict(), g.ema_model.state_dict())
+    assert_differs(got.ema_models[0].ema_model.state_dict(), first)
+    got.ema_models[1].copy_params_from_model_to_ema()  # one of them alone, too
+    for _ in steps(ta, tb, 12):
+        want.update()
+        got.update()
+    for w, g in zip(want.ema_models, got.ema_models, strict=True):
+        assert_same(w.ema_model.state_dict(), g.ema_model.state_dict())
+    for copy in (
+        got.copy_params_from_model_to_ema,
+        got.ema_models[0].copy_params_from_model_to_ema,
+    ):
+        with pytest.raises(NotImplementedError, match="before its first update"):
+            copy()

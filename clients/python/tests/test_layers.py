@@ -26,7 +26,6 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_version",
             "errors",
             "sysmetrics",
-            "testing",
             "_push.stats",
             "_progress",
             "integrations._metrics",
@@ -151,6 +150,39 @@ def package_sources() -> dict[str, tuple[str, bool]]:
         module_name(p): (p.read_text(), p.name == "__init__.py")
         for p in sorted(PACKAGE.rglob("*.py"))
     }
+
+
+def support_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every import of the tests' support package (``polyak_testing``, which
+    is never installed for users) in ``sources``."""
+    found = []
+    for module, (source, _) in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name == "polyak_testing" or name.startswith("polyak_testing."):
+                    found.append(f"{module}:{node.lineno} imports {name}")
+    return found
+
+
+def test_the_package_imports_nothing_of_the_test_support():
+    """``polyak`` runs without ``polyak_testing``: no module imports it,
+    wherever the import sits (the check finds one put in a function)."""
+    sources = package_sources()
+    assert support_imports(sources) == []
+    source, is_init = sources["client"]
+    sources["client"] = (
+        f"def f():\n    from polyak_testing import PolyakServer\n{source}",
+        is_init,
+    )
+    assert support_imports(sources) == ["client:2 imports polyak_testing"]
+    sources["client"] = (f"import polyak_testing.refs\n{source}", is_init)
+    assert support_imports(sources) == ["client:1 imports polyak_testing.refs"]
 
 
 def test_every_import_goes_down():

@@ -24,9 +24,11 @@
 //! that does not arrive before the deadline fails it.
 
 mod capture;
+pub mod comparison;
 mod cuts;
 pub mod derived;
 pub mod disk;
+pub mod download;
 mod pending;
 mod persist;
 mod restore;

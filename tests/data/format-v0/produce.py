@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import safetensors.torch
 import torch
-from polyak.testing import PolyakServer
+from polyak_testing import PolyakServer
 
 RUN = "fmt"
 # name -> beta of a constant profile, or None for an equal-weight average.

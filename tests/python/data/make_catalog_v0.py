@@ -23,7 +23,8 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "clients" / "python"))
-from polyak.testing import PolyakServer
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "clients" / "python-testing"))
+from polyak_testing import PolyakServer
 
 OUT = Path(__file__).resolve().parent / "catalog-v0"
 

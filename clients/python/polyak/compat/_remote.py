@@ -74,6 +74,9 @@ class RemoteEma:
         self.more = [{"name": n, **p} for n, p in (more or {}).items()]
         self.client = Client(url, token)
         self.base = run or f"{owner.lower()}-{uuid.uuid4().hex[:10]}"
+        #: The run's name was made up here: nobody else knows it, so an
+        #: unused one may be deleted when the object moves to another run.
+        self._generated = run is None
         self.update_every = int(update_every)
         self.copy = sorted(set(copy))
         self.skip = sorted(set(skip))
@@ -151,6 +154,25 @@ class RemoteEma:
             self._open(f"{self.base}-{next(self._suffix)}", profile)
         step = int(step) - int(step) % self.update_every
         self.push(state, step)
+
+    def attach(self, name: str) -> None:
+        """Makes the existing run ``name`` (of this same configuration, else
+        ``run_exists`` naming the differences) the one pushed to and read
+        from, with a new pusher; what was pushed before is acknowledged
+        first. The run left, when its name was generated here and nothing
+        was pushed to it, is deleted. A refusal changes nothing."""
+        left, unused = self.run, self._generated and self.last_step is None
+        pusher = self.pusher
+        pusher.flush(READ_TIMEOUT)
+        # Checks the run's configuration before anything is left.
+        self._open(name, {k: v for k, v in self.profile.items() if k != "name"})
+        pusher.close()
+        if unused and left.name != name:
+            try:
+                left.delete()
+            except PolyakError as e:
+                log.warning("polyak: could not delete the unused run %s: %s", left.name, e)
+        self._generated = False
 
     def read_into(self, targets: Mapping[str, torch.Tensor], profile: str = PROFILE) -> None:
         """Copies the run's EMA (of ``profile``) into ``targets`` (canonical

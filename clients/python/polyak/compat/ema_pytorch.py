@@ -37,15 +37,28 @@ the result; ema-pytorch accumulates the weighted sum in float32, the server
 in float64, so the two agree to float32 round-off of that sum.
 Names in ``param_or_buffer_names_no_ema`` and ``ignore_names`` /
 ``ignore_startswith_names`` and integer buffers stay on the trainer (as
-ema-pytorch copies or keeps them). Not served: resuming from
-``load_state_dict`` and ``copy_params_from_model_to_ema`` (both would reset
-the server's EMAs and lose their checkpoints), and calling ``update()`` on
-one of ``ema_models`` alone; each raises.
+ema-pytorch copies or keeps them).
+
+The run stands where ema-pytorch's checkpoint folder does: ``state_dict``
+holds ema-pytorch's keys (each EMA's ``step``, ``initted`` and module) and
+``_extra_state`` naming the run; ``load_state_dict`` into a new object
+goes on in that run (its checkpoints and the new ones are synthesised
+together, as ema-pytorch's folder keeps its files), after rolling the run
+back (``resume``) to a checkpoint taken since the state's last update when
+the trainer went on past the state. ``ema_models[i].update()`` is served
+when every EMA is updated once per step (the last of each round pushes);
+``copy_params_from_model_to_ema`` before the first update. Not served, and
+raising: a state dict without the run (ema-pytorch's own), a run that went
+on past the state with no checkpoint to go back to, EMAs at different
+steps (one updated again before the others), and
+``copy_params_from_model_to_ema`` after the first update (it would reset
+the server's EMAs and lose their checkpoints).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -291,9 +304,30 @@ _SOURCE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: The profile the server stores a synthesis under.
 _SYNTHESIZED = "posthoc"
 
+#: The key of ``PostHocEMA``'s ``_extra_state`` naming its run.
+_RUN_KEY = "polyak_run"
+
+#: Snapshot kinds a run can be resumed from (not derived ones).
+_RESTORABLE = ("manual", "periodic", "state")
+
 
 def _profile_name(index: int) -> str:
     return PROFILE if index == 0 else f"{PROFILE}{index}"
+
+
+def _settled(run: Any, applied: int) -> list[dict[str, Any]]:
+    """``run``'s complete snapshots once those of the steps it applied
+    are written (a checkpoint asked for just before a trainer stopped)."""
+    out = []
+    for snap in run.snapshots():
+        if snap["status"] == "pending" and int(snap["step"]) <= applied:
+            try:
+                snap = run.wait_snapshot(snap, timeout=READ_TIMEOUT)
+            except PolyakError:
+                continue  # failed: not a checkpoint
+        if snap["status"] == "complete":
+            out.append(snap)
+    return out
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
@@ -311,6 +345,8 @@ class KarrasEMA(_KarrasEMA):
     def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
         self.__dict__["_remote"] = None
         self.__dict__["_read_at"] = None
+        #: The PostHocEMA holding this one (a weak reference: it holds us).
+        self.__dict__["_owner"] = None
         super().__init__(model, *args, **kwargs)
         self._profile = PROFILE
 
@@ -320,6 +356,7 @@ class KarrasEMA(_KarrasEMA):
         module = self._modules.get("ema_model")
         remote = self.__dict__.get("_remote")
         if module is not None and remote is not None and remote.last_step is not None:
+            self._holder()._check_in_step("read one of ema_models")
             if self.__dict__["_read_at"] != remote.last_step:
                 remote.read_into(self._targets(module), self._profile)
                 self.__dict__["_read_at"] = remote.last_step
@@ -345,6 +382,13 @@ class KarrasEMA(_KarrasEMA):
     def _targets(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return _by_canonical_name(self._averaged(module))
 
+    def _holder(self) -> PostHocEMA:
+        owner = self.__dict__["_owner"]
+        holder = owner() if owner is not None else None
+        if holder is None:
+            raise RuntimeError("polyak's KarrasEMA is made and updated by a PostHocEMA")
+        return holder
+
     def _advance(self) -> bool:
         """ema-pytorch's ``update`` less the averaging: the step count, the
         first copy, the copies of ``param_or_buffer_names_no_ema``. True
@@ -356,7 +400,7 @@ class KarrasEMA(_KarrasEMA):
         ema = self._modules["ema_model"]
         assert ema is not None
         if not self.initted.item():
-            self.copy_params_from_model_to_ema()
+            self._copy_online()
             self.initted.data.copy_(torch.tensor(True))
         if self.frozen:
             return True
@@ -365,7 +409,7 @@ class KarrasEMA(_KarrasEMA):
                 self.inplace_copy(mine.data, theirs.data)
         return True
 
-    def copy_params_from_model_to_ema(self) -> None:
+    def _copy_online(self) -> None:
         # The first update's copy: made on the module itself (the server's
         # first push copies too).
         ema = self._modules["ema_model"]
@@ -373,10 +417,18 @@ class KarrasEMA(_KarrasEMA):
         for (_, mine), (_, theirs) in _paired(self, ema, self.model):
             self.inplace_copy(mine.data, theirs.data)
 
+    def copy_params_from_model_to_ema(self) -> None:
+        """ema-pytorch's copy of the online model into the EMA: served
+        until the first push (see ``PostHocEMA.copy_params_from_model_to_ema``)."""
+        self._holder()._check_unpushed("copy_params_from_model_to_ema")
+        self._copy_online()
+
     def update(self) -> None:
-        raise NotImplementedError(
-            "polyak's KarrasEMA is updated by the PostHocEMA that holds it (PostHocEMA.update())"
-        )
+        """ema-pytorch's ``KarrasEMA.update``, served when every one of the
+        ``PostHocEMA``'s EMAs is updated once per step (the server's EMAs
+        of one run take one push together): the last of them to be updated
+        pushes the online model."""
+        self._holder()._update_one(self)
 
 
 class PostHocEMA(_PostHocEMA):
@@ -446,6 +498,7 @@ class PostHocEMA(_PostHocEMA):
         for i, m in enumerate(self.ema_models):
             m._remote = self._remote
             m._profile = _profile_name(i)
+            m.__dict__["_owner"] = weakref.ref(self)
         #: Checkpoint snapshots asked for and not yet seen complete.
         self._pending: list[dict[str, Any]] = []
 
@@ -459,10 +512,49 @@ class PostHocEMA(_PostHocEMA):
         theirs = [t.detach() for _, t in first._averaged(self.model)]
         return dict(zip(canonical_keys(names), theirs, strict=True))
 
+    def _counts(self) -> list[int]:
+        return [int(m.step.item()) for m in self.ema_models]
+
+    def _check_in_step(self, what: str) -> None:
+        """The EMAs have taken the same number of updates (between two
+        rounds of ``ema_models[i].update()``), else ``what`` cannot be
+        served: the server's EMAs took the round's push together or not."""
+        counts = self._counts()
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"cannot {what} while ema_models are at different steps {counts}: polyak "
+                "updates them together; update each of them once (or call PostHocEMA.update())"
+            )
+
+    def _check_unpushed(self, what: str) -> None:
+        if self._remote.last_step is not None:
+            raise NotImplementedError(
+                f"polyak's PostHocEMA serves {what} only before its first update: the server's "
+                "EMAs go on from their first copy, and setting them again would lose the "
+                "checkpoints already taken"
+            )
+
+    def _update_one(self, m: KarrasEMA) -> None:
+        """``ema_models[i].update()``: one EMA steps; the last of a round
+        pushes for all (ema-pytorch's EMAs would each average the online
+        model as it is then; it has not changed within the round)."""
+        counts = self._counts()
+        if int(m.step.item()) > min(counts):
+            raise NotImplementedError(
+                f"an EMA of polyak's PostHocEMA updated again before the others (steps {counts}): "
+                "the server's EMAs of one run take every push together; update each of "
+                "ema_models once per step (or call PostHocEMA.update())"
+            )
+        step = int(m.step.item())
+        updated = m._advance()
+        if updated and len(set(self._counts())) == 1:
+            self._remote.push(self._online_state(), step)
+
     def update(self) -> None:
         """ema-pytorch's ``update``: every EMA steps; on an update step the
         online model is pushed once for all of them; every
         ``checkpoint_every_num_steps`` updates, a checkpoint."""
+        self._check_in_step("update()")
         step = int(self.step.item())
         updates = [m._advance() for m in self.ema_models]  # type: ignore[operator]
         if any(updates):
@@ -477,6 +569,7 @@ class PostHocEMA(_PostHocEMA):
         updates so far, at the step ema-pytorch would name the checkpoint
         file by (its ``step``: updates so far); it is written while
         training goes on."""
+        self._check_in_step("checkpoint()")
         count = int(self.step.item())
         if count == 0:
             raise ValueError("PostHocEMA.checkpoint() before the first update(): nothing averaged")
@@ -493,9 +586,13 @@ class PostHocEMA(_PostHocEMA):
         )
 
     def copy_params_from_model_to_ema(self) -> None:
-        raise NotImplementedError(
-            "polyak's PostHocEMA cannot reset the server's EMAs without losing their checkpoints"
-        )
+        """ema-pytorch's copy of the online model into every EMA: served
+        before the first update (e.g. after loading weights into the
+        model), when the EMAs are still only local; after it, the server's
+        EMAs cannot be set again without losing their checkpoints: raises."""
+        self._check_unpushed("copy_params_from_model_to_ema")
+        for m in self.ema_models:
+            m._copy_online()  # type: ignore[operator]
 
     def copy_params_from_ema_to_model(self) -> None:
         for m in self.ema_models:
@@ -507,11 +604,113 @@ class PostHocEMA(_PostHocEMA):
             _ = m.ema_model
         return super().state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "resuming polyak's PostHocEMA from a state dict is not served: the server's run "
-            "keeps the EMAs and their checkpoints"
+    # The run stands where ema-pytorch's checkpoint folder does: a state
+    # dict names it (``_extra_state``), and loading one goes on in it.
+
+    def get_extra_state(self) -> dict[str, str]:
+        return {_RUN_KEY: self._remote.name}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass  # read (and acted on) before anything loads: _load_from_state_dict
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Called by load_state_dict, also of a module holding this one,
+        # before the EMAs' step, initted and tensors load: the server goes
+        # back first, so a refusal leaves everything as it was.
+        extra = state_dict.get(f"{prefix}_extra_state")
+        run = extra.get(_RUN_KEY) if isinstance(extra, Mapping) else None
+        if not isinstance(run, str):
+            raise ValueError(
+                "polyak's PostHocEMA resumes from its own state_dict(), which names the run "
+                f"holding the EMAs and their checkpoints ({prefix}_extra_state); this one does "
+                "not (ema-pytorch's own cannot seed the server's EMAs)"
+            )
+        try:
+            counts = {
+                int(state_dict[f"{prefix}ema_models.{i}.step"]) for i in range(len(self.ema_models))
+            }
+        except KeyError as e:
+            raise ValueError(f"the state dict lacks {e.args[0]}") from None
+        if len(counts) != 1:
+            raise ValueError(
+                f"the state dict's EMAs are at different steps {sorted(counts)}: the server "
+                "updates all of them together"
+            )
+        self._resume(run, counts.pop())
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+    def _settle(self) -> None:
+        """Every push acknowledged and every checkpoint asked for written."""
+        remote = self._remote
+        if remote.last_step is not None:
+            remote.pusher.flush(READ_TIMEOUT)
+        for snap in self._pending:
+            remote.run.wait_snapshot(snap)
+        self._pending.clear()
+
+    def _resume(self, run: str, count: int) -> None:
+        """Goes on in ``run`` from a state saved after ``count`` updates:
+        the run as it was then (when it went on past that, rolled back with
+        ``resume`` to the newest checkpoint since the state's last update;
+        the checkpoints after it stay, as ema-pytorch's files do until it
+        writes them again), then pushes continue there."""
+        remote = self._remote
+        self._settle()
+        if count == 0:
+            # Saved before the first update: nothing of it is on a server.
+            if remote.last_step is not None:
+                raise ValueError(
+                    "the state dict is from before the first update: polyak's PostHocEMA "
+                    "cannot reset the EMAs it already pushed"
+                )
+            return
+        last = count - 1  # the step of the state's last update() (0-based)
+        every = int(self.ema_models[0].update_every)
+        averaged = last - last % every  # the last step its EMAs changed
+        found = remote.client.run(run)
+        applied = found.rank(0).get("last_step")
+        if applied is None or int(applied) < averaged:
+            raise ValueError(
+                f"run {run} has applied {'nothing' if applied is None else f'step {applied}'}, "
+                f"older than the state dict's last update (step {averaged}): it cannot be "
+                "resumed from this state"
+            )
+        back_to: int | None = None
+        if int(applied) > last:
+            # The trainer went on after the state was saved: back to a
+            # checkpoint holding the state's EMAs (none changed after
+            # ``averaged``).
+            steps = [
+                int(s["step"])
+                for s in _settled(found, int(applied))
+                if s["kind"] in _RESTORABLE and averaged <= int(s["step"]) <= last
+            ]
+            if not steps:
+                raise PolyakError(
+                    f"run {run} went on to step {applied} after the state dict's step {last}, "
+                    f"and has no checkpoint from steps {averaged}..={last} to go back to: "
+                    "save the state right after a checkpoint()",
+                    code="snapshot_older",
+                )
+            back_to = max(steps)
+        remote.attach(run)
+        if back_to is not None:
+            remote.run.resume(step=back_to)
+            applied = back_to
+        remote.last_step = int(applied)
+        for m in self.ema_models:
+            m.__dict__["_read_at"] = None  # read the server's EMA when next used
 
     def synthesize_ema_model(
         self,

@@ -1,28 +1,34 @@
-"""Models, training steps and anchors shared by the client tests (and the
+"""Models, training loops and anchors shared by the tests (and the
 processes they spawn).
 
 Anchors are computed in the same process as the training they check:
 ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn`` for
-``constant`` profiles and ``ema_pytorch.EMA`` for ``warmup`` profiles, both
-run on an unsharded copy of the model that is loaded with the gathered
-weights after every optimizer step.
+``constant`` profiles and ``ema_pytorch.EMA`` for ``warmup`` profiles, run
+on an unsharded copy of the model (loaded with the gathered weights after
+every optimizer step when the training is sharded); EDM2's power-function
+and traditional (half-life) EMAs written as in NVlabs/edm2
+``training/phema.py``: ``std_to_exp`` solves the cubic with ``np.roots``,
+the update is ``p_ema.copy_(p_net.lerp(p_ema, beta))``.
+
+Two models: :class:`TinyTransformer` (a language model whose dimensions
+split unevenly over ranks, trained by :class:`Trainer`) for the client's
+tests, :class:`SmallNet` (a classifier with a BatchNorm, trained by
+:class:`SmallNetTrainer` and :class:`EmaTrainer`) for the server's, which
+push raw safetensors bodies with :func:`push`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
-import os
-import socket
-import struct
-import subprocess
-import termios
+import copy
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
+import httpx
+import numpy as np
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -124,59 +130,6 @@ def assert_state_close(
             assert torch.equal(g, online[k]), (label, k, g, online[k])
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Polls ``cond`` until it answers something true (returned), or fails
-    naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def stderr_on_a_terminal(
-    argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 180
-) -> tuple[int, str]:
-    """Runs ``argv`` with its stderr on a pseudo-terminal 200 columns wide
-    (a new pty has none, and tqdm draws to fit); its exit status and what
-    it showed there."""
-    main, terminal = os.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
-    try:
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=terminal,
-            env=env,
-        )
-        os.close(terminal)
-        terminal = -1
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(main, 4096)
-            except OSError:  # EIO: the child's end is closed
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        status = proc.wait(timeout=timeout)
-    finally:
-        os.close(main)
-        if terminal >= 0:
-            os.close(terminal)
-    return status, b"".join(chunks).decode(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def train_and_push(trainer: Trainer, pushers: list, steps: int) -> None:
     """``steps`` real optimizer steps, each pushed (steps 0..) by every
     pusher; then every pusher is flushed."""
@@ -273,3 +226,144 @@ def copies_held_until_waited(timeout: float = 60.0) -> Iterator[dict[str, int]]:
             flush,
             copy_deferred,
         )
+
+
+class SmallNet(nn.Module):
+    """Embedding, Linear, LayerNorm, BatchNorm (with num_batches_tracked)."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, hidden: int = 24, classes: int = 5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).mean(1)
+        x = torch.relu(self.ln(self.fc1(x)))
+        return self.fc2(self.bn(x))
+
+
+class SmallNetTrainer:
+    """One real AdamW loop on :class:`SmallNet` classifying random data;
+    ``step()`` runs one update."""
+
+    def __init__(self, seed: int = 0, lr: float = 3e-2):
+        torch.manual_seed(seed)
+        self.model = SmallNet()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> float:
+        idx = torch.randint(0, 40, (32, 6), generator=self.gen)
+        target = torch.randint(0, 5, (32,), generator=self.gen)
+        loss = nn.functional.cross_entropy(self.model(idx), target)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+class EmaTrainer:
+    """A real optimizer loop beside one ``AveragedModel`` EMA per profile
+    (``betas``: name -> beta) of what it pushes. ``step()`` trains once and
+    returns the state dict to push; with ``cast`` the floating point
+    tensors are pushed (and averaged) rounded to that dtype, as a bf16
+    trainer sends them. ``want()``: every profile's reference state now."""
+
+    def __init__(
+        self,
+        seed: int,
+        betas: dict[str, float],
+        *,
+        cast: torch.dtype | None = None,
+        vocab: int = 40,
+        **net: int,
+    ):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        torch.manual_seed(seed)
+        self.vocab = vocab
+        self.model = SmallNet(vocab=vocab, **net)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
+        self.gen = torch.Generator().manual_seed(seed + 7)
+        self.cast = cast
+        # The model as pushed (cast and back), which the references average.
+        self.pushed = copy.deepcopy(self.model)
+        self.refs = {
+            name: AveragedModel(
+                self.pushed, multi_avg_fn=get_ema_multi_avg_fn(beta), use_buffers=True
+            )
+            for name, beta in betas.items()
+        }
+
+    def step(self) -> dict[str, torch.Tensor]:
+        idx = torch.randint(0, self.vocab, (16, 6), generator=self.gen)
+        target = torch.randint(0, 5, (16,), generator=self.gen)
+        loss = nn.functional.cross_entropy(self.model(idx), target)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.cast is not None:
+            state = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in state.items()}
+        self.pushed.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        )
+        for ref in self.refs.values():
+            ref.update_parameters(self.pushed)
+        return state
+
+    def want(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: averaged_state(ref) for name, ref in self.refs.items()}
+
+
+def std_to_exp(std: float) -> float:
+    """EDM2 ``phema.std_to_exp``."""
+    tmp = np.float64(std) ** -2
+    return float(np.roots([1, 7, 16 - tmp, 12 - tmp]).real.max())
+
+
+class Edm2Ema:
+    """EDM2 EMA over a state dict: float tensors averaged, others copied."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.ema = {k: v.clone() for k, v in state.items()}
+
+    def update(self, state: dict[str, torch.Tensor], beta: float) -> None:
+        for k, p_net in state.items():
+            p_ema = self.ema[k]
+            if p_net.is_floating_point():
+                p_ema.copy_(p_net.lerp(p_ema, beta))
+            else:
+                p_ema.copy_(p_net)
+
+
+def power_beta(gamma: float, t: float, delta: float) -> float:
+    """``phema.power_function_beta`` with t_next = t, t_delta = delta."""
+    return (1 - delta / t) ** (gamma + 1)
+
+
+def half_life_beta(steps: float, rampup_ratio: float | None, t: float, delta: float) -> float:
+    """``phema.TraditionalEMA.update``."""
+    h = steps
+    if rampup_ratio is not None:
+        h = min(h, t * rampup_ratio)
+    return 0.5 ** (delta / max(h, 1e-8))
+
+
+def push(client: httpx.Client, run: str, rank: int, step: int, state, metadata=None) -> dict:
+    body = safetensors.torch.save({k: v.contiguous() for k, v in state.items()}, metadata=metadata)
+    r = client.put(f"/v1/runs/{run}/ranks/{rank}/steps/{step}", content=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def fetch_ema(client: httpx.Client, run: str, rank: int, profile: str) -> dict[str, torch.Tensor]:
+    r = client.get(f"/v1/runs/{run}/ranks/{rank}/ema", params={"profile": profile})
+    assert r.status_code == 200, r.text
+    return safetensors.torch.load(r.content)

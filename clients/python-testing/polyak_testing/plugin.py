@@ -1,8 +1,14 @@
-"""Fixtures for the Python client tests: the real polyak binary on free ports.
+"""The pytest fixtures shared by every test tree (``tests/python``,
+``clients/python/tests``, ``tests/browser``), loaded by ``-p
+polyak_testing.plugin`` in ``pytest.ini``.
 
-The server binary is copied once per session to a private temporary file
-(the tree's ``target/`` may be rebuilt while the tests run); every server of
-the session starts from that copy.
+Servers are the real binary on free ports. The binary is copied once per
+session to a private temporary file (the tree's ``target/`` may be rebuilt
+while the tests run); every server of the session starts from that copy.
+
+Modules that set ``BACKEND_MATRIX = True`` run every test that asks for a
+server once per catalog and store pair (:attr:`Backends.PAIRS`); the others
+run on the embedded default only.
 """
 
 from __future__ import annotations
@@ -10,20 +16,30 @@ from __future__ import annotations
 import itertools
 import shutil
 import stat
+from collections.abc import Iterator
 
-import polyak
 import pytest
-from polyak.testing import Backends, NetLab, find_binary
+
+from .backends import Backends
+from .netlab import NetLab
+from .server import PolyakServer, find_binary
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # Modules with BACKEND_MATRIX = True run on every catalog and store pair.
-    Backends.parametrize(metafunc)
+    # The parameter is session-scoped and indirect (``backend`` returns
+    # ``request.param``), so the servers of one pair are shared by the
+    # tests that run on it.
+    if "backend" in metafunc.fixturenames:
+        matrix = getattr(metafunc.module, "BACKEND_MATRIX", False)
+        pairs = Backends.PAIRS if matrix else Backends.PAIRS[:1]
+        metafunc.parametrize("backend", pairs, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")
-def backends():
-    yield from Backends.session()
+def backends() -> Iterator[Backends]:
+    """One set of backing services for the session, stopped at its end."""
+    with Backends() as b:
+        yield b
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +59,8 @@ def polyak_binary(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def server(
     tmp_path_factory: pytest.TempPathFactory, polyak_binary: str, backends: Backends, backend: str
-):
+) -> Iterator[PolyakServer]:
+    """The session's server on this test's pair, started."""
     srv = backends.server(backend, tmp_path_factory.mktemp("polyak-data"), binary=polyak_binary)
     srv.start()
     yield srv
@@ -51,15 +68,21 @@ def server(
 
 
 @pytest.fixture()
-def fresh_server(tmp_path, polyak_binary: str, backends: Backends, backend: str):
-    """A server of its own (for tests that pause, stop or restart it); not started."""
+def fresh_server(
+    tmp_path, polyak_binary: str, backends: Backends, backend: str
+) -> Iterator[PolyakServer]:
+    """A server of its own (for tests that pause, stop or restart it, or
+    change its limits); not started."""
     srv = backends.server(backend, tmp_path / "data", binary=polyak_binary)
     yield srv
     srv.stop()
 
 
 @pytest.fixture()
-def client(server):
+def client(server: PolyakServer):
+    """A ``polyak.Client`` on the session's server."""
+    import polyak
+
     with polyak.Client(server.url) as c:
         yield c
 
@@ -75,7 +98,7 @@ def run_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture()
-def lab():
+def lab() -> Iterator[NetLab | None]:
     """Test hosts (network namespaces on a bridge, see ``NetLab``) where
     this machine can make them (root, ``ip``); ``None`` elsewhere, and the
     tests use loopback ports instead."""

@@ -1,0 +1,266 @@
+//! A download of a complete snapshot: which part and layout were asked
+//! for, the recipe that assembles it from the stored parts (a
+//! [`VirtualFile`] with its ETag and name), the byte range, and the
+//! verified stream of that range. The HTTP handler parses the query and
+//! the conditional headers and renders; the domain work is here.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::Stream;
+
+use super::{parts_of, verify, Snaps, SnapshotStatus};
+use crate::registry::RunHandle;
+use crate::services::ServiceError;
+use crate::snapshot::assemble::{self, Layout};
+use crate::snapshot::format::MIRROR_PART;
+use crate::snapshot::source::PartMismatch;
+use crate::snapshot::vfile::VirtualFile;
+use crate::store::snapshots::SnapshotRow;
+use crate::wire::DType;
+
+/// HF-style shards' default size, in bytes (5 GB, as `transformers` has it).
+const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// What a download asks for, as the query spells it.
+#[derive(Debug, Default)]
+pub struct Asked<'a> {
+    /// A profile, `online` (the mirror), or the snapshot's first.
+    pub profile: Option<&'a str>,
+    /// `full` (default), `sharded`, `hf` or `rank`.
+    pub layout: Option<&'a str>,
+    /// `fp32`, `bf16`, `fp16` or `fp64`: floating tensors cast on the way.
+    pub dtype: Option<&'a str>,
+    /// With `layout=rank`.
+    pub rank: Option<u32>,
+    /// HF shards of at most this many bytes (`hf`, or `full` with it set).
+    pub max_shard_size: Option<u64>,
+}
+
+/// A download ready to be served: the assembled file and how to name it.
+pub struct Prepared {
+    pub file: Arc<VirtualFile>,
+    pub etag: String,
+    pub content_type: &'static str,
+    pub file_name: String,
+}
+
+/// The layout a query names.
+pub fn layout_of(asked: &Asked<'_>) -> Result<Layout, ServiceError> {
+    Ok(
+        match (asked.layout.unwrap_or("full"), asked.max_shard_size) {
+            ("full", None) => Layout::Full,
+            ("full", Some(max)) | ("hf", Some(max)) => Layout::Hf {
+                max_shard_size: max.max(1),
+            },
+            ("hf", None) => Layout::Hf {
+                max_shard_size: DEFAULT_SHARD_BYTES,
+            },
+            ("sharded", _) => Layout::Sharded,
+            ("rank", _) => Layout::Rank(asked.rank.ok_or_else(|| {
+                ServiceError::bad_request("invalid_layout", "layout=rank needs rank=N")
+            })?),
+            (other, _) => {
+                return Err(ServiceError::bad_request(
+                    "invalid_layout",
+                    format!("layout `{other}`: expected full, sharded, hf or rank"),
+                ))
+            }
+        },
+    )
+}
+
+/// The cast a query names.
+pub fn cast_of(dtype: Option<&str>) -> Result<Option<DType>, ServiceError> {
+    dtype
+        .map(|d| {
+            DType::parse_float(d).ok_or_else(|| {
+                ServiceError::bad_request(
+                    "invalid_dtype",
+                    format!("dtype `{d}`: expected fp32, bf16, fp16 or fp64"),
+                )
+            })
+        })
+        .transpose()
+}
+
+/// The stored part name a download of `profile` reads.
+pub fn part_name(row: &SnapshotRow, profile: Option<&str>) -> Result<String, ServiceError> {
+    match profile {
+        None => Ok(row.profiles.first().cloned().unwrap_or_default()),
+        Some("online") | Some(MIRROR_PART) => Ok(MIRROR_PART.to_string()),
+        Some(p) if row.profiles.iter().any(|q| q == p) => Ok(p.to_string()),
+        Some(p) => Err(ServiceError::not_found(
+            "profile_not_found",
+            format!(
+                "snapshot `{}` holds no profile `{p}` (it has {:?})",
+                row.id, row.profiles
+            ),
+        )),
+    }
+}
+
+/// A snapshot of the run, or `404 snapshot_not_found`.
+pub async fn row(snaps: &Snaps, run: &str, id: &str) -> Result<SnapshotRow, ServiceError> {
+    snaps.store.snapshot(run, id).await?.ok_or_else(|| {
+        ServiceError::not_found(
+            "snapshot_not_found",
+            format!("no snapshot `{id}` in run `{run}`"),
+        )
+    })
+}
+
+/// Assembles the download of snapshot `id` that `asked` names: the
+/// snapshot must be complete; its parts' metadata is read, the recipe
+/// built off the runtime (a part whose stored size already disagrees is
+/// reported as corrupt).
+pub async fn prepare(
+    snaps: &Snaps,
+    run: &RunHandle,
+    id: &str,
+    asked: &Asked<'_>,
+) -> Result<Prepared, ServiceError> {
+    let name = &run.config.name;
+    let row = row(snaps, name, id).await?;
+    if row.status != SnapshotStatus::Complete {
+        return Err(ServiceError::conflict(
+            "snapshot_not_complete",
+            format!(
+                "snapshot `{id}` is {}{}",
+                row.status,
+                row.reason
+                    .as_deref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default()
+            ),
+        ));
+    }
+    let part = part_name(&row, asked.profile)?;
+    let cast = cast_of(asked.dtype)?;
+    let layout = layout_of(asked)?;
+    let parts = parts_of(snaps, &row, &part).await?;
+    if parts.is_empty() {
+        return Err(ServiceError::not_found(
+            "not_in_snapshot",
+            format!("snapshot `{id}` holds no `{part}` files"),
+        ));
+    }
+    let mut meta = BTreeMap::from([
+        ("polyak.run".to_string(), name.clone()),
+        ("polyak.snapshot".to_string(), id.to_string()),
+        ("polyak.step".to_string(), row.step.to_string()),
+        ("polyak.profile".to_string(), part.clone()),
+    ]);
+    let model_config = run.meta.lock().expect("meta lock").model_config.clone();
+    if let Some(config) = model_config.and_then(|c| serde_json::to_string_pretty(&c).ok()) {
+        meta.insert(assemble::HF_CONFIG_META.to_string(), config);
+    }
+    let sid = id.to_string();
+    let mtime = (row.completed_at_ms.unwrap_or(row.created_at_ms).max(0) / 1000) as u64;
+    let dl = tokio::task::spawn_blocking(move || {
+        assemble::build(&sid, meta, &parts, layout, cast, mtime)
+    })
+    .await?
+    .inspect_err(|e| {
+        if let assemble::AssembleError::Io(e) = e {
+            report(snaps, e);
+        }
+    })?;
+    Ok(Prepared {
+        file: Arc::new(dl.file),
+        etag: dl.etag,
+        content_type: dl.content_type,
+        file_name: dl.file_name,
+    })
+}
+
+/// A `Range` no byte of the file satisfies (answered 416).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Unsatisfiable;
+
+/// `bytes=a-b`, `bytes=a-`, `bytes=-n` of a `len`-byte file (one range;
+/// several are answered whole, which RFC 9110 allows; another unit is
+/// ignored).
+pub fn byte_range(spec: &str, len: u64) -> Result<Option<Range<u64>>, Unsatisfiable> {
+    let Some(ranges) = spec.trim().strip_prefix("bytes=") else {
+        return Ok(None);
+    };
+    if ranges.contains(',') {
+        return Ok(None);
+    }
+    let (a, b) = ranges.split_once('-').ok_or(Unsatisfiable)?;
+    let (a, b) = (a.trim(), b.trim());
+    let range = if a.is_empty() {
+        let n: u64 = b.parse().map_err(|_| Unsatisfiable)?;
+        if n == 0 {
+            return Err(Unsatisfiable);
+        }
+        len.saturating_sub(n)..len
+    } else {
+        let start: u64 = a.parse().map_err(|_| Unsatisfiable)?;
+        let end = if b.is_empty() {
+            len
+        } else {
+            b.parse::<u64>()
+                .map_err(|_| Unsatisfiable)?
+                .saturating_add(1)
+                .min(len)
+        };
+        if start >= len || start >= end {
+            return Err(Unsatisfiable);
+        }
+        start..end
+    };
+    Ok(Some(range))
+}
+
+/// The bytes `span` of a prepared download, held to the parts' records:
+/// their sizes before the first byte, their sha256 while the bytes
+/// stream, the last chunk held until every part read has matched (a
+/// mismatch is reported, and cuts the stream).
+pub async fn open(
+    snaps: &Snaps,
+    file: Arc<VirtualFile>,
+    span: Range<u64>,
+) -> Result<impl Stream<Item = std::io::Result<Bytes>>, ServiceError> {
+    let (sized, checked) = (file.clone(), span.clone());
+    tokio::task::spawn_blocking(move || sized.check_sizes(checked))
+        .await?
+        .map_err(|e| {
+            report(snaps, &e);
+            ServiceError::from(super::SnapshotError::Io(e))
+        })?;
+    let (events, metrics) = (snaps.events.clone(), snaps.metrics.clone());
+    Ok(file.stream_verified(span, move |m| {
+        verify::report_mismatch(&events, &metrics, m, "download")
+    }))
+}
+
+/// Reports a part a download found other than recorded.
+fn report(snaps: &Snaps, e: &std::io::Error) {
+    if let Some(m) = PartMismatch::of(e) {
+        verify::report_mismatch(&snaps.events, &snaps.metrics, m, "download");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{byte_range, Unsatisfiable};
+
+    #[test]
+    fn byte_ranges_follow_rfc_9110() {
+        assert_eq!(byte_range("bytes=0-9", 100), Ok(Some(0..10)));
+        assert_eq!(byte_range("bytes=90-", 100), Ok(Some(90..100)));
+        assert_eq!(byte_range("bytes=-10", 100), Ok(Some(90..100)));
+        assert_eq!(byte_range("bytes=-200", 100), Ok(Some(0..100)));
+        assert_eq!(byte_range("bytes=95-200", 100), Ok(Some(95..100)));
+        assert_eq!(byte_range("bytes=0-1,5-6", 100), Ok(None));
+        assert_eq!(byte_range("items=0-1", 100), Ok(None));
+        assert_eq!(byte_range("bytes=100-", 100), Err(Unsatisfiable));
+        assert_eq!(byte_range("bytes=-0", 100), Err(Unsatisfiable));
+        assert_eq!(byte_range("bytes=5-4", 100), Err(Unsatisfiable));
+        assert_eq!(byte_range("bytes=x-", 100), Err(Unsatisfiable));
+    }
+}
