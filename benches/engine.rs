@@ -127,7 +127,7 @@ fn apply(c: &mut Criterion) {
 }
 
 fn assemble_full(c: &mut Criterion) {
-    use polyak::snapshot::{files, format};
+    use polyak::snapshot::{convert, files};
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(1);
     let numel = 4 << 20;
@@ -141,7 +141,7 @@ fn assemble_full(c: &mut Criterion) {
             .apply_push(&cfg, &push, &order, 0, Device::Cpu)
             .unwrap();
         let meta = polyak::engine::capture::meta_of(&cfg, &state);
-        let part = format::profile_part(
+        let part = convert::profile_part(
             &state.layout,
             polyak::engine::deep_copy(&state.ema[0]).unwrap(),
             Vec::new(),

@@ -101,8 +101,9 @@ async fn rate(engines: usize, numel: usize, rounds: u64, reps: usize) -> f64 {
                 let engine = run.engines.of(rank).expect("every rank is held here");
                 async move {
                     engine
-                        .call(move |e| e.push(&n, rank, step, push).map(|o| o.applied))
+                        .push(&n, rank, step, push, Box::new(()))
                         .await
+                        .map(|r| r.map(|o| o.applied))
                 }
             }))
             .await;

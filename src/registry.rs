@@ -714,9 +714,7 @@ impl Registry {
         for (i, engine) in engines.all().iter().enumerate() {
             let (for_engine, owned) = (config.clone(), engines.ranks_of(i));
             let shared = engines.shared().clone();
-            engine
-                .call(move |e| e.add_run(for_engine, &owned, shared))
-                .await?;
+            engine.add_run(for_engine, owned, shared).await?;
         }
         let mut ranks: Vec<RankSummary> = (0..config.world_size)
             .map(|_| RankSummary::default())

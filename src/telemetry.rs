@@ -52,6 +52,8 @@ pub struct Metrics {
     pub resident_bytes: IntGaugeVec,
     /// Jobs waiting in each engine's queue.
     pub engine_queue: IntGaugeVec,
+    /// The same, per kind of command (`push`, `export`, `schedule_cut`...).
+    pub engine_queue_by_kind: IntGaugeVec,
     /// Catalog queries, by where they were made (`push`: while answering
     /// a push; `other`), and the batched writer's flushes.
     pub catalog_queries: IntCounterVec,
@@ -172,6 +174,12 @@ impl Metrics {
                 "polyak_engine_queue_depth",
                 "Jobs waiting in each engine's queue (label: the engine, `cpu#1` with several CPU engines)",
                 &["device"],
+            ),
+            engine_queue_by_kind: int_gauges(
+                &r,
+                "polyak_engine_queue_depth_by_kind",
+                "Commands waiting in each engine's queue, by kind of work",
+                &["device", "kind"],
             ),
             runs: int_gauge(&r, "polyak_runs", "Runs in the catalog"),
             catalog_queries: int_counters(

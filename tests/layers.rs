@@ -1,9 +1,11 @@
 //! The import direction of the crate: every module of `src/` may use only
 //! modules of a lower layer (or its own module). A `crate::` path that
 //! points up or sideways fails this test with the file, the line and the
-//! two layers. Read with `docs/architecture.md`, which draws the same table.
+//! two layers. Inside a folder, the files (and subfolders) may not import
+//! each other in a cycle either. Read with `docs/architecture.md`, which
+//! draws the same table.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// `(module path, layer)`: a file belongs to the longest entry that
@@ -164,6 +166,14 @@ fn path_head(s: &str) -> String {
         .to_string()
 }
 
+/// A source file as messages name it: `src/snapshot/format.rs`.
+fn shown(src: &Path, file: &Path) -> String {
+    file.strip_prefix(src.parent().unwrap_or(src))
+        .unwrap_or(file)
+        .display()
+        .to_string()
+}
+
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("read src") {
         let path = entry.expect("dir entry").path();
@@ -183,34 +193,27 @@ fn violations(src: &Path) -> Vec<String> {
     let mut found = Vec::new();
     for file in files {
         let module = module_of(src, &file);
-        let shown = file
-            .strip_prefix(src.parent().unwrap_or(src))
-            .unwrap_or(&file);
+        let shown = shown(src, &file);
         if module == "lib" || module == "main" {
             continue; // they declare and start everything
         }
         let Some((unit, layer)) = unit_of(&module) else {
             found.push(format!(
-                "{}: module `{module}` is in no layer; add it to LAYERS",
-                shown.display()
+                "{shown}: module `{module}` is in no layer; add it to LAYERS"
             ));
             continue;
         };
         let text = std::fs::read_to_string(&file).expect("read a source file");
         for (line, path) in crate_paths(&module, &text) {
             let Some((target, target_layer)) = unit_of(&path) else {
-                found.push(format!(
-                    "{}:{line}: `crate::{path}` is in no layer",
-                    shown.display()
-                ));
+                found.push(format!("{shown}:{line}: `crate::{path}` is in no layer"));
                 continue;
             };
             if target == unit || target_layer < layer {
                 continue;
             }
             found.push(format!(
-                "{}:{line}: `{unit}` (layer {layer}) uses `crate::{path}` (`{target}`, layer {target_layer})",
-                shown.display()
+                "{shown}:{line}: `{unit}` (layer {layer}) uses `crate::{path}` (`{target}`, layer {target_layer})"
             ));
         }
     }
@@ -301,4 +304,279 @@ fn an_upward_import_is_reported() {
     assert_eq!(found.len(), 2, "{found:?}");
     assert!(found[0].contains("`engine` (layer 3) uses `crate::http::ApiError`"));
     assert!(found[1].contains("`wire` (layer 2) uses `crate::engine::Engine`"));
+}
+
+/// The `crate::` paths of a file's own code: [`crate_paths`] up to the
+/// first inline `mod name {` (the tests at the end of a file, which may
+/// build their fixtures with any sibling).
+fn code_paths(module: &str, text: &str) -> Vec<(usize, String)> {
+    let end = text
+        .lines()
+        .position(|line| {
+            let code = line.split("//").next().unwrap_or("");
+            let words: Vec<&str> = code.split_whitespace().collect();
+            matches!(words.as_slice(), ["mod", _, "{"] | ["pub", "mod", _, "{"])
+        })
+        .unwrap_or(usize::MAX);
+    crate_paths(module, text)
+        .into_iter()
+        .filter(|(line, _)| *line <= end)
+        .collect()
+}
+
+/// Per folder (its module path), per entry (a file or a subfolder taken
+/// whole), the entries of the same folder it imports, each with the first
+/// `file:line` that does.
+type Graph = BTreeMap<String, BTreeMap<String, BTreeMap<String, String>>>;
+
+/// The imports between the entries of every folder under `src`. A
+/// folder's `mod.rs` is left out, as `lib.rs` is at the top: it declares
+/// its children and re-exports what they make, so every child reaching
+/// the folder's front door is no cycle. The top level is the layer
+/// table's business.
+fn folder_graph(src: &Path) -> Graph {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    files.sort();
+    let mut graph = Graph::new();
+    for file in files {
+        let module = module_of(src, &file);
+        let parts: Vec<&str> = module.split("::").collect();
+        let shown = shown(src, &file);
+        let text = std::fs::read_to_string(&file).expect("read a source file");
+        let paths = code_paths(&module, &text);
+        // Every folder the file is in, below the top: `snapshot` for
+        // `snapshot::format`, and `services`, `services::snapshots` for
+        // `services::snapshots::cuts`.
+        for depth in 1..parts.len() {
+            let folder = parts[..depth].join("::");
+            let from = parts[depth];
+            let dir = src.join(parts[..depth].join("/"));
+            for (line, path) in &paths {
+                let Some(rest) = path.strip_prefix(&format!("{folder}::")) else {
+                    continue;
+                };
+                let to = rest.split("::").next().unwrap_or("");
+                let is_entry = dir.join(format!("{to}.rs")).is_file() || dir.join(to).is_dir();
+                if to == from || !is_entry {
+                    continue;
+                }
+                graph
+                    .entry(folder.clone())
+                    .or_default()
+                    .entry(from.to_string())
+                    .or_default()
+                    .entry(to.to_string())
+                    .or_insert_with(|| format!("{shown}:{line}"));
+            }
+        }
+    }
+    graph
+}
+
+/// One line per import cycle inside a folder: the entries around it and
+/// where each import is written. Each cycle is reported once, from its
+/// smallest entry.
+fn folder_cycles(graph: &Graph) -> Vec<String> {
+    let mut found = Vec::new();
+    for (folder, edges) in graph {
+        let mut reported: BTreeSet<BTreeSet<&str>> = BTreeSet::new();
+        for start in edges.keys() {
+            // Shortest way back to `start`, breadth first.
+            let mut back: BTreeMap<&str, &str> = BTreeMap::new();
+            let mut queue = std::collections::VecDeque::from([start.as_str()]);
+            let mut closed = None;
+            while let Some(at) = queue.pop_front() {
+                for next in edges.get(at).into_iter().flat_map(|e| e.keys()) {
+                    if next == start {
+                        closed = Some(at);
+                        break;
+                    }
+                    if !back.contains_key(next.as_str()) {
+                        back.insert(next, at);
+                        queue.push_back(next);
+                    }
+                }
+                if closed.is_some() {
+                    break;
+                }
+            }
+            let Some(mut at) = closed else { continue };
+            let mut ring = vec![start.as_str()];
+            while at != start {
+                ring.push(at);
+                at = back[at];
+            }
+            ring[1..].reverse();
+            if !reported.insert(ring.iter().copied().collect()) {
+                continue;
+            }
+            let steps: Vec<String> = ring
+                .iter()
+                .zip(ring.iter().cycle().skip(1))
+                .map(|(a, b)| format!("{a} -> {b} ({})", edges[*a][*b]))
+                .collect();
+            found.push(format!("`{folder}`: {}", steps.join(", ")));
+        }
+    }
+    found
+}
+
+#[test]
+fn no_folder_has_an_import_cycle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let found = folder_cycles(&folder_graph(&src));
+    assert!(
+        found.is_empty(),
+        "files of one folder importing each other in a cycle:\n{}",
+        found.join("\n")
+    );
+}
+
+/// A hand-made folder graph: `format -> compare -> assemble -> format` is
+/// reported once, with where each import is; the same graph without
+/// `assemble -> format` passes, and so does a folder whose entries only
+/// reach its `mod.rs`.
+#[test]
+fn a_cycle_inside_a_folder_is_reported() {
+    let edge = |from: &str, to: &str| (from.to_string(), to.to_string());
+    let graph_of = |edges: &[(String, String)]| {
+        let mut graph = Graph::new();
+        for (from, to) in edges {
+            graph
+                .entry("snapshot".to_string())
+                .or_default()
+                .entry(from.clone())
+                .or_default()
+                .insert(to.clone(), format!("src/snapshot/{from}.rs:1"));
+        }
+        graph
+    };
+    let cyclic = [
+        edge("format", "compare"),
+        edge("compare", "assemble"),
+        edge("assemble", "format"),
+        edge("assemble", "vfile"),
+        edge("vfile", "source"),
+    ];
+    let found = folder_cycles(&graph_of(&cyclic));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        found[0],
+        "`snapshot`: assemble -> format (src/snapshot/assemble.rs:1), \
+         format -> compare (src/snapshot/format.rs:1), \
+         compare -> assemble (src/snapshot/compare.rs:1)"
+    );
+    let acyclic = &cyclic[..2];
+    assert_eq!(folder_cycles(&graph_of(acyclic)), Vec::<String>::new());
+    // Two files that import each other are a cycle too.
+    let pair = [edge("format", "meta"), edge("meta", "format")];
+    assert_eq!(folder_cycles(&graph_of(&pair)).len(), 1);
+
+    // From files: `super::` and `crate::` imports between siblings count,
+    // the folder's `mod.rs` and inline test modules do not.
+    let dir = std::env::temp_dir().join(format!("polyak-cycles-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("snapshot")).expect("temp src");
+    let write = |name: &str, text: &str| {
+        std::fs::write(dir.join("snapshot").join(name), text).expect("write");
+    };
+    write("mod.rs", "pub mod a;\npub mod b;\npub use a::A;\n");
+    write("a.rs", "use super::b::B;\npub struct A;\n");
+    write(
+        "b.rs",
+        "use crate::snapshot::A;\npub struct B;\nmod tests {\n    use super::super::a::A;\n}\n",
+    );
+    let graph = folder_graph(&dir);
+    assert_eq!(folder_cycles(&graph), Vec::<String>::new(), "{graph:?}");
+    write("b.rs", "use crate::snapshot::a::A;\npub struct B;\n");
+    let found = folder_cycles(&folder_graph(&dir));
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("`snapshot`: a -> b (") && found[0].contains("snapshot/b.rs:1)"),
+        "{found:?}"
+    );
+}
+
+/// What the HTTP handlers may not reach into: they call services, and the
+/// services own the registry, the engines, the catalog and the snapshots.
+const BELOW_HANDLERS: &[&str] = &["store", "engine", "snapshot", "registry"];
+
+/// The handler modules that still reach below the services today, and
+/// what they reach: a list that may only shrink (an entry no longer
+/// needed fails [`handlers_reach_below_services_only_where_listed`]).
+const HANDLERS_REACHING_BELOW: &[(&str, &str)] = &[
+    ("http", "engine"),
+    ("http", "snapshot"),
+    ("http", "store"),
+    ("http::auth", "registry"),
+    ("http::derived", "store"),
+    ("http::error", "engine"),
+    ("http::error", "snapshot"),
+    ("http::error", "store"),
+    ("http::events", "store"),
+    ("http::extract", "registry"),
+    ("http::insight", "store"),
+    ("http::metrics", "store"),
+    ("http::ops", "snapshot"),
+    ("http::ops", "store"),
+    ("http::push", "store"),
+    ("http::route", "registry"),
+    ("http::runs", "engine"),
+    ("http::runs", "registry"),
+    ("http::runs", "snapshot"),
+    ("http::runs", "store"),
+    ("http::snapshots", "snapshot"),
+    ("http::snapshots", "store"),
+    ("http::vanished", "registry"),
+];
+
+/// Per handler module, the units below the services it imports.
+fn handler_reach(src: &Path) -> BTreeMap<(String, String), String> {
+    let mut files = Vec::new();
+    rust_files(&src.join("http"), &mut files);
+    files.sort();
+    let mut out = BTreeMap::new();
+    for file in files {
+        let module = module_of(src, &file);
+        let shown = shown(src, &file);
+        let text = std::fs::read_to_string(&file).expect("read a source file");
+        for (line, path) in code_paths(&module, &text) {
+            let Some((unit, _)) = unit_of(&path) else {
+                continue;
+            };
+            let top = unit.split("::").next().unwrap_or(unit);
+            if BELOW_HANDLERS.contains(&top) {
+                out.entry((module.clone(), top.to_string()))
+                    .or_insert_with(|| format!("{shown}:{line}"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn handlers_reach_below_services_only_where_listed() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let reach = handler_reach(&src);
+    let listed: BTreeSet<(String, String)> = HANDLERS_REACHING_BELOW
+        .iter()
+        .map(|(m, u)| (m.to_string(), u.to_string()))
+        .collect();
+    let new: Vec<String> = reach
+        .iter()
+        .filter(|(k, _)| !listed.contains(*k))
+        .map(|((m, u), at)| format!("`{m}` uses `crate::{u}` ({at}): call a service instead"))
+        .collect();
+    assert!(new.is_empty(), "{}", new.join("\n"));
+    let stale: Vec<String> = listed
+        .iter()
+        .filter(|k| !reach.contains_key(*k))
+        .map(|(m, u)| format!("(\"{m}\", \"{u}\")"))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "no longer used; remove from HANDLERS_REACHING_BELOW: {}",
+        stale.join(", ")
+    );
 }

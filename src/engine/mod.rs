@@ -1,72 +1,60 @@
 //! The engine: one OS thread per device that owns every tensor.
 //!
 //! tch tensors are `Send` but not `Sync`, and grad mode is per thread, so no
-//! tensor lives in shared async state. Handlers send the engine a job (a
-//! closure over `&mut Engine`) through a bounded queue and await its reply
-//! on a oneshot channel. A full queue is refused at once
+//! tensor lives in shared async state. Callers send the engine a typed
+//! [`Command`] (one variant per kind of work, each carrying its oneshot reply
+//! channel) through a bounded queue and await the reply. Work a client
+//! retries (pushes, exports) is refused at once when the queue is full
 //! ([`EngineError::QueueFull`], which the HTTP layer answers with 429 and
-//! `Retry-After`).
+//! `Retry-After`); control work waits for room.
 //!
+//! - [`queue`]: the commands, the engine thread's loop and its handle.
+//! - [`error`]: the failures of engine work.
+//! - [`spread`]: a run's ranks over several engines; run-wide commands fan
+//!   out to each and their answers are merged.
+//! - [`steps`]: the step rules a push is checked against.
+//! - [`cuts`]: periodic cuts, and captures for the cuts waiting on a step.
+//! - [`capture`]: what a cut captures, and ranks restored from snapshots.
+//! - [`shared`]: what the engines of one run share.
 //! - [`schedule`]: decay schedules, pure functions.
 //! - [`rank`]: one rank's layout, flat buffers and the update path.
 //! - [`kernels`]: the fused multi-profile CPU update.
 //! - [`device`]: device names and availability.
+//! - [`ids`]: snapshot ids; [`tensors`]: tensor copies and zero-copy bytes.
 
 pub mod capture;
+mod cuts;
 pub mod device;
+pub mod error;
+mod ids;
 pub mod kernels;
+pub mod queue;
 pub mod rank;
 pub mod schedule;
 pub mod shared;
 pub mod spread;
+mod steps;
+mod tensors;
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
-use crate::contract::SnapshotKind;
 use crate::run::{EmaDtype, NonfinitePolicy, RunConfig};
 use crate::wire::ParsedPush;
-use capture::{capture_rank, Backlog, CaptureEvent, PendingCut, RankCapture, RestoredRank};
+use capture::{capture_rank, CaptureEvent, PendingCut, RankCapture, RestoredRank};
+use cuts::{capture_waiting, open_periodic};
 use rank::{PushOutcome, RankLayout, RankState};
-use shared::{Periodic, RunShared};
+use shared::RunShared;
+use steps::{check_relative, finished_error, mirror_mismatch, step_rules};
 
-/// Failures of engine work. The HTTP layer maps each to a status.
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("the engine queue is full; retry later")]
-    QueueFull,
-    #[error("the engine thread stopped")]
-    Stopped,
-    #[error("run `{0}` is not on this engine")]
-    RunNotFound(String),
-    #[error("rank {rank} of run `{run}` is held by another engine")]
-    NotHere { run: String, rank: u32 },
-    #[error("rank {rank} of run `{run}` has not pushed yet")]
-    NoData { run: String, rank: u32 },
-    #[error("{0}")]
-    StepConflict(String),
-    #[error("{0}")]
-    RunFinished(String),
-    #[error("{0}")]
-    Finishing(String),
-    #[error("layout mismatch: {0}")]
-    LayoutMismatch(String),
-    #[error("{0}")]
-    NeedsKeyframe(String),
-    #[error("tensor `{0}` holds NaN or Inf (the run's nonfinite policy is `reject`)")]
-    Nonfinite(String),
-    #[error("no profile `{0}` in this run")]
-    UnknownProfile(String),
-    #[error("torch: {0}")]
-    Torch(#[from] tch::TchError),
-}
-
-type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+pub use error::EngineError;
+pub use ids::snapshot_id;
+pub use queue::{Command, CommandKind, EngineHandle};
+pub use tensors::{deep_copy, host_bytes};
 
 thread_local! {
     /// Threads the fused CPU kernel splits one apply over, on this engine
@@ -101,103 +89,6 @@ fn logical_bytes(push: &ParsedPush, layout: &RankLayout, order: &[usize]) -> u64
                 t.numel as u64 * t.dtype.size() as u64
             })
             .sum::<u64>()
-}
-
-/// A cheap, cloneable handle on an engine thread.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: mpsc::Sender<Job>,
-    device: Device,
-    label: Arc<str>,
-    depth: usize,
-}
-
-impl EngineHandle {
-    /// Starts the engine thread `label` for `device` (its fused applies
-    /// split over `kernel_threads` threads, 0: torch's intra-op threads),
-    /// with a queue of `depth` jobs;
-    /// captures for snapshots go to `captures`, and a run's periodic cuts
-    /// hold at most `periodic_backlog_limit` captured bytes (one always).
-    pub fn start(
-        device: Device,
-        label: &str,
-        kernel_threads: usize,
-        depth: usize,
-        captures: mpsc::UnboundedSender<CaptureEvent>,
-        periodic_backlog_limit: u64,
-    ) -> std::io::Result<Self> {
-        let (tx, mut rx) = mpsc::channel::<Job>(depth.max(1));
-        std::thread::Builder::new()
-            .name(format!("polyak-engine-{label}"))
-            .spawn(move || {
-                let _guard = tch::no_grad_guard();
-                KERNEL_THREADS.with(|t| t.set(kernel_threads));
-                let mut engine = Engine::new(device, captures, periodic_backlog_limit);
-                while let Some(job) = rx.blocking_recv() {
-                    // A panicking job loses its reply (the caller sees
-                    // `Stopped`), not the engine.
-                    if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut engine))).is_err() {
-                        tracing::error!("an engine job panicked; the engine goes on");
-                    }
-                }
-            })?;
-        Ok(EngineHandle {
-            tx,
-            device,
-            label: label.into(),
-            depth: depth.max(1),
-        })
-    }
-
-    pub fn device(&self) -> Device {
-        self.device
-    }
-
-    /// The engine's name: its device, and with several engines on one
-    /// device its index (`cpu#1`).
-    pub fn label(&self) -> &str {
-        &self.label
-    }
-
-    /// Jobs waiting in the queue.
-    pub fn queued(&self) -> usize {
-        self.depth - self.tx.capacity()
-    }
-
-    /// Runs `f` on the engine thread; refused at once when the queue is full.
-    pub async fn try_call<R, F>(&self, f: F) -> Result<R, EngineError>
-    where
-        R: Send + 'static,
-        F: FnOnce(&mut Engine) -> R + Send + 'static,
-    {
-        let (tx, rx) = oneshot::channel();
-        self.tx
-            .try_send(Box::new(move |e: &mut Engine| {
-                let _ = tx.send(f(e));
-            }))
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => EngineError::QueueFull,
-                mpsc::error::TrySendError::Closed(_) => EngineError::Stopped,
-            })?;
-        rx.await.map_err(|_| EngineError::Stopped)
-    }
-
-    /// Runs `f` on the engine thread, waiting for room in the queue (control
-    /// work that must not be refused: creating and dropping runs).
-    pub async fn call<R, F>(&self, f: F) -> Result<R, EngineError>
-    where
-        R: Send + 'static,
-        F: FnOnce(&mut Engine) -> R + Send + 'static,
-    {
-        let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Box::new(move |e: &mut Engine| {
-                let _ = tx.send(f(e));
-            }))
-            .await
-            .map_err(|_| EngineError::Stopped)?;
-        rx.await.map_err(|_| EngineError::Stopped)
-    }
 }
 
 /// One run's tensors on the engine.
@@ -763,367 +654,5 @@ impl EmaExport {
             .map(|t| t.f_to_device(Device::Cpu).and_then(|t| t.f_contiguous()))
             .collect::<Result<_, _>>()?;
         Ok(self)
-    }
-}
-
-/// What a trainer that restarted from a checkpoint should do, for the
-/// `step_conflict` answers: a restart without `resume` is the usual cause.
-fn resume_hint(run: &str, last: u64) -> String {
-    format!(
-        "a trainer restarted from a checkpoint first restores the EMA with `run.resume(S)` \
-         (POST /v1/runs/{run}/resume {{\"step\": S}}, S = the last step the checkpoint pushed), \
-         then pushes S + 1 onward; otherwise push steps after {last}"
-    )
-}
-
-/// Takes part in the periodic cut of `step` when it is one: the first
-/// engine of the run to get there opens it (unless the run's write backlog
-/// has no room: then it is skipped, and said so); the run's other engines
-/// join the same snapshot when one of their ranks gets there.
-fn open_periodic(
-    entry: &mut EngineRun,
-    run: &str,
-    step: u64,
-    captures: &mpsc::UnboundedSender<CaptureEvent>,
-    limit: u64,
-) {
-    let config = entry.config.clone();
-    if config.snapshot_every == 0
-        || step % config.snapshot_every != 0
-        || entry.pending.iter().any(|c| c.step == step)
-    {
-        return;
-    }
-    let shared = entry.shared.clone();
-    let decision = shared.periodic(step, entry.last_periodic, || {
-        // Every profile, copied tensor and mirror of every rank.
-        let bytes = shared.resident_bytes();
-        match Backlog::take(&shared.periodic_backlog, bytes, limit) {
-            Ok(backlog) => {
-                let snapshot = shared.periodic_id(step);
-                let _ = captures.send(CaptureEvent::PeriodicOpened {
-                    snapshot: snapshot.clone(),
-                    run: run.to_string(),
-                    step,
-                    profiles: config
-                        .profiles
-                        .iter()
-                        .map(|p| p.name().to_string())
-                        .collect(),
-                    backlog,
-                });
-                Some(snapshot)
-            }
-            Err(held) => {
-                let _ = captures.send(CaptureEvent::PeriodicSkipped {
-                    run: run.to_string(),
-                    step,
-                    held,
-                    bytes,
-                });
-                None
-            }
-        }
-    });
-    // Decided once per step, taken or skipped: a rank that applies the
-    // step later must not open a cut others are already past.
-    entry.last_periodic = entry.last_periodic.max(Some(step));
-    let snapshot = match decision {
-        Periodic::Decided(Some(id)) | Periodic::Join(id) => id,
-        Periodic::Decided(None) | Periodic::Nothing => return,
-    };
-    let profiles: Vec<usize> = (0..config.profiles.len()).collect();
-    let mut remaining = std::collections::BTreeSet::new();
-    for (rank, state) in entry.owned_ranks() {
-        match state.and_then(|s| s.last_step) {
-            // A rank of this engine went past the step without applying
-            // it (before this engine heard of the cut).
-            Some(last) if last > step => {
-                let _ = captures.send(CaptureEvent::Failed {
-                    snapshot,
-                    reason: format!(
-                        "rank {rank} went from before step {step} to step {last} without applying it"
-                    ),
-                });
-                return;
-            }
-            _ => {
-                remaining.insert(rank);
-            }
-        }
-    }
-    entry.pending.push(PendingCut {
-        snapshot,
-        step,
-        profiles,
-        remaining,
-    });
-}
-
-/// Captures `rank` for the cuts waiting on `step` and fails the cuts it
-/// jumped over; drops the cuts that are done.
-fn capture_waiting(
-    entry: &mut EngineRun,
-    rank: u32,
-    step: u64,
-    captures: &mpsc::UnboundedSender<CaptureEvent>,
-) {
-    let config = entry.config.clone();
-    let state = entry.ranks[rank as usize]
-        .as_ref()
-        .expect("rank state present");
-    let mut finished = Vec::new();
-    for (i, cut) in entry.pending.iter_mut().enumerate() {
-        if !cut.remaining.contains(&rank) {
-            continue;
-        }
-        if cut.step == step {
-            match capture_rank(&config, state, &cut.snapshot, rank, &cut.profiles) {
-                Ok(c) => {
-                    let _ = captures.send(CaptureEvent::Captured(Box::new(c)));
-                    cut.remaining.remove(&rank);
-                    if cut.remaining.is_empty() {
-                        finished.push(i);
-                    }
-                }
-                Err(e) => {
-                    let _ = captures.send(CaptureEvent::Failed {
-                        snapshot: cut.snapshot.clone(),
-                        reason: format!("capturing rank {rank} failed: {e}"),
-                    });
-                    finished.push(i);
-                }
-            }
-        } else if step > cut.step {
-            let _ = captures.send(CaptureEvent::Failed {
-                snapshot: cut.snapshot.clone(),
-                reason: format!(
-                    "rank {rank} went from before step {} to step {step} without applying it",
-                    cut.step
-                ),
-            });
-            finished.push(i);
-        }
-    }
-    for i in finished.into_iter().rev() {
-        entry.pending.remove(i);
-    }
-}
-
-/// The refusal of a push past the step a run was finished at.
-fn finished_error(run: &str, FinishedAt(last): FinishedAt) -> EngineError {
-    let at = last.map_or("before any push".to_string(), |l| format!("at step {l}"));
-    EngineError::RunFinished(format!(
-        "run `{run}` was finished {at}; it takes no more pushes (create a new run to train on)"
-    ))
-}
-
-/// Step rules (`docs/contract.md`, step semantics) for a rank that pushed
-/// before: an older step is refused, the last step again is a duplicate
-/// (answered without applying) when its bytes are the same and refused
-/// otherwise. `None`: apply it.
-fn step_rules(
-    run: &str,
-    rank: u32,
-    step: u64,
-    state: &RankState,
-    push: &ParsedPush,
-    config: &RunConfig,
-) -> Result<Option<PushOutcome>, EngineError> {
-    let Some(last) = state.last_step else {
-        return Ok(None);
-    };
-    // A pipelined push applied, its answer lost, retried after its
-    // successor was applied: the same bytes are a duplicate.
-    let seen_before = step < last
-        && state
-            .recent
-            .iter()
-            .any(|&(s, d)| s == step && d.matches(push.digest, &push.body));
-    if seen_before {
-        return Ok(Some(duplicate(step, last, state, config)));
-    }
-    if step < last {
-        return Err(EngineError::StepConflict(format!(
-            "step {step} is older than rank {rank}'s last applied step {last}; {}",
-            resume_hint(run, last)
-        )));
-    }
-    if step > last {
-        return Ok(None);
-    }
-    if state
-        .last_digest
-        .is_some_and(|d| d.matches(push.digest, &push.body))
-    {
-        return Ok(Some(duplicate(step, last, state, config)));
-    }
-    Err(EngineError::StepConflict(format!(
-        "step {step} was already applied for rank {rank} with other bytes; {}",
-        resume_hint(run, last)
-    )))
-}
-
-/// The answer to a push whose bytes were already applied at `step`.
-fn duplicate(step: u64, last: u64, state: &RankState, config: &RunConfig) -> PushOutcome {
-    PushOutcome {
-        applied: false,
-        duplicate: true,
-        step,
-        last_step: Some(last),
-        skipped: Vec::new(),
-        registered: None,
-        resident_bytes: state.resident_bytes(config),
-        apply_seconds: 0.0,
-        drift: None,
-        logical_bytes: 0,
-        mirror_mismatch: None,
-    }
-}
-
-/// A delta or XOR push needs a mirror and a keyframe to apply to.
-fn check_relative(
-    push: &ParsedPush,
-    config: &RunConfig,
-    rank: u32,
-    state: Option<&RankState>,
-) -> Result<(), EngineError> {
-    if !push.kind.is_relative() {
-        return Ok(());
-    }
-    if !config.mirror {
-        return Err(EngineError::NeedsKeyframe(
-            "needs keyframe: delta and xor pushes need a run created with `mirror: true`".into(),
-        ));
-    }
-    if !state.is_some_and(|s| s.has_keyframe) {
-        return Err(EngineError::NeedsKeyframe(format!(
-            "needs keyframe: rank {rank} has no full push to add a delta to (none yet, or the rank was taken over from a lost node and its mirror may be behind the trainer's)"
-        )));
-    }
-    Ok(())
-}
-
-/// A keyframe checks the client's idea of the mirror against the mirror,
-/// before it overwrites (and so repairs) it.
-fn mirror_mismatch(
-    push: &ParsedPush,
-    state: &RankState,
-    order: &[usize],
-) -> Result<Option<rank::MirrorMismatch>, EngineError> {
-    match push.mirror_crc32 {
-        Some(claimed)
-            if push.kind == crate::wire::PushKind::Full
-                && state.has_keyframe
-                && state.mirror.is_some() =>
-        {
-            let found = state.mirror_crc32(order)?;
-            Ok((found != claimed).then_some(rank::MirrorMismatch {
-                client_crc32: format!("{claimed:08x}"),
-                server_crc32: format!("{found:08x}"),
-            }))
-        }
-        _ => Ok(None),
-    }
-}
-
-/// A new snapshot id: a ULID in lower case (26 characters, 48 bits of
-/// milliseconds then 80 random bits), unique across runs and servers and
-/// ordered by creation time as a string; safe as a path component. Ids
-/// made in the same millisecond by this process increase by one, so they
-/// stay ordered too. (Catalogs written before keep their
-/// `<kind>-<step>-<4 hex>` ids: ids are opaque everywhere else.)
-pub fn snapshot_id(_kind: SnapshotKind, _step: u64) -> String {
-    static GENERATOR: std::sync::Mutex<ulid::Generator> =
-        std::sync::Mutex::new(ulid::Generator::new());
-    let mut generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
-    let id = match generator.generate() {
-        Ok(id) => id,
-        // 2^80 ids in one millisecond: start a fresh random sequence.
-        Err(_) => ulid::Ulid::new(),
-    };
-    id.to_string().to_ascii_lowercase()
-}
-
-/// A new tensor with the same values, on the same device.
-pub fn deep_copy(t: &Tensor) -> Result<Tensor, tch::TchError> {
-    let mut out = t.f_empty_like()?;
-    out.f_copy_(t)?;
-    Ok(out)
-}
-
-/// A contiguous host tensor viewed as bytes, kept alive by the `Bytes` that
-/// owns it: responses stream tensor memory without copying it.
-struct HostTensorBytes {
-    tensor: Tensor,
-    len: usize,
-}
-
-// SAFETY: the tensor is only read through `as_ref`; tch tensors are `Send`.
-impl AsRef<[u8]> for HostTensorBytes {
-    fn as_ref(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: `tensor` is a contiguous CPU tensor of `len` bytes, owned
-        // by `self` and never written while shared.
-        unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.len) }
-    }
-}
-
-/// The bytes of a contiguous CPU tensor, without a copy.
-pub fn host_bytes(tensor: Tensor) -> bytes::Bytes {
-    debug_assert!(tensor.device() == Device::Cpu && tensor.is_contiguous());
-    let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
-    bytes::Bytes::from_owner(HostTensorBytes { tensor, len })
-}
-
-#[cfg(test)]
-mod snapshot_id_tests {
-    use super::{snapshot_id, SnapshotKind};
-
-    /// 100,000 ids made by four threads (as runs on different engines and
-    /// tasks would): all distinct, and every thread's ids increase, so
-    /// sorting ids sorts snapshots by creation; the time part is now.
-    #[test]
-    fn ids_are_unique_and_ordered_by_creation() {
-        let before = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
-        let threads: Vec<_> = (0..4)
-            .map(|t| {
-                std::thread::spawn(move || {
-                    (0..25_000)
-                        .map(|i| {
-                            snapshot_id(
-                                [SnapshotKind::Manual, SnapshotKind::State][(i + t) % 2],
-                                i as u64,
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        let per_thread: Vec<Vec<String>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        let mut all = std::collections::HashSet::new();
-        for ids in &per_thread {
-            assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids not increasing");
-            for id in ids {
-                assert_eq!(id.len(), 26);
-                assert!(id
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase()));
-                assert!(all.insert(id.clone()), "duplicate id {id}");
-            }
-        }
-        assert_eq!(all.len(), 100_000);
-        // The first 10 characters are the creation time in milliseconds.
-        let first = ulid::Ulid::from_string(&per_thread[0][0].to_ascii_uppercase()).unwrap();
-        let last = ulid::Ulid::from_string(&per_thread[0][24_999].to_ascii_uppercase()).unwrap();
-        assert!(first.timestamp_ms() >= before && last.timestamp_ms() >= first.timestamp_ms());
-        // One id made after all the others sorts after every one of them.
-        let later = snapshot_id(SnapshotKind::Manual, 0);
-        assert!(all.iter().all(|id| *id < later));
     }
 }

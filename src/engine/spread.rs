@@ -2,17 +2,18 @@
 //!
 //! Each rank lives on one engine (chosen when the run is installed, see
 //! [`crate::registry`]); per-rank work goes to that engine alone, and the
-//! few run-wide requests (the ranks' steps, a cut, a state capture, a
+//! few run-wide commands (the ranks' steps, a cut, a state capture, a
 //! comparison's exports, dropping the run) go to each of the run's engines
 //! at once and their answers are merged here.
 
+use std::future::Future;
 use std::sync::{Arc, RwLock};
 
 use futures::future::join_all;
 
 use super::capture::{RankCapture, RestoredRank};
 use super::shared::RunShared;
-use super::{CutScheduled, EmaExport, Engine, EngineError, EngineHandle};
+use super::{CutScheduled, EmaExport, EngineError, EngineHandle};
 
 /// The engines of one run on this node, and which holds each rank (ranks
 /// another node holds have none here). Ranks are added when this node
@@ -99,9 +100,7 @@ impl RunEngines {
     ) -> Result<(), EngineError> {
         let taken: Vec<u32> = ranks.iter().map(|(r, _)| *r).collect();
         let shared = self.shared.clone();
-        engine
-            .call(move |e| e.adopt(config, shared, ranks))
-            .await??;
+        engine.adopt(config, shared, ranks).await??;
         let mut layout = self.layout.write().expect("run engines lock");
         let i = match layout
             .handles
@@ -144,8 +143,7 @@ impl RunEngines {
             out
         };
         for (handle, ranks) in per_engine {
-            let name = run.to_string();
-            let _ = handle.call(move |e| e.release(&name, &ranks)).await;
+            let _ = handle.release(run, ranks).await;
         }
         freed
     }
@@ -154,26 +152,14 @@ impl RunEngines {
         &self.shared
     }
 
-    /// Runs `f` on every engine of the run (waiting for room in the
-    /// queues), all at once; the answers in engine order.
-    pub async fn call_all<R, F>(&self, f: F) -> Result<Vec<R>, EngineError>
+    /// Sends the command `send` makes to every engine of the run, all at
+    /// once; the answers in engine order.
+    async fn on_all<R, F, Fut>(&self, send: F) -> Result<Vec<R>, EngineError>
     where
-        R: Send + 'static,
-        F: Fn(&mut Engine) -> R + Clone + Send + 'static,
+        F: Fn(EngineHandle) -> Fut,
+        Fut: Future<Output = Result<R, EngineError>>,
     {
-        join_all(self.all().iter().map(|h| h.call(f.clone())))
-            .await
-            .into_iter()
-            .collect()
-    }
-
-    /// [`Self::call_all`], refused at once when a queue is full.
-    pub async fn try_call_all<R, F>(&self, f: F) -> Result<Vec<R>, EngineError>
-    where
-        R: Send + 'static,
-        F: Fn(&mut Engine) -> R + Clone + Send + 'static,
-    {
-        join_all(self.all().iter().map(|h| h.try_call(f.clone())))
+        join_all(self.all().into_iter().map(send))
             .await
             .into_iter()
             .collect()
@@ -181,8 +167,9 @@ impl RunEngines {
 
     /// Per rank: the last applied step (`None`: no data).
     pub async fn rank_steps(&self, run: &str) -> Result<Vec<Option<u64>>, EngineError> {
-        let name = run.to_string();
-        let per_engine = self.call_all(move |e| e.rank_steps(&name)).await?;
+        let per_engine = self
+            .on_all(|h| async move { h.rank_steps(run).await })
+            .await?;
         let mut out = vec![None; self.read().by_rank.len()];
         for steps in per_engine {
             for (slot, step) in out.iter_mut().zip(steps?) {
@@ -201,9 +188,11 @@ impl RunEngines {
         step: u64,
         profiles: Vec<usize>,
     ) -> Result<CutScheduled, EngineError> {
-        let (name, sid) = (run.to_string(), snapshot.to_string());
         let answers = self
-            .call_all(move |e| e.schedule_cut(&name, &sid, step, profiles.clone()))
+            .on_all(|h| {
+                let profiles = profiles.clone();
+                async move { h.schedule_cut(run, snapshot, step, profiles).await }
+            })
             .await?;
         let mut waiting = Vec::new();
         let mut refused = None;
@@ -228,8 +217,9 @@ impl RunEngines {
 
     /// Forgets a pending cut on every engine.
     pub async fn cancel_cut(&self, run: &str, snapshot: &str) {
-        let (name, sid) = (run.to_string(), snapshot.to_string());
-        let _ = self.call_all(move |e| e.cancel_cut(&name, &sid)).await;
+        let _ = self
+            .on_all(|h| async move { h.cancel_cut(run, snapshot).await })
+            .await;
     }
 
     /// A `state` capture of every rank holding data, each at its own last
@@ -242,16 +232,14 @@ impl RunEngines {
         snapshot: &str,
         force: bool,
     ) -> Result<Option<(Vec<RankCapture>, Vec<u64>)>, EngineError> {
-        let name = run.to_string();
         if !force {
-            let dirty = self.call_all(move |e| e.dirty(&name)).await?;
+            let dirty = self.on_all(|h| async move { h.dirty(run).await }).await?;
             if dirty.iter().all(|&d| d == 0) {
                 return Ok(None);
             }
         }
-        let (name, sid) = (run.to_string(), snapshot.to_string());
         let parts = self
-            .call_all(move |e| e.capture_state(&name, &sid, true))
+            .on_all(|h| async move { h.capture_state(run, snapshot, true).await })
             .await?;
         let mut captures = Vec::new();
         let mut covered = Vec::with_capacity(parts.len());
@@ -269,8 +257,7 @@ impl RunEngines {
         // Engines are only appended: the first `covered.len()` are the
         // ones that captured.
         for (h, n) in self.all().iter().zip(covered) {
-            let name = run.to_string();
-            h.call(move |e| e.mark_persisted(&name, n)).await?;
+            h.mark_persisted(run, n).await?;
         }
         Ok(())
     }
@@ -296,10 +283,10 @@ impl RunEngines {
             }
         }
         self.shared.reset_periodic(furthest);
-        let calls = handles.iter().zip(per_engine).map(|(h, part)| {
-            let name = run.to_string();
-            h.call(move |e| e.restore(&name, part))
-        });
+        let calls = handles
+            .iter()
+            .zip(per_engine)
+            .map(|(h, part)| h.restore(run, part));
         for answer in join_all(calls).await {
             answer??;
         }
@@ -312,8 +299,9 @@ impl RunEngines {
         run: &str,
         profile: &str,
     ) -> Result<Vec<(u32, EmaExport)>, EngineError> {
-        let (name, p) = (run.to_string(), profile.to_string());
-        let parts = self.try_call_all(move |e| e.export_all(&name, &p)).await?;
+        let parts = self
+            .on_all(|h| async move { h.export_all(run, profile).await })
+            .await?;
         let mut out = Vec::new();
         for part in parts {
             out.extend(part?);
@@ -324,7 +312,6 @@ impl RunEngines {
 
     /// Frees the run's tensors on every engine.
     pub async fn drop_run(&self, run: &str) {
-        let name = run.to_string();
-        let _ = self.call_all(move |e| e.drop_run(&name)).await;
+        let _ = self.on_all(|h| async move { h.drop_run(run).await }).await;
     }
 }

@@ -165,6 +165,13 @@ async fn exposition(state: &AppState) -> Response {
             .engine_queue
             .with_label_values(&[engine.label()])
             .set(engine.queued() as i64);
+        for (kind, n) in engine.queued_by_kind() {
+            state
+                .metrics()
+                .engine_queue_by_kind
+                .with_label_values(&[engine.label(), kind.as_str()])
+                .set(n as i64);
+        }
     }
     crate::services::snapshots::disk::refresh_gauge(state.snapshots());
     let lease_age = state.shared().lease.age().as_millis();

@@ -16,11 +16,10 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::clock::now_ms;
 use crate::engine::device;
-
 use crate::registry::{RankSummary, RunHandle};
 use crate::run::{RunConfig, RunSpec};
 use crate::services::runs;
-use crate::snapshot::format::profile_part;
+use crate::snapshot::convert::profile_part;
 use crate::state::AppState;
 use crate::store::snapshots::SnapshotRow;
 use crate::store::RunFinish;

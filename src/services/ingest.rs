@@ -523,7 +523,6 @@ impl Ingest {
             wire,
             budget,
         } = push;
-        let run_name = run.config.name.clone();
         let queued = Instant::now();
         let retry_after = self.ctx.args.retry_after_secs;
         let Some(engine) = run.engines.of(rank) else {
@@ -534,11 +533,7 @@ impl Ingest {
             .into());
         };
         let outcome = engine
-            .try_call(move |engine| {
-                let outcome = engine.push(&run_name, rank, step, parsed);
-                drop(budget);
-                outcome
-            })
+            .push(&run.config.name, rank, step, parsed, Box::new(budget))
             .await
             .map_err(|e| match e {
                 EngineError::QueueFull => ServiceError::busy(

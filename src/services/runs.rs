@@ -227,21 +227,18 @@ pub async fn rank_ema(
     profile: &str,
     cast: Option<DType>,
 ) -> Result<EmaExport, ServiceError> {
-    let (run_name, p) = (run.config.name.clone(), profile.to_string());
     let engine = run.engines.of(rank).ok_or_else(|| EngineError::NotHere {
         run: run.config.name.clone(),
         rank,
     })?;
-    let export = engine
-        .try_call(move |e| e.export_ema(&run_name, rank, &p))
-        .await??;
+    let export = engine.export_ema(&run.config.name, rank, profile).await??;
     Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)
 }
 
 /// Whether every engine thread still takes work.
 pub async fn engines_answer(ctx: &Context) -> bool {
     for engine in ctx.registry.engines() {
-        if engine.call(|_| ()).await.is_err() {
+        if engine.ping().await.is_err() {
             return false;
         }
     }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use super::files::{PartWriter, WrittenFile};
 use super::format::{self, BlockFill, StoredRange};
 use super::source::{PartLoc, PartReader};
-use crate::engine::rank::RankLayout;
+use crate::wire::layout::RankLayout;
 use crate::wire::DType;
 
 /// Elements per chunk: 1 MiB of float64 accumulator per output.
@@ -369,7 +369,7 @@ mod tests {
     }
 
     fn f32_layout(tensors: &[(&str, i64)]) -> RankLayout {
-        use crate::engine::rank::{LayoutTensor, Slot};
+        use crate::wire::layout::{LayoutTensor, Slot};
         let mut offset = 0;
         let tensors = tensors
             .iter()

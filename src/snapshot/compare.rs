@@ -13,7 +13,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::engine::rank::RankLayout;
+use crate::wire::layout::RankLayout;
 use crate::wire::DType;
 
 /// One rank's tensors: name -> (dtype, little-endian bytes).
@@ -271,7 +271,7 @@ pub fn read_rank_file(bytes: Bytes) -> Result<RankTensors, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::rank::{LayoutTensor, Slot};
+    use crate::wire::layout::{LayoutTensor, Slot};
     use crate::wire::Chunk;
 
     fn layout(tensors: Vec<(&str, Vec<i64>, Option<Chunk>)>) -> RankLayout {

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::capture::RankMeta;
-use crate::engine::rank::{Group, LayoutTensor, RankLayout, Slot};
+use crate::wire::layout::{Group, LayoutTensor, RankLayout, Slot};
 use crate::wire::{Chunk, DType};
 
 /// The format this version writes.
@@ -513,6 +513,7 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
+    use crate::snapshot::convert;
     use crate::snapshot::format::{self, FormatError};
 
     fn v0_dir() -> PathBuf {
@@ -653,11 +654,11 @@ mod tests {
         assert_eq!(keys["polyak.aliases"], r#"{"head":"w"}"#);
 
         let restored =
-            format::restore_rank(meta, &[fast], Some(&mirror), tch::Kind::Float).unwrap();
+            convert::restore_rank(meta, &[fast], Some(&mirror), tch::Kind::Float).unwrap();
         let layout = restored.meta.layout.clone();
         let mut ema = restored.ema;
         assert_eq!(ema.len(), 1);
-        let tensors = format::flat_tensors(&layout, ema.remove(0), restored.copied);
+        let tensors = convert::flat_tensors(&layout, ema.remove(0), restored.copied);
         let want = &expected["ema"]["0"]["fast"];
         let pushed = &expected["pushed"]["0"];
         let mut checked = 0;
@@ -754,7 +755,7 @@ mod tests {
         let mut metadata = st_metadata(&fast);
         metadata.insert(FORMAT_KEY.into(), "2".into());
         let newer = safetensors::serialize(st.tensors(), Some(metadata)).unwrap();
-        match format::restore_rank(meta, &[newer], None, tch::Kind::Float) {
+        match convert::restore_rank(meta, &[newer], None, tch::Kind::Float) {
             Err(FormatError::Meta(MetaError::Newer { found: 2 })) => {}
             Err(e) => panic!("refused for another reason: {e}"),
             Ok(_) => panic!("a format 2 part file was restored"),

@@ -4,7 +4,9 @@
 //! the snapshot lifecycle (cuts, persistence, retention, recovery) is the
 //! service in `services/snapshots`.
 //!
-//! - [`format`]: the safetensors layout of one rank's part.
+//! - [`format`]: the safetensors layout of one rank's part (encoding
+//!   only, no tensors).
+//! - [`convert`]: host tensors to parts, and ranks restored from parts.
 //! - [`meta`]: the versioned metadata stored with every part (the layout
 //!   and step bookkeeping a restore needs), and the compatibility rule.
 //! - [`files`]: durable writes (tmp, fsync, rename, dir fsync) and clean-up.
@@ -20,6 +22,7 @@
 pub mod assemble;
 pub mod combine;
 pub mod compare;
+pub mod convert;
 pub mod files;
 pub mod format;
 pub mod meta;

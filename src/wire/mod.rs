@@ -8,11 +8,13 @@
 //! - [`stats`]: per-rank wire bytes, logical bytes and codec time.
 //! - [`writer`]: safetensors headers for streamed responses.
 //! - [`dtype`]: the dtypes polyak keeps.
+//! - [`layout`]: the layout a rank registers with its first push.
 
 pub mod bodies;
 pub mod check;
 pub mod codec;
 pub mod dtype;
+pub mod layout;
 pub mod nonfinite;
 pub mod push;
 pub mod quant;

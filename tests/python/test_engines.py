@@ -82,6 +82,11 @@ def test_eight_ranks_over_two_cpu_engines(tmp_path):
             metrics = c.get("/metrics").text
             for engine in ("cpu#0", "cpu#1"):
                 assert f'polyak_engine_queue_depth{{device="{engine}"}}' in metrics
+                # The same count per kind of command, every kind listed
+                # (nothing waits now).
+                for kind in ("push", "export", "schedule_cut", "restore", "ping"):
+                    line = f'polyak_engine_queue_depth_by_kind{{device="{engine}",kind="{kind}"}} 0'
+                    assert line in metrics, line
 
             tr = EmaTrainer(11, BETAS, vocab=64, dim=32, hidden=48)
             cut = c.post(f"/v1/runs/{run}/snapshots", json={"step": 7})

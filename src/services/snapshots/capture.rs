@@ -197,10 +197,10 @@ pub(super) async fn write_rank(
             let tensors: Vec<tch::Tensor> =
                 tensors.into_iter().map(host).collect::<Result<_, _>>()?;
             Ok(if mirror {
-                format::mirror_part(&layout, tensors, meta)
+                convert::mirror_part(&layout, tensors, meta)
             } else {
                 let ema = tensors.into_iter().next().expect("one EMA tensor");
-                format::profile_part(&layout, ema, copies, meta)
+                convert::profile_part(&layout, ema, copies, meta)
             })
         })
         .await?;

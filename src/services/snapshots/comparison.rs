@@ -90,7 +90,7 @@ pub async fn live_tensors(
         for (rank, export) in exports {
             let host = export.to_host(None)?;
             let tensors =
-                crate::snapshot::format::flat_tensors(host.layout.as_ref(), host.ema, host.copied);
+                crate::snapshot::convert::flat_tensors(host.layout.as_ref(), host.ema, host.copied);
             out.insert(rank, (host.layout.clone(), tensors));
         }
         Ok(out)

@@ -68,7 +68,7 @@ use crate::run::RunConfig;
 pub use crate::services::error::SnapshotError;
 use crate::services::Context;
 use crate::snapshot::meta::{self, MetaError};
-use crate::snapshot::{assemble, compare, files, format};
+use crate::snapshot::{assemble, compare, convert, files, format};
 use crate::store::snapshots::{Fence, FileRow, SnapshotRow};
 use crate::store::writer::CatalogWriter;
 use crate::store::RunFinish;

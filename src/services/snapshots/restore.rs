@@ -64,7 +64,7 @@ pub(super) fn load_restorable(
             None
         };
         let restored =
-            format::restore_rank(meta, &profiles, mirror.as_deref(), config.ema_dtype.kind())
+            convert::restore_rank(meta, &profiles, mirror.as_deref(), config.ema_dtype.kind())
                 .map_err(|e| match e {
                     format::FormatError::Meta(m @ MetaError::Newer { .. }) => {
                         SnapshotError::Meta(m)
