@@ -336,19 +336,12 @@ impl ProfileSpec {
                 power,
                 update_after_step,
                 ..
-            } => {
-                if *update_after_step > MAX_STEP {
-                    return Err(field_err(
-                        format!("{at}.update_after_step"),
-                        "must be <= 2^53",
-                    ));
-                }
-                check_step_decay(
-                    at,
-                    [("decay", *decay), ("min_decay", *min_decay)],
-                    [("inv_gamma", *inv_gamma), ("power", *power)],
-                )?
-            }
+            } => check_step_decay(
+                at,
+                *update_after_step,
+                [("decay", *decay), ("min_decay", *min_decay)],
+                [("inv_gamma", *inv_gamma), ("power", *power)],
+            )?,
             ProfileSpec::Timm {
                 decay,
                 min_decay,
@@ -356,22 +349,15 @@ impl ProfileSpec {
                 warmup_power,
                 update_after_step,
                 ..
-            } => {
-                if *update_after_step > MAX_STEP {
-                    return Err(field_err(
-                        format!("{at}.update_after_step"),
-                        "must be <= 2^53",
-                    ));
-                }
-                check_step_decay(
-                    at,
-                    [("decay", *decay), ("min_decay", *min_decay)],
-                    [
-                        ("warmup_gamma", *warmup_gamma),
-                        ("warmup_power", *warmup_power),
-                    ],
-                )?
-            }
+            } => check_step_decay(
+                at,
+                *update_after_step,
+                [("decay", *decay), ("min_decay", *min_decay)],
+                [
+                    ("warmup_gamma", *warmup_gamma),
+                    ("warmup_power", *warmup_power),
+                ],
+            )?,
             ProfileSpec::Swa { start_step, .. } => {
                 if *start_step > MAX_STEP {
                     return Err(field_err(format!("{at}.start_step"), "must be <= 2^53"));
@@ -550,9 +536,16 @@ fn check_warmup(
 /// parameters > 0.
 fn check_step_decay(
     at: &str,
+    update_after_step: u64,
     unit: [(&str, f64); 2],
     positive: [(&str, f64); 2],
 ) -> Result<(), FieldError> {
+    if update_after_step > MAX_STEP {
+        return Err(field_err(
+            format!("{at}.update_after_step"),
+            "must be <= 2^53",
+        ));
+    }
     for (field, v) in unit {
         if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
             return Err(field_err(format!("{at}.{field}"), "must be in [0, 1]"));
@@ -765,6 +758,16 @@ mod tests {
                 serde_json::json!({"name": "r", "world_size": 1,
                     "profiles": [{"name": "t", "kind": "timm", "warmup_power": 0.0}]}),
                 "profiles[0].warmup_power",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "d", "kind": "diffusers", "update_after_step": MAX_STEP + 1}]}),
+                "profiles[0].update_after_step",
+            ),
+            (
+                serde_json::json!({"name": "r", "world_size": 1,
+                    "profiles": [{"name": "t", "kind": "timm", "update_after_step": MAX_STEP + 1}]}),
+                "profiles[0].update_after_step",
             ),
             (
                 serde_json::json!({"name": "r", "world_size": 1,

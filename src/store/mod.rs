@@ -30,6 +30,16 @@ use sqlx::{AnyPool, Executor, Row};
 use crate::contract::EventKind;
 use crate::run::RunConfig;
 
+/// How a `runs` row says the run finished (its `finished_*` columns).
+fn finish_of(row: &sqlx::any::AnyRow) -> Option<RunFinish> {
+    row.get::<Option<i64>, _>("finished_at_ms")
+        .map(|at_ms| RunFinish {
+            at_ms,
+            step: row.get::<Option<i64>, _>("finished_step").map(|s| s as u64),
+            snapshot: row.get("finished_snapshot"),
+        })
+}
+
 /// A run's finish lock across nodes (see [`Store::lock_finish`]).
 pub struct FinishLock {
     conn: sqlx::AnyConnection,
@@ -417,13 +427,7 @@ impl Store {
                     created_at_ms: row.get("created_at_ms"),
                     write_token_hash: row.get("write_token_hash"),
                     read_token_hash: row.get("read_token_hash"),
-                    finished: row
-                        .get::<Option<i64>, _>("finished_at_ms")
-                        .map(|at_ms| RunFinish {
-                            at_ms,
-                            step: row.get::<Option<i64>, _>("finished_step").map(|s| s as u64),
-                            snapshot: row.get("finished_snapshot"),
-                        }),
+                    finished: finish_of(&row),
                 })
             })
             .collect()
@@ -449,14 +453,7 @@ impl Store {
         .bind(name)
         .fetch_optional(self.pool())
         .await?;
-        Ok(row.and_then(|row| {
-            row.get::<Option<i64>, _>("finished_at_ms")
-                .map(|at_ms| RunFinish {
-                    at_ms,
-                    step: row.get::<Option<i64>, _>("finished_step").map(|s| s as u64),
-                    snapshot: row.get("finished_snapshot"),
-                })
-        }))
+        Ok(row.as_ref().and_then(finish_of))
     }
 
     /// Holds the run's finish lock across the nodes of a service until the
