@@ -13,13 +13,12 @@ import select
 import socket
 import subprocess
 import tarfile
-import time
 
 import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak_testing import PolyakServer
+from polyak_testing import PolyakServer, wait_for
 
 MAX_STEP = 2**53
 
@@ -61,16 +60,6 @@ def push(c: httpx.Client, run: str, step: int, body: bytes | None = None, **kw) 
     return c.put(f"/v1/runs/{run}/ranks/0/steps/{step}", content=content, **kw)
 
 
-def wait_for(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def complete_snapshot(c: httpx.Client, run: str, **body) -> dict:
     r = c.post(f"/v1/runs/{run}/snapshots", json=body)
     assert r.status_code == 202, r.text
@@ -80,7 +69,7 @@ def complete_snapshot(c: httpx.Client, run: str, **body) -> dict:
         row = c.get(f"/v1/runs/{run}/snapshots/{sid}").json()
         return row if row["status"] == "complete" else None
 
-    return wait_for(done, f"snapshot {sid}")
+    return wait_for(done, what=f"snapshot {sid}")
 
 
 def stale_alerts(c: httpx.Client, run: str) -> list[dict]:
@@ -104,11 +93,11 @@ def test_finished_runs_never_alert_stale_even_after_a_restart(fresh_server):
 
     # The unfinished run's rank goes stale (the rule's window has passed for
     # both runs); the finished one's never does.
-    wait_for(open_run_alerted, "the unfinished run's stale_rank alert")
+    wait_for(open_run_alerted, what="the unfinished run's stale_rank alert")
     assert stale_alerts(c, "done") == []
     srv.restart()
     c = httpx.Client(base_url=srv.url, timeout=30)
-    wait_for(open_run_alerted, "the unfinished run's stale_rank alert after the restart")
+    wait_for(open_run_alerted, what="the unfinished run's stale_rank alert after the restart")
     assert stale_alerts(c, "done") == []
     listed = {r["name"]: r for r in c.get("/v1/runs").json()["runs"]}
     assert listed["done"]["alerts_firing"] == 0

@@ -26,20 +26,9 @@ import httpx
 import pytest
 import safetensors.torch
 import torch
-from polyak_testing import Backends, PolyakServer, PostgresService, state_step
+from polyak_testing import Backends, PolyakServer, PostgresService, state_step, wait_for
 
 LEASE = 3.0
-
-
-def _wait(check, timeout: float, what: str, seen=lambda: None):
-    """Polls ``check`` until it answers something true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {seen()}"
-        time.sleep(0.1)
 
 
 def _body(step: int, rank: int, shape=(64, 64)) -> bytes:
@@ -116,7 +105,7 @@ def test_a_paused_node_completes_no_stale_state(tmp_path, backends: Backends):
         for step in range(5):
             for rank in (0, 1):
                 _push(a.url, run, rank, step)
-        _wait(lambda: state_step(a.url, run, 0) == 4, 30, "a's state snapshot at step 4")
+        wait_for(lambda: state_step(a.url, run, 0) == 4, 30, "a's state snapshot at step 4")
 
         # The store stops answering: a's next state snapshot of rank 0 is
         # captured and then hangs in its upload.
@@ -133,14 +122,14 @@ def test_a_paused_node_completes_no_stale_state(tmp_path, backends: Backends):
                 if s["status"] == "pending" and s["detail"]["rank_steps"].get("0", 0) > 4
             ]
 
-        stale = _wait(writing, 30, "a's state snapshot of rank 0 being written")
+        stale = wait_for(writing, 30, "a's state snapshot of rank 0 being written")
         os.kill(a.pid, signal.SIGSTOP)
         paused.append(a.pid)
         os.kill(s3.proc.pid, signal.SIGCONT)
         paused.remove(s3.proc.pid)
 
         # b takes rank 0 over (epoch 2) and persists it past a's steps.
-        _wait(
+        wait_for(
             lambda: (
                 _placement(b.url, run)["0"]["node"] == "node-b"
                 and _placement(b.url, run)["0"]["epoch"] == 2
@@ -151,7 +140,7 @@ def test_a_paused_node_completes_no_stale_state(tmp_path, backends: Backends):
         for step in range(8, 13):
             for rank in (0, 1):
                 _push(b.url, run, rank, step)
-        _wait(lambda: state_step(b.url, run, 0) == 12, 30, "b's state snapshot at step 12")
+        wait_for(lambda: state_step(b.url, run, 0) == 12, 30, "b's state snapshot at step 12")
 
         os.kill(a.pid, signal.SIGCONT)
         paused.remove(a.pid)
@@ -163,13 +152,13 @@ def test_a_paused_node_completes_no_stale_state(tmp_path, backends: Backends):
             # Absent: completed, then pruned by retention as older state.
             return {sid: listed.get(sid) for sid in stale}
 
-        ended = _wait(settled, 60, "a's stale snapshot to end")
+        ended = wait_for(settled, 60, "a's stale snapshot to end")
         for sid, s in ended.items():
             assert s is not None and s["status"] == "failed", (sid, s)
             assert (s["reason"] or "").startswith("fenced:"), s
         assert _metric(a.url, "polyak_snapshot_parts_fenced_total") >= 1
         # a let rank 0 go once it renewed.
-        _wait(lambda: _placement(a.url, run)["0"]["node"] == "node-b", 30, "a to see b's rank 0")
+        wait_for(lambda: _placement(a.url, run)["0"]["node"] == "node-b", 30, "a to see b's rank 0")
 
         # b dies: a takes both ranks over, rank 0 from b's state at step 12.
         b.kill()
@@ -179,7 +168,7 @@ def test_a_paused_node_completes_no_stale_state(tmp_path, backends: Backends):
             failover = view.get("failover") or {}
             return failover if failover.get("epoch") == 3 else None
 
-        failover = _wait(taken_again, 60, "a taking rank 0 over from b")
+        failover = wait_for(taken_again, 60, "a taking rank 0 over from b")
         assert failover["from_node"] == "node-b" and failover["epoch"] == 3, failover
         assert failover["restored_step"] == 12, failover
         assert failover["snapshot"] not in stale
@@ -215,11 +204,11 @@ def test_state_captures_stay_bounded_while_the_store_hangs(tmp_path, backends: B
         for _ in range(4):
             _push(srv.url, run, 0, step, bodies[step % 4])
             step += 1
-        _wait(lambda: state_step(srv.url, run, 0) == step - 1, 60, "a first state snapshot")
+        wait_for(lambda: state_step(srv.url, run, 0) == step - 1, 60, "a first state snapshot")
         # A second round, so the baseline holds what a written capture leaves.
         _push(srv.url, run, 0, step, bodies[step % 4])
         step += 1
-        _wait(lambda: state_step(srv.url, run, 0) == step - 1, 60, "a second state snapshot")
+        wait_for(lambda: state_step(srv.url, run, 0) == step - 1, 60, "a second state snapshot")
         base = _rss(srv.pid)
 
         os.kill(s3.proc.pid, signal.SIGSTOP)
@@ -247,7 +236,7 @@ def test_state_captures_stay_bounded_while_the_store_hangs(tmp_path, backends: B
         os.kill(s3.proc.pid, signal.SIGCONT)
         paused = False
         last = step - 1
-        _wait(lambda: state_step(srv.url, run, 0) == last, 120, "state persisted again")
+        wait_for(lambda: state_step(srv.url, run, 0) == last, 120, "state persisted again")
     finally:
         if paused:
             os.kill(s3.proc.pid, signal.SIGCONT)

@@ -71,7 +71,7 @@ from nemesis import (
     weights,
 )
 from polyak import RetryPolicy
-from polyak_testing import Backends, NetLab
+from polyak_testing import Backends, NetLab, wait_for
 
 LEASE = 3.0
 BETA = 0.9
@@ -463,32 +463,25 @@ def test_pushes_during_a_stalled_state_write_are_persisted(tmp_path, backends: B
             with run.pusher(rank=0) as p:
                 p.push({"w": weights(1, 0, 0)}, 0)
                 p.flush()
-                _until(lambda: newest_complete() == 0, "step 0 persisted")
+                wait_for(lambda: newest_complete() == 0, 30, "step 0 persisted")
                 assert s3.proc is not None
                 os.kill(s3.proc.pid, signal.SIGSTOP)
                 stalled = True
                 p.push({"w": weights(1, 0, 1)}, 1)
                 p.flush()
-                _until(lambda: pending() == 1, "the write of step 1")
+                wait_for(lambda: pending() == 1, 30, "the write of step 1")
                 for step in (2, 3):
                     p.push({"w": weights(1, 0, step)}, step)
                     p.flush()
                 before = skipped()
-                _until(lambda: skipped() >= before + 2, "due persists skipped")
+                wait_for(lambda: skipped() >= before + 2, 30, "due persists skipped")
                 assert pending() == 1, "a second state write started under the stalled one"
                 os.kill(s3.proc.pid, signal.SIGCONT)
                 stalled = False
-                _until(lambda: pending() == 0, "the write to finish")
+                wait_for(lambda: pending() == 0, 30, "the write to finish")
                 # Several persist intervals: step 3 is written, or never.
-                _until(lambda: newest_complete() == 3, "step 3 persisted", timeout=10)
+                wait_for(lambda: newest_complete() == 3, 10, "step 3 persisted")
     finally:
         if stalled and s3.proc is not None:
             os.kill(s3.proc.pid, signal.SIGCONT)
         srv.stop()
-
-
-def _until(check, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)

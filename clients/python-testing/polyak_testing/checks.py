@@ -133,16 +133,24 @@ def state_step(url: str, run: str, rank: int) -> int | None:
     return max((s for s in steps if s is not None), default=None)
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
+def wait_for(
+    cond: Callable[[], Any],
+    timeout: float = 60.0,
+    what: str = "condition",
+    seen: Callable[[], Any] | None = None,
+) -> Any:
     """Polls ``cond`` until it answers something true (returned), or fails
-    naming ``what`` after ``timeout`` seconds."""
+    naming ``what`` after ``timeout`` seconds (and, with ``seen``, what was
+    there instead)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = cond()
         if value:
             return value
+        if time.monotonic() >= deadline:
+            instead = f": {seen()}" if seen is not None else ""
+            raise AssertionError(f"timed out waiting for {what}{instead}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stderr_on_a_terminal(

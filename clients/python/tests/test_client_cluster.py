@@ -34,7 +34,7 @@ import pytest
 import safetensors.torch
 import torch
 from polyak.wire import ALIASES_KEY, SHARDS_KEY, read_safetensors
-from polyak_testing import Backends, NetLab, TcpProxy, read_sse
+from polyak_testing import Backends, NetLab, TcpProxy, read_sse, wait_for
 from polyak_testing.refs import assert_state_close
 from polyak_workers import dcp_loads, run_ranks, snapshot_worker
 from test_client_distributed import _check, _train
@@ -97,18 +97,6 @@ def _events(url: str, run_name: str, kind: str, **params) -> list[dict]:
     ).json()
 
 
-def _wait(check, timeout: float, what, seen=lambda: None):
-    """Polls ``check`` until it answers something true; ``seen`` says what
-    was there instead when it never does."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {seen()}"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_fsdp2_over_three_nodes(cluster, backends: Backends, tmp_path, run_name):
     catalog, (a, b, c) = cluster
@@ -145,7 +133,7 @@ def test_fsdp2_over_three_nodes(cluster, backends: Backends, tmp_path, run_name)
                     ranks = view.refresh()["ranks"]
                     return all(r["last_step"] == steps - 1 for r in ranks) and ranks
 
-                ranks = _wait(
+                ranks = wait_for(
                     caught_up,
                     30,
                     f"{node.url} to show every rank",
@@ -188,7 +176,7 @@ def test_fsdp2_over_three_nodes(cluster, backends: Backends, tmp_path, run_name)
         assert followed.json()["applied"] is True
         assert str(followed.url).startswith(placement[rank]["url"])
         # Shown by every node once the owner's catalog row says so.
-        _wait(lambda: run_c.rank(rank)["last_step"] == steps, 30, "the redirected push to show")
+        wait_for(lambda: run_c.rank(rank)["last_step"] == steps, 30, "the redirected push to show")
 
     # No push asked the catalog anything while it was answered (rank rows and
     # events go through each node's batched writer), on any node.
@@ -240,7 +228,7 @@ def test_runs_created_on_one_node_are_known_to_all(cluster):
             counts = sorted(n["ranks"] for n in nodes)
             return counts if counts == [1, 2, 2] else None
 
-        _wait(held, 20, "the nodes to report the ranks they hold")
+        wait_for(held, 20, "the nodes to report the ranks they hold")
         # Deleted on b: gone from every node.
         with polyak.Client(b.url) as other:
             other.delete_run("everywhere")
@@ -356,7 +344,7 @@ def test_a_cut_across_nodes_downloads_from_a_node_holding_none(cluster, tmp_path
             r = httpx.put(f"{owner}/v1/runs/{run_name}/ranks/{rank}/steps/{steps}", content=body)
             assert r.status_code == 409 and r.json()["error"]["code"] == "run_finished", r.text
         for node in (a, b, c):
-            _wait(
+            wait_for(
                 lambda node=node: (
                     httpx.get(f"{node.url}/v1/runs/{run_name}").json().get("finished")
                 ),
@@ -473,7 +461,7 @@ def test_periodic_cuts_meet_in_one_row(cluster, run_name):
             done = [s for s in rows if s["status"] == "complete"]
             return rows if len(done) == len(anchors) else None
 
-        rows = _wait(periodic, 60, "the periodic snapshots", lambda: run.snapshots())
+        rows = wait_for(periodic, 60, "the periodic snapshots", lambda: run.snapshots())
         assert [s["step"] for s in rows] == sorted(anchors)
         for row in rows:
             full = run.download(run.wait_snapshot(row["id"]), "e", progress=False)
@@ -524,7 +512,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
             return r
 
         # b knows of a (its renewals list the nodes) and acknowledges.
-        _wait(lambda: push().status_code == 200, 10, "b to acknowledge")
+        wait_for(lambda: push().status_code == 200, 10, "b to acknowledge")
         time.sleep(lease / 3 + 0.5)
         assert push().status_code == 200
 
@@ -566,7 +554,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
 
         # a took b's rank over once b's lease expired (epoch 2), after b's
         # last acknowledgement.
-        node, at_ms = _wait(
+        node, at_ms = wait_for(
             lambda: _taken_over(backends, catalog, run_name), 15, "a to take b's rank over"
         )
         assert node == "node-a" and int(at_ms) > last_ack_ms, (at_ms, last_ack_ms)
@@ -579,7 +567,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
             assert r.status_code in (503, 307), r.text
             return r if r.status_code == 307 else None
 
-        moved = _wait(sent_on, 15, "b to send its rank's pushes on to a")
+        moved = wait_for(sent_on, 15, "b to send its rank's pushes on to a")
         assert moved.json()["error"]["code"] == "rank_elsewhere"
         assert moved.headers["location"].startswith(a.url)
         r = httpx.put(moved.headers["location"], content=body, timeout=10)
@@ -592,7 +580,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         def pushed() -> list[int]:
             return [e["step"] for e in _events(a.url, run_name, "push") if e["rank"] == 1]
 
-        _wait(lambda: cut_steps <= set(pushed()), 20, "b's events of the cut", pushed)
+        wait_for(lambda: cut_steps <= set(pushed()), 20, "b's events of the cut", pushed)
         steps = pushed()
         assert len(steps) == len(set(steps)) == step + 1, steps
         metrics = httpx.get(f"{b.url}/metrics", timeout=10).text
@@ -601,7 +589,7 @@ def test_a_node_cut_off_from_the_catalog_stops_acknowledging(
         held = re.search(r"^polyak_catalog_writer_held (\d+)", metrics, re.M)
         dropped = re.search(r"^polyak_catalog_events_dropped_total (\d+)", metrics, re.M)
         assert held and dropped and int(dropped.group(1)) == 0, metrics
-        _wait(
+        wait_for(
             lambda: (
                 _catalog_rows(
                     backends,
@@ -661,13 +649,13 @@ def test_pushes_resent_side_by_side_after_a_failover_apply_in_step_order(
             for step in (3, 4):
                 assert put(b.url, 1, step, **{"Polyak-Prev-Step": str(step - 1)}).status_code == 200
             # The catalog has seen b apply step 4 (a shows b's ranks from it).
-            _wait(
+            wait_for(
                 lambda: httpx.get(f"{a.url}/v1/runs/{run_name}/ranks/1").json()["last_step"] == 4,
                 10,
                 "the catalog to see step 4",
             )
             b.kill()
-            _wait(
+            wait_for(
                 lambda: run.placement()[1]["node"] == "node-a",
                 20,
                 "a to take rank 1 over",
@@ -788,19 +776,19 @@ def test_a_node_whose_link_is_cut_stops_before_its_rank_is_taken(
             daemon=True,
         ).start()
         # b acknowledges, and has renewed with a live (fencing applies).
-        _wait(lambda: sum(x["status"] == 200 for x in answers) >= 5, 20, "b to acknowledge")
+        wait_for(lambda: sum(x["status"] == 200 for x in answers) >= 5, 20, "b to acknowledge")
         time.sleep(lease / 3 + 0.5)
         cut_ms = time.time() * 1000
         host.cut()
 
-        node, at_ms = _wait(
+        node, at_ms = wait_for(
             lambda: _taken_over(backends, catalog, run_name), 20, "a to take b's rank over"
         )
         taken_ms = int(at_ms)
         assert node == "node-a"
         time.sleep(1.0)
         host.mend()
-        _wait(lambda: any(x["status"] == 307 for x in answers), 20, "b to send the rank on to a")
+        wait_for(lambda: any(x["status"] == 307 for x in answers), 20, "b to send the rank on to a")
         pusher.wait(timeout=until - time.time() + 10)
 
         acked = [x["at_ms"] for x in answers if x["status"] == 200]
@@ -850,7 +838,7 @@ def test_a_peer_cut_off_mid_connection_holds_no_request(
             waited = time.monotonic() - started
             # Told within the control calls' limit, not the 300 s of a read.
             assert waited < 30, waited
-            _wait(
+            wait_for(
                 lambda: client.run(run_name).placement()[1]["node"] == "node-a",
                 60,
                 "a to take b's rank over",
@@ -888,7 +876,7 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
 
     keys = [f"stale_rank:{r}" for r in range(3)]
     push(0)
-    _wait(
+    wait_for(
         lambda: all((k, "firing") in transitions() for k in keys),
         20,
         "every rank's stale alert",
@@ -908,7 +896,7 @@ def test_a_stale_rank_is_alerted_once_by_its_owner(cluster, run_name):
         assert (listed["firing"], listed["nodes"], listed["unreachable"]) == (3, 3, []), listed
         assert len({x["id"] for x in listed["alerts"]}) == 3, listed
     push(1)
-    _wait(
+    wait_for(
         lambda: all((k, "resolved") in transitions() for k in keys),
         20,
         "every rank's stale alert resolved",
