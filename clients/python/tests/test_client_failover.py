@@ -27,9 +27,9 @@ import pytest
 import torch
 from ema_pytorch import EMA
 from polyak import RetryPolicy
-from polyak_testing import Backends, state_step
+from polyak_testing import Backends, state_step, wait_for
 from polyak_testing.refs import TinyTransformer, Trainer, averaged_state, ema_pytorch_state, rel_err
-from test_client_cluster import _catalog_rows, _wait
+from test_client_cluster import _catalog_rows
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 LEASE = 3.0
@@ -124,7 +124,7 @@ def test_a_killed_nodes_ranks_are_taken_over(
             for p in pushers:
                 p.flush()
             # b writes its rank's state; then acknowledges steps it will lose.
-            _wait(
+            wait_for(
                 lambda: state_step(a.url, run_name, lost_rank) == PERSISTED,
                 30,
                 "b's state snapshot",
@@ -167,7 +167,7 @@ def test_a_killed_nodes_ranks_are_taken_over(
                 f = run.rank(lost_rank).get("failover")
                 return f if f and f.get("lost_steps") is not None else None
 
-            failover = _wait(reported, 30, "the failover report", lambda: run.rank(lost_rank))
+            failover = wait_for(reported, 30, "the failover report", lambda: run.rank(lost_rank))
             restored, resumed = failover["restored_step"], failover["resumed_step"]
             assert failover["from_node"] == "node-b" and failover["epoch"] == 2, failover
             assert PERSISTED <= restored < KILL_AT, failover
@@ -227,7 +227,7 @@ def test_a_killed_nodes_ranks_are_taken_over(
             # b restarts and rejoins: it holds none of the old run, and a new
             # run is placed on it too.
             b.start()
-            _wait(
+            wait_for(
                 lambda: any(
                     n["node"] == "node-b" and n["status"] == "live"
                     for n in httpx.get(f"{a.url}/v1/nodes", timeout=10).json()["nodes"]
@@ -243,7 +243,7 @@ def test_a_killed_nodes_ranks_are_taken_over(
             with fresh.pusher(rank=rank_on_b) as p:
                 p.push({"w": torch.arange(4.0)}, 0)
                 p.flush()
-            _wait(lambda: fresh.rank(rank_on_b)["last_step"] == 0, 30, "b's push to show")
+            wait_for(lambda: fresh.rank(rank_on_b)["last_step"] == 0, 30, "b's push to show")
     finally:
         for node in (a, b, c):
             node.stop()
