@@ -1,6 +1,7 @@
 //! The closed sets of values the contract names (`docs/contract.md`):
-//! snapshot kinds and statuses, how a manual cut chose its step, and the
-//! kinds of events. Each is a serde enum whose JSON (and catalog) spelling
+//! snapshot kinds and statuses, how a manual cut chose its step, the kinds
+//! of events, run health, rank and node statuses, alert kinds and states,
+//! and download layouts. Each is a serde enum whose JSON (and catalog) spelling
 //! is the documented string; the catalog, the event bus, the API and the
 //! OpenAPI schema all use these types, and `clients/python/polyak/contract.py`
 //! names the same values (a test compares the two).
@@ -186,6 +187,93 @@ string_enum! {
     }
 }
 
+string_enum! {
+    /// A run's `health`, from its ranks' statuses.
+    RunHealth, "run health" {
+        /// Every rank pushed recently.
+        Healthy = "healthy",
+        /// Some rank is stale, or known from the catalog and not restored.
+        Degraded = "degraded",
+        /// Some ranks pushed, others never did.
+        Waiting = "waiting",
+        /// No rank pushed yet.
+        Idle = "idle",
+        /// Ended by `POST .../finish`.
+        Finished = "finished",
+    }
+}
+
+string_enum! {
+    /// A rank's `status`.
+    RankStatus, "rank status" {
+        /// Pushing recently.
+        Live = "live",
+        /// No push for longer than its `stale_after_seconds`.
+        Stale = "stale",
+        /// Never pushed.
+        NeverSeen = "never_seen",
+        /// Known from the catalog; its EMA is not in memory since a restart.
+        NotRestored = "not_restored",
+        /// Its run is finished.
+        Finished = "finished",
+    }
+}
+
+string_enum! {
+    /// A node's `status` (`GET /v1/nodes`).
+    NodeStatus, "node status" {
+        /// Its lease is held.
+        Live = "live",
+        /// Its lease was not renewed in time.
+        Expired = "expired",
+        /// It stopped gracefully.
+        Left = "left",
+    }
+}
+
+string_enum! {
+    /// An alert's `kind`: the condition it watches.
+    AlertKind, "alert kind" {
+        /// A rank without a push for longer than the rule allows.
+        StaleRank = "stale_rank",
+        /// A rank pushed non-finite values.
+        Nonfinite = "nonfinite",
+        MetricAbove = "metric_above",
+        MetricBelow = "metric_below",
+        /// A metric without a new best for `patience` steps.
+        NoImprovement = "no_improvement",
+        /// The data directory's free space under the rule's fraction.
+        DiskFull = "disk_full",
+        SnapshotFailed = "snapshot_failed",
+        /// A stored part read back other than it was written.
+        SnapshotCorrupt = "snapshot_corrupt",
+    }
+}
+
+string_enum! {
+    /// An alert's `state`.
+    AlertState, "alert state" {
+        /// Its condition holds.
+        Firing = "firing",
+        /// Its condition cleared.
+        Resolved = "resolved",
+    }
+}
+
+string_enum! {
+    /// `layout=` of a snapshot download.
+    DownloadLayout, "download layout" {
+        /// One safetensors file of whole tensors.
+        Full = "full",
+        /// One file per rank, for `torch.distributed.checkpoint`.
+        Sharded = "sharded",
+        /// HF-style shards with their index.
+        Hf = "hf",
+        /// One stored file as it is (`rank=`).
+        Rank = "rank",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +302,12 @@ mod tests {
         check(EventKind::ALL);
         check(CandidateKind::ALL);
         check(BestMode::ALL);
+        check(RunHealth::ALL);
+        check(RankStatus::ALL);
+        check(NodeStatus::ALL);
+        check(AlertKind::ALL);
+        check(AlertState::ALL);
+        check(DownloadLayout::ALL);
         assert_eq!(EventKind::MirrorMismatch.as_str(), "mirror_mismatch");
         assert_eq!(CutKind::NextUpdate.as_str(), "next_update");
     }

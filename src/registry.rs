@@ -9,6 +9,7 @@ use prometheus::IntGauge;
 use sha2::{Digest, Sha256};
 
 use crate::clock::now_ms;
+use crate::contract::NodeStatus;
 use crate::engine::capture::{CaptureEvent, RestoredRank};
 use crate::engine::rank::RankLayout;
 use crate::engine::shared::RunShared;
@@ -478,7 +479,7 @@ impl Registry {
             id == self.node_id
                 || nodes
                     .iter()
-                    .any(|n| n.info.node_id == id && n.status == "live")
+                    .any(|n| n.info.node_id == id && n.status == NodeStatus::Live)
         };
         let orphans: Vec<(u32, Option<u64>)> = placed
             .iter()

@@ -295,6 +295,12 @@ fn openapi_enums_are_the_python_clients_and_the_docs() {
         "EventKind",
         "CandidateKind",
         "BestMode",
+        "RunHealth",
+        "RankStatus",
+        "NodeStatus",
+        "AlertKind",
+        "AlertState",
+        "DownloadLayout",
     ];
     for set in sets {
         let served: Vec<String> = schemas[set]["enum"]
@@ -329,6 +335,33 @@ fn openapi_enums_are_the_python_clients_and_the_docs() {
         schemas["StoredEvent"]["properties"]["kind"]["$ref"],
         "#/components/schemas/EventKind"
     );
+    for (schema, property, set) in [
+        ("RunView", "health", "RunHealth"),
+        ("RankView", "status", "RankStatus"),
+        ("NodeView", "status", "NodeStatus"),
+        ("Alert", "kind", "AlertKind"),
+        ("Alert", "state", "AlertState"),
+    ] {
+        assert_eq!(
+            schemas[schema]["properties"][property]["$ref"],
+            format!("#/components/schemas/{set}"),
+            "{schema}.{property}"
+        );
+    }
+    let download = spec["paths"]["/v1/runs/{run}/snapshots/{id}/download"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "layout")
+        .cloned()
+        .unwrap();
+    assert!(
+        download["schema"]
+            .to_string()
+            .contains("#/components/schemas/DownloadLayout"),
+        "{download}"
+    );
+    assert_eq!(download["in"], "query", "{download}");
 }
 
 #[test]
@@ -359,6 +392,28 @@ fn openapi_document_says_what_the_server_does() {
             }
             if op["requestBody"].is_object() {
                 assert!(op["responses"]["408"].is_object(), "{method} {path}: 408");
+            }
+            // A path parameter is one the path names; a query parameter a
+            // request may leave out (its schema admits null) is optional.
+            for p in op["parameters"].as_array().into_iter().flatten() {
+                let name = p["name"].as_str().unwrap();
+                match p["in"].as_str() {
+                    Some("path") => assert!(
+                        path.contains(&format!("{{{name}}}")),
+                        "{method} {path}: `{name}` is documented as a path parameter"
+                    ),
+                    Some("query") => {
+                        let nullable = p["schema"].to_string().contains(r#""type":"null""#)
+                            || p["schema"]["type"]
+                                .as_array()
+                                .is_some_and(|t| t.contains(&json!("null")));
+                        if nullable {
+                            assert_eq!(p["required"], json!(false), "{method} {path}: `{name}`");
+                        }
+                    }
+                    Some("header") => {}
+                    other => panic!("{method} {path}: `{name}` in {other:?}"),
+                }
             }
         }
     }

@@ -116,6 +116,7 @@ pub async fn posthoc(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PlanQuery {
     /// One `sigma_rel`, or several separated by commas.
     pub sigma_rel: String,

@@ -105,7 +105,7 @@ impl IntoResponse for ApiError {
 impl From<ServiceError> for ApiError {
     fn from(e: ServiceError) -> Self {
         ApiError {
-            status: StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            status: StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
             code: e.code,
             message: e.message,
             field: e.field,

@@ -40,6 +40,7 @@ pub async fn post(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct EvalQuery {
     /// Only evaluations that measured this metric.
     pub metric: Option<String>,
@@ -85,6 +86,7 @@ pub async fn list(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct BestQuery {
     pub metric: String,
     /// `min` (default) or `max`.

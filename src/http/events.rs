@@ -24,6 +24,7 @@ use crate::state::AppState;
 use crate::store::{EventCursor, EventPlace, StoredEvent};
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct EventsQuery {
     /// Only events after the one with this id, in the stream's order (SSE
     /// also reads `Last-Event-ID`, and prefers it).

@@ -244,7 +244,10 @@ pub async fn list_alerts(
     alerts.sort_by_key(|a| std::cmp::Reverse((a.fired_at_ms, a.id)));
     let rules = run.meta.lock().expect("meta lock").alerts.clone();
     Ok(Json(AlertList {
-        firing: alerts.iter().filter(|a| a.state == "firing").count(),
+        firing: alerts
+            .iter()
+            .filter(|a| a.state == crate::contract::AlertState::Firing)
+            .count(),
         alerts,
         rules,
         nodes: 1 + peers.len() - unreachable.len(),
@@ -310,6 +313,7 @@ pub async fn ack_alert(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct TensorDriftQuery {
     /// Profile name; default the run's first profile.
     pub profile: Option<String>,
@@ -399,6 +403,7 @@ pub async fn tensor_drift(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct WindowQuery {
     /// Points per profile (default 200, at most 2000).
     pub points: Option<u64>,

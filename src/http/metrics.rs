@@ -121,6 +121,7 @@ pub async fn post(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct MetricsQuery {
     /// Comma-separated series names (default: all).
     pub names: Option<String>,

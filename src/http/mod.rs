@@ -92,6 +92,8 @@ use openapi::Contract;
         crate::run::alerts::MetricRule, crate::run::alerts::Goal, crate::services::alerts::Alert,
         crate::services::evals::NewEval, crate::services::evals::Evaluation, crate::services::evals::Best,
         evals::EvalList, crate::contract::CandidateKind, crate::contract::BestMode,
+        crate::contract::RunHealth, crate::contract::RankStatus, crate::contract::NodeStatus,
+        crate::contract::AlertKind, crate::contract::AlertState, crate::contract::DownloadLayout,
     )),
     tags(
         (name = "runs", description = "Create, list and delete runs"),

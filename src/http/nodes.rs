@@ -7,6 +7,7 @@ use utoipa::ToSchema;
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
+use crate::contract::NodeStatus;
 use crate::services::nodes;
 use crate::state::AppState;
 
@@ -30,7 +31,7 @@ pub struct NodeView {
     /// How long a lease lasts (`--lease-secs`).
     pub lease_seconds: f64,
     /// `live`, `expired` (lease not renewed in time) or `left` (stopped).
-    pub status: String,
+    pub status: NodeStatus,
     /// This is the node answering.
     pub this: bool,
 }
@@ -67,7 +68,7 @@ pub async fn list(
                 renewed_at_ms: r.renewed_at_ms,
                 lease_age_seconds: r.lease_age_ms as f64 / 1000.0,
                 lease_seconds: r.info.lease_ms as f64 / 1000.0,
-                status: r.status.to_string(),
+                status: r.status,
             })
             .collect(),
     }))

@@ -114,6 +114,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 /// series name every run. (`--metrics-bind` serves it without one on a
 /// separate, loopback address, for scrapers.)
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct VerifyQuery {
     /// Only this run's snapshots (default every run's).
     pub run: Option<String>,

@@ -15,6 +15,7 @@ use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{rank_of, run_named, ApiJson, ApiQuery, MaybeJson};
 use crate::clock::now_ms;
+use crate::contract::{RankStatus, RunHealth};
 use crate::engine::device;
 use crate::registry::{RankSummary, RunHandle};
 use crate::run::{RunConfig, RunSpec};
@@ -43,7 +44,7 @@ pub struct RunView {
     /// `healthy` (every rank live), `degraded` (some rank stale or not
     /// restored), `waiting` (some ranks never pushed), `idle` (none did) or
     /// `finished` (`POST .../finish`; its ranks show `finished` too).
-    pub health: String,
+    pub health: RunHealth,
     /// How the run ended, once finished.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished: Option<RunFinish>,
@@ -88,23 +89,26 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         .map(|(r, s)| {
             let mut view = RankView::new(r as u32, s, furthest, false, owners.get(r));
             // A finished run's ranks stopped on purpose: not stale.
-            if finished.is_some() && matches!(view.status.as_str(), "live" | "stale") {
-                view.status = "finished".into();
+            if finished.is_some() && matches!(view.status, RankStatus::Live | RankStatus::Stale) {
+                view.status = RankStatus::Finished;
             }
             view
         })
         .collect();
-    let seen: Vec<&RankView> = ranks.iter().filter(|r| r.status != "never_seen").collect();
+    let seen: Vec<&RankView> = ranks
+        .iter()
+        .filter(|r| r.status != RankStatus::NeverSeen)
+        .collect();
     let health = if finished.is_some() {
-        "finished"
+        RunHealth::Finished
     } else if seen.is_empty() {
-        "idle"
-    } else if seen.iter().any(|r| r.status != "live") {
-        "degraded"
+        RunHealth::Idle
+    } else if seen.iter().any(|r| r.status != RankStatus::Live) {
+        RunHealth::Degraded
     } else if seen.len() < ranks.len() {
-        "waiting"
+        RunHealth::Waiting
     } else {
-        "healthy"
+        RunHealth::Healthy
     };
     let (tags, note) = {
         let meta = run.meta.lock().expect("meta lock");
@@ -119,7 +123,7 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         min_step: seen.iter().filter_map(|r| r.last_step).min(),
         ranks_seen: seen.len() as u32,
         resident_bytes: ranks.iter().map(|r| r.resident_bytes).sum(),
-        health: health.into(),
+        health,
         finished,
         ranks: with_ranks.then_some(ranks),
         tags,
@@ -135,6 +139,7 @@ pub fn rfc3339(ms: i64) -> String {
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct CreateQuery {
     /// An existing run of the same name with the same configuration (every
     /// field, defaults resolved) is answered `200` instead of `409`; one
@@ -281,6 +286,7 @@ pub async fn delete_run(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct RankQuery {
     /// Include the registered layout.
     #[serde(default)]
@@ -379,6 +385,7 @@ pub async fn placement(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct EmaQuery {
     /// Profile name; default the run's first profile.
     pub profile: Option<String>,
@@ -454,7 +461,7 @@ pub struct RankView {
     /// `live` (pushing recently), `stale` (no push for a while),
     /// `never_seen`, or `not_restored` (known from the catalog, EMA not in
     /// memory since a restart).
-    pub status: String,
+    pub status: RankStatus,
     pub last_step: Option<u64>,
     pub pushes: u64,
     pub duplicates: u64,
@@ -500,22 +507,22 @@ impl RankView {
         owner: Option<&crate::registry::Owner>,
     ) -> Self {
         let status = if s.pushes == 0 && s.last_step.is_none() {
-            "never_seen"
+            RankStatus::NeverSeen
         } else if !s.live {
-            "not_restored"
+            RankStatus::NotRestored
         } else if s
             .last_push_at_ms
             .is_some_and(|t| now_ms() - t > s.stale_after_ms())
         {
-            "stale"
+            RankStatus::Stale
         } else {
-            "live"
+            RankStatus::Live
         };
         RankView {
             rank,
             node: owner.map(|o| o.node_id.clone()).unwrap_or_default(),
             engine: owner.and_then(|o| o.engine.clone()).unwrap_or_default(),
-            status: status.into(),
+            status,
             last_step: s.last_step,
             pushes: s.pushes,
             duplicates: s.duplicates,

@@ -70,6 +70,7 @@ pub async fn create(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Only this kind (`manual`, `periodic`, `state`, `posthoc`, `merge`).
     pub kind: Option<String>,
@@ -141,10 +142,12 @@ pub async fn delete(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct DownloadQuery {
     /// Profile (default the snapshot's first); `online` = the mirror.
     pub profile: Option<String>,
     /// `full` (default), `sharded`, `hf`, or `rank` (one stored file, as is).
+    #[param(value_type = Option<crate::contract::DownloadLayout>)]
     pub layout: Option<String>,
     /// Cast floating point tensors: `fp32`, `bf16`, `fp16`, `fp64`.
     pub dtype: Option<String>,
@@ -240,6 +243,7 @@ pub async fn download(
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct CompareQuery {
     /// A snapshot id.
     pub a: String,

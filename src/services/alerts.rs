@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 
 use super::Context;
 use crate::clock::now_ms;
-use crate::contract::{EventKind, SnapshotEventStatus};
+use crate::contract::{AlertKind, AlertState, EventKind, SnapshotEventStatus};
 use crate::events::Event;
 use crate::events::EventBus;
 use crate::registry::Registry;
@@ -42,13 +42,10 @@ pub struct Alert {
     /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`,
     /// `snapshot_corrupt:SNAPSHOT`.
     pub key: String,
-    /// `stale_rank`, `nonfinite`, `metric_above`, `metric_below`,
-    /// `no_improvement`, `disk_full`, `snapshot_failed` or `snapshot_corrupt`.
-    pub kind: String,
+    pub kind: AlertKind,
     pub rank: Option<u32>,
     pub metric: Option<String>,
-    /// `firing` or `resolved`.
-    pub state: String,
+    pub state: AlertState,
     pub message: String,
     pub fired_at_ms: i64,
     pub fired_step: Option<u64>,
@@ -82,7 +79,7 @@ impl Book {
     fn firing(&self, key: &str) -> Option<&Alert> {
         self.alerts
             .iter()
-            .find(|a| a.key == key && a.state == "firing")
+            .find(|a| a.key == key && a.state == AlertState::Firing)
     }
 }
 
@@ -149,7 +146,7 @@ impl Alerts {
         out: &mut Vec<Transition>,
         run: &str,
         key: String,
-        kind: &str,
+        kind: AlertKind,
         rank: Option<u32>,
         metric: Option<&str>,
         step: Option<u64>,
@@ -164,10 +161,10 @@ impl Alerts {
             id: (self.ids)(),
             node: self.node.clone(),
             key,
-            kind: kind.to_string(),
+            kind,
             rank,
             metric: metric.map(str::to_string),
-            state: "firing".into(),
+            state: AlertState::Firing,
             message,
             fired_at_ms: now_ms(),
             fired_step: step,
@@ -176,9 +173,17 @@ impl Alerts {
             acknowledged: false,
         };
         book.alerts.push(alert.clone());
-        let resolved = book.alerts.iter().filter(|a| a.state != "firing").count();
+        let resolved = book
+            .alerts
+            .iter()
+            .filter(|a| a.state != AlertState::Firing)
+            .count();
         if resolved > RESOLVED_KEPT {
-            if let Some(i) = book.alerts.iter().position(|a| a.state != "firing") {
+            if let Some(i) = book
+                .alerts
+                .iter()
+                .position(|a| a.state != AlertState::Firing)
+            {
                 book.alerts.remove(i);
             }
         }
@@ -197,9 +202,9 @@ impl Alerts {
         if let Some(alert) = book
             .alerts
             .iter_mut()
-            .find(|a| a.key == key && a.state == "firing")
+            .find(|a| a.key == key && a.state == AlertState::Firing)
         {
-            alert.state = "resolved".into();
+            alert.state = AlertState::Resolved;
             alert.resolved_at_ms = Some(now_ms());
             alert.resolved_step = step;
             out.push(Transition {
@@ -216,7 +221,7 @@ impl Alerts {
             .map(|b| {
                 b.alerts
                     .iter()
-                    .filter(|a| a.state == "firing")
+                    .filter(|a| a.state == AlertState::Firing)
                     .map(|a| a.key.clone())
                     .collect()
             })
@@ -224,12 +229,12 @@ impl Alerts {
     }
 
     /// Counts of firing alerts per kind, for the gauge.
-    fn firing_by_kind(&self, run: &str) -> BTreeMap<String, i64> {
+    fn firing_by_kind(&self, run: &str) -> BTreeMap<AlertKind, i64> {
         let books = self.books.lock().expect("alerts lock");
         let mut out = BTreeMap::new();
         for a in books.get(run).map(|b| b.alerts.as_slice()).unwrap_or(&[]) {
-            if a.state == "firing" {
-                *out.entry(a.kind.clone()).or_insert(0) += 1;
+            if a.state == AlertState::Firing {
+                *out.entry(a.kind).or_insert(0) += 1;
             }
         }
         out
@@ -272,13 +277,13 @@ impl Alerts {
         let name = rule.metric.as_str();
         for (kind, side, limit, crossed) in [
             (
-                "metric_above",
+                AlertKind::MetricAbove,
                 "above",
                 rule.above,
                 rule.above.is_some_and(|a| v > a),
             ),
             (
-                "metric_below",
+                AlertKind::MetricBelow,
                 "below",
                 rule.below,
                 rule.below.is_some_and(|b| v < b),
@@ -337,7 +342,7 @@ impl Alerts {
                 out,
                 run,
                 key,
-                "no_improvement",
+                AlertKind::NoImprovement,
                 rule.rank,
                 Some(name),
                 Some(step),
@@ -459,7 +464,7 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 out,
                 name,
                 format!("nonfinite:{rank}"),
-                "nonfinite",
+                AlertKind::Nonfinite,
                 Some(rank),
                 None,
                 event.step,
@@ -481,7 +486,7 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 out,
                 name,
                 "snapshot_failed".into(),
-                "snapshot_failed",
+                AlertKind::SnapshotFailed,
                 None,
                 None,
                 event.step,
@@ -502,7 +507,7 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 out,
                 name,
                 format!("snapshot_corrupt:{snapshot}"),
-                "snapshot_corrupt",
+                AlertKind::SnapshotCorrupt,
                 None,
                 None,
                 event.step,
@@ -564,7 +569,7 @@ fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
                     out,
                     name,
                     key,
-                    "stale_rank",
+                    AlertKind::StaleRank,
                     Some(r),
                     None,
                     s.last_step,
@@ -581,7 +586,7 @@ fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
                 out,
                 name,
                 "disk_full".into(),
-                "disk_full",
+                AlertKind::DiskFull,
                 None,
                 None,
                 None,
@@ -626,7 +631,7 @@ fn announce(state: &AlertsSvc, out: Vec<Transition>) {
         state
             .metrics
             .alerts_firing
-            .with_label_values(&[&t.run, &alert.kind])
+            .with_label_values(&[t.run.as_str(), alert.kind.as_str()])
             .set(by_kind.get(&alert.kind).copied().unwrap_or(0));
         let run = state.run(&t.run);
         if let Some(run) = &run {
@@ -717,15 +722,12 @@ mod tests {
             }
         }
         let want = [
-            ("metric_above:loss", "firing", 2),
-            ("metric_above:loss", "resolved", 3),
-            ("no_improvement:loss", "firing", 4),
-            ("no_improvement:loss", "resolved", 6),
+            ("metric_above:loss", AlertState::Firing, 2),
+            ("metric_above:loss", AlertState::Resolved, 3),
+            ("no_improvement:loss", AlertState::Firing, 4),
+            ("no_improvement:loss", AlertState::Resolved, 6),
         ];
-        let got: Vec<_> = log
-            .iter()
-            .map(|(k, s, n)| (k.as_str(), s.as_str(), *n))
-            .collect();
+        let got: Vec<_> = log.iter().map(|(k, s, n)| (k.as_str(), *s, *n)).collect();
         assert_eq!(got, want);
         assert_eq!(alerts.list("r").len(), 2);
     }

@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 pub use super::peer::{peer_client, peer_request, FORWARDED};
 use super::{Context, ServiceError};
 use crate::clock::now_ms;
+use crate::contract::NodeStatus;
 use crate::events::Event;
 use crate::node::{assign, Candidate, Owner};
 use crate::registry::{Failover, RankSummary, RunHandle};
@@ -41,7 +42,7 @@ pub async fn place_new_run(ctx: &Context, world_size: u32) -> Result<Vec<Owner>,
     let me = ctx.registry.node_id().to_string();
     let mut candidates: Vec<Candidate> = nodes
         .iter()
-        .filter(|n| n.status == "live" && n.info.node_id != me)
+        .filter(|n| n.status == NodeStatus::Live && n.info.node_id != me)
         .map(|n| Candidate {
             node_id: n.info.node_id.clone(),
             budget: n.info.memory_budget,
@@ -180,7 +181,7 @@ async fn take_over(ctx: &Context, nodes: &[NodeRow]) -> Result<usize, ServiceErr
         id == me
             || nodes
                 .iter()
-                .any(|n| n.info.node_id == id && n.status == "live")
+                .any(|n| n.info.node_id == id && n.status == NodeStatus::Live)
     };
     let mut candidates: Vec<Candidate> = Vec::new();
     let mut installed = 0;
@@ -296,7 +297,7 @@ async fn live_candidates(ctx: &Context, nodes: &[NodeRow]) -> Result<Vec<Candida
     let held = ctx.store.ranks_per_node().await?;
     let mut out: Vec<Candidate> = nodes
         .iter()
-        .filter(|n| n.status == "live" || n.info.node_id == ctx.registry.node_id())
+        .filter(|n| n.status == NodeStatus::Live || n.info.node_id == ctx.registry.node_id())
         .map(|n| Candidate {
             node_id: n.info.node_id.clone(),
             budget: n.info.memory_budget,
@@ -480,7 +481,7 @@ pub async fn live_peers(ctx: &Context) -> Result<Vec<(String, String)>, crate::s
         .list_nodes()
         .await?
         .into_iter()
-        .filter(|n| n.status == "live" && n.info.node_id != me && !n.info.url.is_empty())
+        .filter(|n| n.status == NodeStatus::Live && n.info.node_id != me && !n.info.url.is_empty())
         .map(|n| (n.info.node_id, n.info.url))
         .collect())
 }
@@ -516,7 +517,7 @@ async fn needs_sync(ctx: &Context) -> bool {
     match ctx.store.list_nodes().await {
         Ok(nodes) => nodes
             .iter()
-            .any(|n| n.status == "live" && n.info.node_id != me),
+            .any(|n| n.status == NodeStatus::Live && n.info.node_id != me),
         Err(_) => false,
     }
 }

@@ -11,10 +11,84 @@ use crate::store::StoreError;
 use crate::wire::codec::CodecError;
 use crate::wire::WireError;
 
+/// Whose fault a failure is and what the caller can do about it: each
+/// kind is answered with one HTTP status, by [`ErrorKind::status`] (the one
+/// table), so no service picks a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The request is malformed (400).
+    BadRequest,
+    /// What it names does not exist (404).
+    NotFound,
+    /// The client sent its body too slowly (408).
+    Timeout,
+    /// It contradicts the state it met (409).
+    Conflict,
+    /// Too many bytes (413).
+    TooLarge,
+    /// A `Content-Encoding` the server does not read (415).
+    UnsupportedMedia,
+    /// Well-formed, but a value is out of its domain (422).
+    Unprocessable,
+    /// The server is at its bound: retry after `retry_after` (429).
+    Busy,
+    /// The server's fault (500).
+    Internal,
+    /// Another node did not answer, or answered with a fault (502).
+    PeerFailed,
+    /// A dependency (catalog, object store, the lease) is out for now (503).
+    Unavailable,
+    /// Writing it would pass the disk reserve (507).
+    NoSpace,
+}
+
+impl ErrorKind {
+    /// Every kind, for the table's test.
+    pub const ALL: &'static [ErrorKind] = &[
+        ErrorKind::BadRequest,
+        ErrorKind::NotFound,
+        ErrorKind::Timeout,
+        ErrorKind::Conflict,
+        ErrorKind::TooLarge,
+        ErrorKind::UnsupportedMedia,
+        ErrorKind::Unprocessable,
+        ErrorKind::Busy,
+        ErrorKind::Internal,
+        ErrorKind::PeerFailed,
+        ErrorKind::Unavailable,
+        ErrorKind::NoSpace,
+    ];
+
+    /// The HTTP status it is answered with: 4xx the caller's mistake (the
+    /// request changed nothing), 5xx the server's.
+    pub const fn status(self) -> u16 {
+        match self {
+            ErrorKind::BadRequest => 400,
+            ErrorKind::NotFound => 404,
+            ErrorKind::Timeout => 408,
+            ErrorKind::Conflict => 409,
+            ErrorKind::TooLarge => 413,
+            ErrorKind::UnsupportedMedia => 415,
+            ErrorKind::Unprocessable => 422,
+            ErrorKind::Busy => 429,
+            ErrorKind::Internal => 500,
+            ErrorKind::PeerFailed => 502,
+            ErrorKind::Unavailable => 503,
+            ErrorKind::NoSpace => 507,
+        }
+    }
+
+    /// A client sends the same request again after it (busy, its body too
+    /// slow, the server's fault); any other answer is final.
+    pub const fn retried(self) -> bool {
+        matches!(self, ErrorKind::Busy | ErrorKind::Timeout) || self.status() >= 500
+    }
+}
+
 #[derive(Debug)]
 pub struct ServiceError {
-    /// The HTTP status it is answered with (4xx: the caller's mistake, 5xx: ours).
-    pub status: u16,
+    /// Whose fault, and so the HTTP status it is answered with.
+    pub kind: ErrorKind,
     /// Stable machine-readable code, e.g. `step_conflict`.
     pub code: &'static str,
     pub message: String,
@@ -25,9 +99,9 @@ pub struct ServiceError {
 }
 
 impl ServiceError {
-    pub fn new(status: u16, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(kind: ErrorKind, code: &'static str, message: impl Into<String>) -> Self {
         ServiceError {
-            status,
+            kind,
             code,
             message: message.into(),
             field: None,
@@ -35,55 +109,56 @@ impl ServiceError {
         }
     }
 
+    /// The HTTP status of its kind.
+    pub const fn status(&self) -> u16 {
+        self.kind.status()
+    }
+
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(400, code, message)
+        Self::new(ErrorKind::BadRequest, code, message)
     }
 
     pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(404, code, message)
+        Self::new(ErrorKind::NotFound, code, message)
     }
 
     pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(409, code, message)
+        Self::new(ErrorKind::Conflict, code, message)
     }
 
     pub fn unprocessable(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(422, code, message)
+        Self::new(ErrorKind::Unprocessable, code, message)
     }
 
     pub fn too_large(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(413, code, message)
+        Self::new(ErrorKind::TooLarge, code, message)
     }
 
     /// 429 `busy` with a `Retry-After` of `retry_after` seconds.
     pub fn busy(message: impl Into<String>, retry_after: u64) -> Self {
         ServiceError {
             retry_after: Some(retry_after),
-            ..Self::new(429, "busy", message)
+            ..Self::new(ErrorKind::Busy, "busy", message)
         }
     }
 
     /// A server fault with a code of its own (the cause, for operators and
     /// retries); the detail is logged, the answer says `what` failed.
     pub fn fault(
-        status: u16,
+        kind: ErrorKind,
         code: &'static str,
         what: &str,
         detail: impl std::fmt::Display,
     ) -> Self {
         tracing::error!(code, error = %detail, "{what}");
-        Self::new(
-            status,
-            code,
-            format!("{what}; the server log has the detail"),
-        )
+        Self::new(kind, code, format!("{what}; the server log has the detail"))
     }
 
     /// A 500 whose detail is logged, not sent.
     pub fn internal(detail: impl std::fmt::Display) -> Self {
         tracing::error!(error = %detail, "internal error");
         Self::new(
-            500,
+            ErrorKind::Internal,
             "internal",
             "internal error; the server log has the detail",
         )
@@ -91,7 +166,12 @@ impl ServiceError {
 
     /// A blocking worker that panicked or was cancelled.
     pub fn worker_failed(detail: impl std::fmt::Display) -> Self {
-        Self::fault(500, "worker_failed", "a server worker failed", detail)
+        Self::fault(
+            ErrorKind::Internal,
+            "worker_failed",
+            "a server worker failed",
+            detail,
+        )
     }
 
     /// Reading or writing stored snapshot bytes failed.
@@ -101,7 +181,7 @@ impl ServiceError {
             return ServiceError {
                 retry_after: Some(5),
                 ..Self::fault(
-                    503,
+                    ErrorKind::Unavailable,
                     "store_unavailable",
                     "the object store cannot be reached",
                     e,
@@ -110,20 +190,25 @@ impl ServiceError {
         }
         if let Some(m) = crate::snapshot::source::PartMismatch::of(&e) {
             // Naming the part is what an operator needs to act on it.
-            return Self::new(500, "snapshot_corrupt", m.to_string());
+            return Self::new(ErrorKind::Internal, "snapshot_corrupt", m.to_string());
         }
         let code = if e.kind() == std::io::ErrorKind::NotFound {
             "snapshot_part_missing"
         } else {
             "snapshot_io"
         };
-        Self::fault(500, code, "stored snapshot data could not be read", e)
+        Self::fault(
+            ErrorKind::Internal,
+            code,
+            "stored snapshot data could not be read",
+            e,
+        )
     }
 
     /// A stored snapshot part that does not parse.
     fn snapshot_corrupt(detail: impl std::fmt::Display) -> Self {
         Self::fault(
-            500,
+            ErrorKind::Internal,
             "snapshot_corrupt",
             "a stored snapshot part cannot be read back",
             detail,
@@ -133,7 +218,7 @@ impl ServiceError {
 
 impl std::fmt::Display for ServiceError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}: {}", self.status, self.code, self.message)
+        write!(f, "{} {}: {}", self.status(), self.code, self.message)
     }
 }
 
@@ -184,7 +269,7 @@ impl From<EngineError> for ServiceError {
             EngineError::RunFinished(_) => Self::conflict("run_finished", message),
             EngineError::Finishing(_) => ServiceError {
                 retry_after: Some(1),
-                ..Self::new(503, "run_finishing", message)
+                ..Self::new(ErrorKind::Unavailable, "run_finishing", message)
             },
             EngineError::LayoutMismatch(_) => Self::conflict("layout_mismatch", message),
             EngineError::NeedsKeyframe(_) => Self::conflict("needs_keyframe", message),
@@ -204,7 +289,7 @@ impl From<StoreError> for ServiceError {
                 Self::conflict("run_exists", format!("run `{name}` already exists"))
             }
             StoreError::Json(_) | StoreError::Value(_) => Self::fault(
-                500,
+                ErrorKind::Internal,
                 "catalog_corrupt",
                 "the catalog holds a row the server cannot read",
                 e,
@@ -212,13 +297,18 @@ impl From<StoreError> for ServiceError {
             other if other.is_unavailable() => ServiceError {
                 retry_after: Some(1),
                 ..Self::fault(
-                    503,
+                    ErrorKind::Unavailable,
                     "catalog_unavailable",
                     "the catalog cannot be reached",
                     other,
                 )
             },
-            other => Self::fault(500, "catalog_error", "a catalog query failed", other),
+            other => Self::fault(
+                ErrorKind::Internal,
+                "catalog_error",
+                "a catalog query failed",
+                other,
+            ),
         }
     }
 }
@@ -227,7 +317,7 @@ impl From<crate::objstore::StoreError> for ServiceError {
     fn from(e: crate::objstore::StoreError) -> Self {
         match e {
             crate::objstore::StoreError::NotFound(_) => Self::fault(
-                500,
+                ErrorKind::Internal,
                 "snapshot_part_missing",
                 "a stored snapshot part is missing from the object store",
                 e,
@@ -235,13 +325,18 @@ impl From<crate::objstore::StoreError> for ServiceError {
             other if other.is_unavailable() => ServiceError {
                 retry_after: Some(5),
                 ..Self::fault(
-                    503,
+                    ErrorKind::Unavailable,
                     "store_unavailable",
                     "the object store cannot be reached",
                     other,
                 )
             },
-            other => Self::fault(500, "store_error", "an object store request failed", other),
+            other => Self::fault(
+                ErrorKind::Internal,
+                "store_error",
+                "an object store request failed",
+                other,
+            ),
         }
     }
 }
@@ -258,25 +353,29 @@ impl From<SnapshotError> for ServiceError {
             SnapshotError::Conflict(m) => Self::conflict("snapshot_conflict", m),
             SnapshotError::Peer(m) => ServiceError {
                 retry_after: Some(1),
-                ..Self::new(502, "node_unreachable", m)
+                ..Self::new(ErrorKind::PeerFailed, "node_unreachable", m)
             },
             SnapshotError::NotFound(m) => Self::not_found("snapshot_not_found", m),
             SnapshotError::Invalid(m) => Self::unprocessable("invalid_request", m),
             SnapshotError::Older(m) => Self::conflict("snapshot_older", m),
             SnapshotError::LeaseLost(m) => ServiceError {
                 retry_after: Some(1),
-                ..Self::new(503, "lease_lost", m)
+                ..Self::new(ErrorKind::Unavailable, "lease_lost", m)
             },
             SnapshotError::Internal(m) => Self::internal(m),
             SnapshotError::Corrupt(m) => Self::snapshot_corrupt(m),
-            SnapshotError::WriteFailed(m) => Self::new(500, "snapshot_write_failed", m),
+            SnapshotError::WriteFailed(m) => {
+                Self::new(ErrorKind::Internal, "snapshot_write_failed", m)
+            }
             SnapshotError::Meta(e) => Self::from(e),
             SnapshotError::Worker(m) => Self::worker_failed(m),
             SnapshotError::Engine(e) => e.into(),
             SnapshotError::Store(e) => e.into(),
             SnapshotError::Objects(e) => e.into(),
             SnapshotError::Io(e) => Self::snapshot_io(e),
-            SnapshotError::NoSpace(e) => Self::new(507, "insufficient_storage", e.to_string()),
+            SnapshotError::NoSpace(e) => {
+                Self::new(ErrorKind::NoSpace, "insufficient_storage", e.to_string())
+            }
         }
     }
 }
@@ -299,9 +398,13 @@ impl From<AssembleError> for ServiceError {
 impl From<MetaError> for ServiceError {
     fn from(e: MetaError) -> Self {
         match e {
-            MetaError::Newer { .. } => Self::new(500, "snapshot_format_unsupported", e.to_string()),
+            MetaError::Newer { .. } => Self::new(
+                ErrorKind::Internal,
+                "snapshot_format_unsupported",
+                e.to_string(),
+            ),
             MetaError::Malformed(_) => Self::fault(
-                500,
+                ErrorKind::Internal,
                 "catalog_corrupt",
                 "the catalog holds a row the server cannot read",
                 e,
@@ -377,4 +480,60 @@ pub struct NoSpace {
     pub free: u64,
     pub left: i128,
     pub reserve: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_has_its_own_status_and_only_the_servers_faults_are_5xx() {
+        let statuses: std::collections::HashSet<u16> =
+            ErrorKind::ALL.iter().map(|k| k.status()).collect();
+        assert_eq!(
+            statuses.len(),
+            ErrorKind::ALL.len(),
+            "two kinds share a status"
+        );
+        let caller = [
+            ErrorKind::BadRequest,
+            ErrorKind::NotFound,
+            ErrorKind::Timeout,
+            ErrorKind::Conflict,
+            ErrorKind::TooLarge,
+            ErrorKind::UnsupportedMedia,
+            ErrorKind::Unprocessable,
+            ErrorKind::Busy,
+        ];
+        for k in ErrorKind::ALL {
+            let status = k.status();
+            assert!((400..600).contains(&status), "{k:?}");
+            assert_eq!(caller.contains(k), status < 500, "{k:?} answers {status}");
+        }
+        let retried: Vec<_> = ErrorKind::ALL.iter().filter(|k| k.retried()).collect();
+        assert_eq!(
+            retried,
+            [
+                &ErrorKind::Timeout,
+                &ErrorKind::Busy,
+                &ErrorKind::Internal,
+                &ErrorKind::PeerFailed,
+                &ErrorKind::Unavailable,
+                &ErrorKind::NoSpace,
+            ]
+        );
+    }
+
+    #[test]
+    fn lower_layers_errors_map_to_their_kinds() {
+        let e = ServiceError::from(EngineError::QueueFull);
+        assert_eq!(
+            (e.kind, e.code, e.retry_after),
+            (ErrorKind::Busy, "busy", Some(1))
+        );
+        let e = ServiceError::from(SnapshotError::LeaseLost("lapsed".into()));
+        assert_eq!((e.status(), e.code), (503, "lease_lost"));
+        let e = ServiceError::from(StoreError::RunExists("a".into()));
+        assert_eq!((e.status(), e.code), (409, "run_exists"));
+    }
 }

@@ -426,7 +426,7 @@ mod tests {
         assert_eq!(ok["val_loss"], 0.25);
         assert_eq!(ok["acc"], 3.0);
         let err = checked_metrics(BTreeMap::new()).unwrap_err();
-        assert_eq!((err.status, err.code), (422, "invalid_eval"));
+        assert_eq!((err.status(), err.code), (422, "invalid_eval"));
         let long = "m".repeat(MAX_NAME_CHARS + 1);
         let err = checked_metrics(metrics(&[(&long, json!(1.0))])).unwrap_err();
         assert_eq!(err.field.as_deref(), Some("metrics"));

@@ -22,7 +22,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use utoipa::ToSchema;
 
 use super::pipeline::{Pipeline, PREV_STEP};
-use super::{Context, ServiceError};
+use super::{Context, ErrorKind, ServiceError};
 use crate::clock::now_ms;
 use crate::engine::rank::PushOutcome;
 use crate::engine::EngineError;
@@ -131,7 +131,7 @@ impl PushHeaders {
             _ => {
                 let other = encoding.unwrap_or("");
                 return Err(ServiceError::new(
-                    415,
+                    ErrorKind::UnsupportedMedia,
                     "unsupported_encoding",
                     format!(
                         "Content-Encoding `{other}`: only zstd, {} (or none) is accepted",
@@ -299,7 +299,7 @@ impl Ingest {
         // the retry needs; the client sends them again after the retry.
         let final_answer = match &result {
             Ok(_) => true,
-            Err(e) => !(e.status == 429 || e.status == 408 || e.status >= 500),
+            Err(e) => !e.kind.retried(),
         };
         let id = (run.config.name.as_str(), run.created_at_ms);
         if final_answer {
@@ -715,7 +715,7 @@ impl Ingest {
     /// The bookkeeping of a refused push (not of a busy answer: the client
     /// retries those).
     fn record_rejection(&self, run: &RunHandle, rank: u32, step: u64, err: &ServiceError) {
-        if err.status == 429 {
+        if err.kind == ErrorKind::Busy {
             return;
         }
         let ctx = &self.ctx;
@@ -735,7 +735,7 @@ impl Ingest {
             Some(rank),
             Some(step),
             Event::Rejection(Rejection {
-                status: err.status,
+                status: err.status(),
                 code: err.code,
                 message: err.message.clone(),
             }),
@@ -870,7 +870,7 @@ where
 /// A failed body read: 408 when the client was too slow, else 400.
 fn body_fault(e: BodyFault) -> ServiceError {
     match e {
-        BodyFault::Timeout(m) => ServiceError::new(408, "body_timeout", m),
+        BodyFault::Timeout(m) => ServiceError::new(ErrorKind::Timeout, "body_timeout", m),
         BodyFault::Read(m) => {
             ServiceError::bad_request("body_read_failed", format!("reading the body failed: {m}"))
         }

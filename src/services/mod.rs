@@ -38,7 +38,7 @@ pub mod snapshots;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use error::ServiceError;
+pub use error::{ErrorKind, ServiceError};
 
 use crate::config::ServeArgs;
 use crate::engine::rank::RankLayout;

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::{Context, ServiceError};
+use crate::contract::NodeStatus;
 use crate::store::nodes::{NodeInfo, NodeRow};
 
 /// This node as it registers.
@@ -94,7 +95,7 @@ async fn renew(ctx: &Context, node: &str) {
     let others = match ctx.store.list_nodes().await {
         Ok(nodes) => nodes
             .iter()
-            .any(|n| n.status == "live" && n.info.node_id != node),
+            .any(|n| n.status == NodeStatus::Live && n.info.node_id != node),
         Err(_) => true,
     };
     ctx.lease.renewed(sent, others);

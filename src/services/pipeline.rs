@@ -274,7 +274,7 @@ mod tests {
         waiter.await.unwrap().unwrap();
         // Never answered: a clear 409.
         let err = p.wait_for(R, 1, 9, 8, || None, 1, None).await.unwrap_err();
-        assert_eq!((err.status, err.code), (409, "predecessor_timeout"));
+        assert_eq!((err.status(), err.code), (409, "predecessor_timeout"));
         // Bounded: a third waiter on one rank is refused at once.
         let a = {
             let p = p.clone();
@@ -289,7 +289,7 @@ mod tests {
             .wait_for(R, 2, 22, 21, || None, 1, None)
             .await
             .unwrap_err();
-        assert_eq!(err.status, 429);
+        assert_eq!(err.status(), 429);
         p.answered(R, 2, 20);
         a.await.unwrap().unwrap();
         b.await.unwrap().unwrap();
@@ -364,13 +364,13 @@ mod tests {
         p.retry_later(R, 0, 3);
         let err = four.await.unwrap().unwrap_err();
         assert_eq!(
-            (err.status, err.code, err.retry_after),
+            (err.status(), err.code, err.retry_after),
             (429, "predecessor_retry", Some(2))
         );
         assert!(!five.is_finished());
         p.retry_later(R, 0, 4);
         let err = five.await.unwrap().unwrap_err();
-        assert_eq!((err.status, err.code), (429, "predecessor_retry"));
+        assert_eq!((err.status(), err.code), (429, "predecessor_retry"));
         // Answered for good: the next waiter goes on.
         p.answered(R, 0, 4);
         p.wait_for(R, 0, 5, 4, || None, 2, None).await.unwrap();
@@ -389,7 +389,7 @@ mod tests {
         assert_eq!(p.lanes(), 3);
         p.forget("r");
         let err = waiter.await.unwrap().unwrap_err();
-        assert_eq!((err.status, err.code), (409, "pipeline_reset"));
+        assert_eq!((err.status(), err.code), (409, "pipeline_reset"));
         assert_eq!(p.lanes(), 1);
         // Resumed (the same run): step 10 answered before is forgotten, so a
         // push naming step 4 waits for it (and times out here) ...

@@ -5,6 +5,7 @@
 use sqlx::Row;
 
 use super::{CatalogKind, Store, StoreError};
+use crate::contract::NodeStatus;
 
 /// What a node says of itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,9 +29,8 @@ pub struct NodeRow {
     pub lease_age_ms: i64,
     pub ranks: u64,
     pub resident_bytes: u64,
-    /// `live` (lease held), `expired` (not renewed in time) or `left`
-    /// (stopped gracefully).
-    pub status: &'static str,
+    /// Lease held, not renewed in time, or stopped gracefully.
+    pub status: NodeStatus,
 }
 
 impl Store {
@@ -115,11 +115,11 @@ impl Store {
                 let age_ms: i64 = r.get("age_ms");
                 let state: String = r.get("state");
                 let status = if state == "left" {
-                    "left"
+                    NodeStatus::Left
                 } else if age_ms > lease_ms {
-                    "expired"
+                    NodeStatus::Expired
                 } else {
-                    "live"
+                    NodeStatus::Live
                 };
                 Ok(NodeRow {
                     info: NodeInfo {
@@ -164,24 +164,33 @@ mod tests {
         assert_eq!(rows.len(), 1);
         let a = &rows[0];
         assert_eq!(a.info, node);
-        assert_eq!((a.ranks, a.resident_bytes, a.status), (3, 4096, "live"));
+        assert_eq!(
+            (a.ranks, a.resident_bytes, a.status),
+            (3, 4096, NodeStatus::Live)
+        );
         assert!(a.lease_age_ms < 150, "{}", a.lease_age_ms);
         // Not renewed within the lease: expired.
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         let a = &store.list_nodes().await.unwrap()[0];
-        assert_eq!(a.status, "expired");
+        assert_eq!(a.status, NodeStatus::Expired);
         // SQLite's clock (`julianday`, a float of days) may round a
         // millisecond away.
         assert!(a.lease_age_ms >= 299, "{}", a.lease_age_ms);
         // Renewed: live again; a graceful stop: left.
         store.renew_node("a", 3, 4096).await.unwrap();
-        assert_eq!(store.list_nodes().await.unwrap()[0].status, "live");
+        assert_eq!(
+            store.list_nodes().await.unwrap()[0].status,
+            NodeStatus::Live
+        );
         store.leave_node("a").await.unwrap();
-        assert_eq!(store.list_nodes().await.unwrap()[0].status, "left");
+        assert_eq!(
+            store.list_nodes().await.unwrap()[0].status,
+            NodeStatus::Left
+        );
         // A restart registers again.
         store.register_node(&node).await.unwrap();
         let a = &store.list_nodes().await.unwrap()[0];
-        assert_eq!((a.status, a.ranks), ("live", 0));
+        assert_eq!((a.status, a.ranks), (NodeStatus::Live, 0));
         assert!(store.renew_node("nobody", 0, 0).await.is_err());
     }
 }

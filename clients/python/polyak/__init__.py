@@ -27,7 +27,11 @@ Layout:
 - :mod:`polyak.evals`: evaluations of EMA candidates, ``EvalWorker`` and
   ``posthoc_search``.
 - :mod:`polyak.contract`: the values the server sends (snapshot statuses
-  and kinds, event kinds, download layouts) as enums.
+  and kinds, event kinds, run health, rank and node statuses, alert kinds,
+  download layouts) as enums.
+- :mod:`polyak.views`: typed answers (``RunInfo``, ``RankInfo``,
+  ``SnapshotInfo``, ``Evaluation``, ``Best``, ``PosthocResult``) that
+  still read as their JSON mappings.
 - :mod:`polyak._transport`: the one way to the server (connection reuse,
   auth headers, retries, streamed bodies); :mod:`polyak._push`: the
   pusher's queue, copy thread, encoding and sender.
@@ -43,19 +47,26 @@ from .errors import PolyakError
 from .evals import EvalWorker
 from .pusher import Attachment, Pusher, PushStats, RetryPolicy
 from .shards import assemble
+from .views import Best, Evaluation, PosthocResult, RankInfo, RunInfo, SnapshotInfo
 from .wire import Chunk
 
 __all__ = [
     "Attachment",
+    "Best",
     "Chunk",
     "Client",
     "EvalWorker",
+    "Evaluation",
     "PolyakError",
+    "PosthocResult",
     "PushStats",
     "Pusher",
     "RankEma",
+    "RankInfo",
     "RetryPolicy",
     "Run",
+    "RunInfo",
+    "SnapshotInfo",
     "__version__",
     "assemble",
 ]

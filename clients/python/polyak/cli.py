@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from .client import Client
-from .contract import DownloadLayout
+from .contract import WRITTEN_LAYOUTS, DownloadLayout
 from .errors import PolyakError
+from .views import plain
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -59,7 +60,7 @@ def _dash(v: Any) -> str:
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True))
+    print(json.dumps(plain(data), indent=2, sort_keys=True))
 
 
 def cmd_runs(client: Client, args: argparse.Namespace) -> None:
@@ -441,7 +442,7 @@ def _snapshot_commands(command: Command) -> None:
     p.add_argument("--profile", default=None, help="profile (default the snapshot's first)")
     p.add_argument(
         "--layout",
-        choices=[layout.value for layout in DownloadLayout],
+        choices=[layout.value for layout in DownloadLayout if layout in WRITTEN_LAYOUTS],
         default="full",
         help="full: one safetensors file; sharded: one file per rank (torch DCP); "
         "hf: HF-style shards and index",

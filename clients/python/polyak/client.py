@@ -31,6 +31,7 @@ from .errors import PolyakError
 from .pusher import Pusher
 from .shards import assemble
 from .sysmetrics import SystemSampler
+from .views import Best, Evaluation, PosthocResult, RankInfo, RunInfo, SnapshotInfo
 from .wire import RankEma, read_safetensors
 
 __all__ = ["DEFAULT_URL", "Client", "RankEma", "Run"]
@@ -181,9 +182,9 @@ class Client:
         info = self.request("GET", f"/v1/runs/{quote(name, safe='')}", token=token).json()
         return Run(self, info, write_token=token, read_token=token)
 
-    def runs(self) -> list[dict[str, Any]]:
+    def runs(self) -> list[RunInfo]:
         """Every run the caller may read."""
-        return list(self.request("GET", "/v1/runs").json()["runs"])
+        return [RunInfo.from_json(r) for r in self.request("GET", "/v1/runs").json()["runs"]]
 
     def delete_run(self, name: str) -> None:
         self.request("DELETE", f"/v1/runs/{quote(name, safe='')}")
@@ -256,14 +257,14 @@ class Run:
             "GET", self.path + path, params=params, token=self.read_token
         ).json()
 
-    def refresh(self) -> dict[str, Any]:
+    def refresh(self) -> RunInfo:
         """The run as the server sees it now (ranks, last steps, health)."""
         self.info = self._get()
         self.config = dict(self.info["config"])
-        return self.info
+        return RunInfo.from_json(self.info)
 
-    def ranks(self) -> list[dict[str, Any]]:
-        return list(self._get("/ranks"))
+    def ranks(self) -> list[RankInfo]:
+        return [RankInfo.from_json(r) for r in self._get("/ranks")]
 
     def placement(self) -> dict[int, dict[str, Any]]:
         """Where each rank is held: ``{rank: {node, url, device, engine, epoch}}``."""
@@ -308,8 +309,9 @@ class Run:
                 return {int(k): dict(v) for k, v in r.json().items()}
         raise failure
 
-    def rank(self, rank: int, *, layout: bool = False) -> dict[str, Any]:
-        return dict(
+    def rank(self, rank: int, *, layout: bool = False) -> RankInfo:
+        """One rank; with ``layout`` its registered layout is in ``raw["layout"]``."""
+        return RankInfo.from_json(
             self._get(f"/ranks/{int(rank)}", layout=str(layout).lower() if layout else None)
         )
 
@@ -476,7 +478,7 @@ class Run:
         wait: bool = True,
         timeout: float = 600.0,
         poll: float = 0.5,
-    ) -> dict[str, Any]:
+    ) -> SnapshotInfo:
         """Asks for a consistent cut (``POST .../snapshots``): every rank's
         EMA right after it applied ``step``. Without ``step``: the EMA as it
         is now, when every rank has applied the same step (after training,
@@ -501,7 +503,7 @@ class Run:
         *,
         timeout: float = 600.0,
         poll: float = 0.5,
-    ) -> dict[str, Any]:
+    ) -> SnapshotInfo:
         """Polls a snapshot until it is ``complete`` (returned, with its
         files) or ``failed`` (raises ``snapshot_failed`` with the server's
         reason); ``snapshot_timeout`` after ``timeout`` seconds."""
@@ -522,16 +524,17 @@ class Run:
 
     def snapshots(
         self, *, kind: str | None = None, status: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[SnapshotInfo]:
         """The run's snapshots, oldest first (optionally one ``kind``:
         ``manual``, ``periodic``, ``state``, ``posthoc``, ``merge``; or one
         ``status``)."""
         data = self._get("/snapshots", kind=kind, status=status)
-        return list(data["snapshots"] if isinstance(data, dict) else data)
+        rows = data["snapshots"] if isinstance(data, dict) else data
+        return [SnapshotInfo.from_json(r) for r in rows]
 
-    def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]:
+    def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> SnapshotInfo:
         """One snapshot with its files (rank, part, sha256, bytes, step)."""
-        return dict(self._get(f"/snapshots/{snapshot_id(snapshot)}"))
+        return SnapshotInfo.from_json(self._get(f"/snapshots/{snapshot_id(snapshot)}"))
 
     def delete_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> None:
         self.client.request(
@@ -690,7 +693,9 @@ class Run:
         than going stale, and pushes past that step are refused
         (``run_finished``). Call it once every rank has flushed its pushes.
         With ``wait`` the final snapshot is polled until complete. Answers
-        ``{run, snapshot}``; finishing again answers the same."""
+        ``{run, snapshot}`` (a :class:`RunInfo` and a :class:`SnapshotInfo`,
+        or ``None`` when nothing was pushed); finishing again answers the
+        same."""
         answer = dict(
             self.client.request(
                 "POST",
@@ -700,9 +705,14 @@ class Run:
             ).json()
         )
         self.info = dict(answer["run"])
+        answer["run"] = RunInfo.from_json(answer["run"])
         snap = answer.get("snapshot")
-        if wait and snap is not None:
-            answer["snapshot"] = self.wait_snapshot(snap, timeout=timeout, poll=poll)
+        if snap is not None:
+            answer["snapshot"] = (
+                self.wait_snapshot(snap, timeout=timeout, poll=poll)
+                if wait
+                else SnapshotInfo.from_json(snap)
+            )
         return answer
 
     def posthoc_plan(
@@ -744,7 +754,7 @@ class Run:
         timeout: float = 600.0,
         poll: float = 0.5,
         progress: bool | IO[str] = False,
-    ) -> Any:
+    ) -> SnapshotInfo | list[SnapshotInfo]:
         """Synthesises the EMA of another length after training (EDM2
         post-hoc EMA, ``POST .../posthoc``) from the stored snapshots of the
         run's ``power`` profiles (``profiles``: which; default all), at
@@ -777,7 +787,7 @@ class Run:
         if source_dtype is not None:
             body["source_dtype"] = source_dtype
         answer = self._post("posthoc", body)
-        rows = list(answer["snapshots"]) if sweep else [dict(answer)]
+        rows = [SnapshotInfo.from_json(r) for r in (answer["snapshots"] if sweep else [answer])]
         if wait:
             rows = self._wait_derived(rows, timeout=timeout, poll=poll, progress=progress)
         return rows if sweep else rows[0]
@@ -794,7 +804,7 @@ class Run:
         timeout: float = 600.0,
         poll: float = 0.5,
         progress: bool | IO[str] = False,
-    ) -> dict[str, Any]:
+    ) -> SnapshotInfo:
         """Averages the online weights of stored snapshots (checkpoint
         merging, ``POST .../merge``; the run needs ``mirror: true``):
         ``snapshots`` (ids or rows) or the ``last`` K complete ones, with
@@ -812,7 +822,7 @@ class Run:
             body["alpha"] = float(alpha)
         if name is not None:
             body["name"] = name
-        row = dict(self._post("merge", body))
+        row = SnapshotInfo.from_json(self._post("merge", body))
         if not wait:
             return row
         return self._wait_derived([row], timeout=timeout, poll=poll, progress=progress)[0]
@@ -826,7 +836,7 @@ class Run:
         metrics: Mapping[str, float],
         *,
         evaluator: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> Evaluation:
         """Stores an evaluation of one candidate: a ``profile`` of a complete
         ``snapshot``, or ``"online"`` (its mirror). Posting the same numbers
         again is accepted; other numbers raise ``eval_conflict``. Answers the
@@ -839,7 +849,7 @@ class Run:
         }
         if evaluator:
             body["evaluator"] = evaluator
-        return dict(
+        return Evaluation.from_json(
             self.client.request(
                 "POST", f"{self.path}/evals", json=body, token=self.write_token
             ).json()
@@ -852,7 +862,7 @@ class Run:
         profile: str | None = None,
         kind: str | None = None,
         evaluator: str | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Evaluation]:
         """The run's evaluations by step, each with its candidate's ``step``,
         ``kind``, ``sigma_rel``, ``residual`` and ``sources``."""
         data = self.client.request(
@@ -861,7 +871,7 @@ class Run:
             params={"metric": metric, "profile": profile, "kind": kind, "evaluator": evaluator},
             token=self.read_token,
         ).json()
-        return list(data["evals"])
+        return [Evaluation.from_json(e) for e in data["evals"]]
 
     def best(
         self,
@@ -871,11 +881,11 @@ class Run:
         kind: str | None = None,
         profile: str | None = None,
         evaluator: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> Best:
         """The best evaluated candidate of ``metric``: ``{metric, mode,
         value, evaluation, download}`` (``download``: the path of its
         weights)."""
-        return dict(
+        return Best.from_json(
             self.client.request(
                 "GET",
                 f"{self.path}/best",
@@ -898,7 +908,7 @@ class Run:
         step: int | None = None,
         profiles: Sequence[str] | None = None,
         **options: Any,
-    ) -> list[dict[str, Any]]:
+    ) -> list[PosthocResult]:
         """Evaluates a post-hoc sweep and returns its rows best first (see
         :func:`polyak.evals.posthoc_search`)."""
         return evals.posthoc_search(
@@ -913,7 +923,7 @@ class Run:
         step: int,
         evaluator: str | None = None,
         timeout: float = 600.0,
-    ) -> dict[str, Any]:
+    ) -> Evaluation:
         """Posts metrics computed on the live EMA after ``step`` as an
         evaluation of that step's snapshot (a periodic one, or one taken
         for it; see :func:`polyak.evals.post_live_eval`). In a training
@@ -924,12 +934,12 @@ class Run:
 
     def _wait_derived(
         self,
-        rows: list[dict[str, Any]],
+        rows: list[SnapshotInfo],
         *,
         timeout: float,
         poll: float,
         progress: bool | IO[str],
-    ) -> list[dict[str, Any]]:
+    ) -> list[SnapshotInfo]:
         """Polls derived snapshots (written together) until all are complete,
         showing the server's progress (source bytes read) on a tqdm bar."""
         ids = [snapshot_id(r) for r in rows]
@@ -937,7 +947,7 @@ class Run:
         total = next((r["progress"]["total"] for r in rows if r.get("progress")), None)
         deadline = time.monotonic() + timeout
         delay = min(0.05, poll)
-        done: dict[str, dict[str, Any]] = {}
+        done: dict[str, SnapshotInfo] = {}
         with progress_bar(
             progress, total=total, desc=f"{self.name} {rows[0].get('kind', 'derived')} x{len(ids)}"
         ) as bar:
@@ -974,10 +984,10 @@ class Run:
 
     def _start_snapshot(
         self, endpoint: str, body: dict[str, Any], *, wait: bool, timeout: float, poll: float
-    ) -> dict[str, Any]:
+    ) -> SnapshotInfo:
         """POSTs ``body`` to ``.../{endpoint}``; with ``wait`` polls the
         snapshot it created until it is complete."""
-        snap = dict(self._post(endpoint, body))
+        snap = SnapshotInfo.from_json(self._post(endpoint, body))
         if not wait:
             return snap
         return self.wait_snapshot(snap, timeout=timeout, poll=poll)

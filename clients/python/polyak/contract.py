@@ -15,11 +15,17 @@ from .errors import PolyakError
 
 __all__ = [
     "DERIVED_KINDS",
+    "WRITTEN_LAYOUTS",
+    "AlertKind",
+    "AlertState",
     "BestMode",
     "CandidateKind",
     "CutKind",
     "DownloadLayout",
     "EventKind",
+    "NodeStatus",
+    "RankStatus",
+    "RunHealth",
     "SnapshotEventStatus",
     "SnapshotKind",
     "SnapshotStatus",
@@ -129,12 +135,78 @@ class CutKind(str, Enum):
 
 
 class DownloadLayout(str, Enum):
-    """``layout=`` of a snapshot download that ``Run.download_to`` writes
-    (the server also serves ``rank``: one stored file as it is)."""
+    """``layout=`` of a snapshot download."""
 
+    #: One safetensors file of whole tensors.
     FULL = "full"
+    #: One file per rank, for ``torch.distributed.checkpoint``.
     SHARDED = "sharded"
+    #: HF-style shards with their index.
     HF = "hf"
+    #: One stored file as it is (with ``rank=``).
+    RANK = "rank"
+
+
+#: The layouts ``Run.download_to`` writes.
+WRITTEN_LAYOUTS = frozenset({DownloadLayout.FULL, DownloadLayout.SHARDED, DownloadLayout.HF})
+
+
+class RunHealth(str, Enum):
+    """A run's ``health``, from its ranks' statuses."""
+
+    #: Every rank pushed recently.
+    HEALTHY = "healthy"
+    #: Some rank is stale, or known from the catalog and not restored.
+    DEGRADED = "degraded"
+    #: Some ranks pushed, others never did.
+    WAITING = "waiting"
+    #: No rank pushed yet.
+    IDLE = "idle"
+    #: Ended by ``Run.finish``.
+    FINISHED = "finished"
+
+
+class RankStatus(str, Enum):
+    """A rank's ``status``."""
+
+    LIVE = "live"
+    #: No push for longer than its ``stale_after_seconds``.
+    STALE = "stale"
+    NEVER_SEEN = "never_seen"
+    #: Known from the catalog; its EMA is not in memory since a restart.
+    NOT_RESTORED = "not_restored"
+    #: Its run is finished.
+    FINISHED = "finished"
+
+
+class NodeStatus(str, Enum):
+    """A node's ``status`` (``GET /v1/nodes``)."""
+
+    LIVE = "live"
+    #: Its lease was not renewed in time.
+    EXPIRED = "expired"
+    #: It stopped gracefully.
+    LEFT = "left"
+
+
+class AlertKind(str, Enum):
+    """An alert's ``kind``: the condition it watches."""
+
+    STALE_RANK = "stale_rank"
+    NONFINITE = "nonfinite"
+    METRIC_ABOVE = "metric_above"
+    METRIC_BELOW = "metric_below"
+    NO_IMPROVEMENT = "no_improvement"
+    DISK_FULL = "disk_full"
+    SNAPSHOT_FAILED = "snapshot_failed"
+    SNAPSHOT_CORRUPT = "snapshot_corrupt"
+
+
+class AlertState(str, Enum):
+    """An alert's ``state``."""
+
+    FIRING = "firing"
+    RESOLVED = "resolved"
 
 
 def snapshot_id(snapshot: str | int | Mapping[str, Any]) -> str:

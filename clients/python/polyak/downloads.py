@@ -22,7 +22,7 @@ from typing import IO, Any, BinaryIO, Protocol
 
 from ._progress import progress_bar
 from ._transport import BodySink, Transport
-from .contract import DownloadLayout, snapshot_done, snapshot_id
+from .contract import WRITTEN_LAYOUTS, DownloadLayout, snapshot_done, snapshot_id
 from .errors import PolyakError
 
 __all__ = ["SnapshotSource", "download_to", "fetch_bytes", "snapshot_done", "snapshot_id"]
@@ -109,7 +109,7 @@ def download_to(
     on_progress: Callable[[int, int | None], None] | None = None,
     fsync: bool = True,
 ) -> Path:
-    if layout not in {x.value for x in DownloadLayout}:
+    if layout not in {x.value for x in WRITTEN_LAYOUTS}:
         raise ValueError(f"layout must be `full`, `sharded` or `hf`, not {layout!r}")
     sid = snapshot_id(snapshot)
     # A path that names a .safetensors file is that file, not a directory.

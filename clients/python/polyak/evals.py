@@ -30,6 +30,7 @@ import torch
 from ._transport import Transport
 from .contract import BestMode, SnapshotKind, SnapshotStatus
 from .errors import PolyakError
+from .views import Evaluation, PosthocResult, RunInfo, SnapshotInfo
 
 __all__ = [
     "POORLY_FITTED",
@@ -67,13 +68,13 @@ class Run(Protocol):
     @property
     def transport(self) -> Transport: ...
 
-    def refresh(self) -> dict[str, Any]: ...
+    def refresh(self) -> RunInfo: ...
 
     def snapshots(
         self, *, kind: str | None = None, status: str | None = None
-    ) -> list[dict[str, Any]]: ...
+    ) -> list[SnapshotInfo]: ...
 
-    def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> dict[str, Any]: ...
+    def get_snapshot(self, snapshot: str | int | Mapping[str, Any]) -> SnapshotInfo: ...
 
     def snapshot(
         self,
@@ -83,11 +84,11 @@ class Run(Protocol):
         label: str | None = None,
         wait: bool = True,
         timeout: float = 600.0,
-    ) -> dict[str, Any]: ...
+    ) -> SnapshotInfo: ...
 
     def wait_snapshot(
         self, snapshot: str | int | Mapping[str, Any], *, timeout: float = 600.0
-    ) -> dict[str, Any]: ...
+    ) -> SnapshotInfo: ...
 
     def download(
         self,
@@ -114,9 +115,9 @@ class Run(Protocol):
         metrics: Mapping[str, float],
         *,
         evaluator: str | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> Evaluation: ...
 
-    def evals(self, *, evaluator: str | None = None) -> list[dict[str, Any]]: ...
+    def evals(self, *, evaluator: str | None = None) -> list[Evaluation]: ...
 
 
 def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
@@ -418,7 +419,7 @@ def posthoc_search(
     device: torch.device | str | None = None,
     timeout: float = 600.0,
     log_to: Any = None,
-) -> list[dict[str, Any]]:
+) -> list[PosthocResult]:
     """Synthesises one post-hoc EMA per ``sigma_rel`` (one sweep, one pass
     over the stored power-profile snapshots), evaluates each in ``model``,
     posts the evaluations, and returns the rows best first by ``metric``
@@ -461,7 +462,7 @@ def posthoc_search(
             )
         out.append(row)
     if not out:
-        return out
+        return []
     key = metric or next(iter(out[0]["metrics"]))
     sign = 1.0 if BestMode(mode) == BestMode.MIN else -1.0
 
@@ -470,7 +471,7 @@ def posthoc_search(
         return (math.inf if math.isnan(value) else sign * value, row["sigma_rel"])
 
     out.sort(key=rank)
-    return out
+    return [PosthocResult.from_json(row) for row in out]
 
 
 def post_live_eval(
@@ -482,7 +483,7 @@ def post_live_eval(
     evaluator: str | None = None,
     label: str = LIVE_EVAL_LABEL,
     timeout: float = 600.0,
-) -> dict[str, Any]:
+) -> Evaluation:
     """Posts ``metrics``, computed on the live EMA of ``profile`` (default
     the run's first) after every rank applied ``step``, as the evaluation
     of that candidate: the evaluation belongs to a snapshot, so it goes to

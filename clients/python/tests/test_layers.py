@@ -35,6 +35,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     # The contract's values and the safetensors format.
     ("formats", {"contract", "wire"}),
+    # Typed views of the server's answers (over the contract's enums).
+    ("views", {"views"}),
     # What a rank holds (torch); the way to the server (HTTP).
     ("torch and HTTP", {"shards", "_transport"}),
     # Downloads; a pusher's queue, its layout, its copy of the server's

@@ -12,6 +12,7 @@ use bytes::Bytes;
 use futures::Stream;
 
 use super::{parts_of, verify, Snaps, SnapshotStatus};
+use crate::contract::DownloadLayout;
 use crate::registry::RunHandle;
 use crate::services::ServiceError;
 use crate::snapshot::assemble::{self, Layout};
@@ -49,27 +50,25 @@ pub struct Prepared {
 
 /// The layout a query names.
 pub fn layout_of(asked: &Asked<'_>) -> Result<Layout, ServiceError> {
-    Ok(
-        match (asked.layout.unwrap_or("full"), asked.max_shard_size) {
-            ("full", None) => Layout::Full,
-            ("full", Some(max)) | ("hf", Some(max)) => Layout::Hf {
-                max_shard_size: max.max(1),
-            },
-            ("hf", None) => Layout::Hf {
-                max_shard_size: DEFAULT_SHARD_BYTES,
-            },
-            ("sharded", _) => Layout::Sharded,
-            ("rank", _) => Layout::Rank(asked.rank.ok_or_else(|| {
-                ServiceError::bad_request("invalid_layout", "layout=rank needs rank=N")
-            })?),
-            (other, _) => {
-                return Err(ServiceError::bad_request(
-                    "invalid_layout",
-                    format!("layout `{other}`: expected full, sharded, hf or rank"),
-                ))
-            }
+    let named = match asked.layout {
+        None => DownloadLayout::Full,
+        Some(text) => text
+            .parse::<DownloadLayout>()
+            .map_err(|e| ServiceError::bad_request("invalid_layout", format!("layout {e}")))?,
+    };
+    Ok(match (named, asked.max_shard_size) {
+        (DownloadLayout::Full, None) => Layout::Full,
+        (DownloadLayout::Full | DownloadLayout::Hf, Some(max)) => Layout::Hf {
+            max_shard_size: max.max(1),
         },
-    )
+        (DownloadLayout::Hf, None) => Layout::Hf {
+            max_shard_size: DEFAULT_SHARD_BYTES,
+        },
+        (DownloadLayout::Sharded, _) => Layout::Sharded,
+        (DownloadLayout::Rank, _) => Layout::Rank(asked.rank.ok_or_else(|| {
+            ServiceError::bad_request("invalid_layout", "layout=rank needs rank=N")
+        })?),
+    })
 }
 
 /// The cast a query names.

@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::contract::NodeStatus;
 use crate::objstore::ObjectStore;
 use crate::snapshot::source::PartLoc;
 
@@ -425,7 +426,7 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
         .list_nodes()
         .await?
         .into_iter()
-        .filter(|n| n.status == "live" && n.info.node_id != me)
+        .filter(|n| n.status == NodeStatus::Live && n.info.node_id != me)
         .count();
     if others == 0 {
         let interrupted = state.store.fail_interrupted(now_ms()).await?;
