@@ -32,22 +32,16 @@ pub struct Decision {
 /// profile's SWA count.
 pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -> Decision {
     let keep = |action| Decision { action, swa_n };
+    // Every lerp here is by `1 - beta`.
+    let lerp = |beta: f64| keep(Action::Lerp { weight: 1.0 - beta });
     let Some(prev) = prev else {
-        // The first applied push initialises every profile by copy.
-        let swa_n = match profile {
-            ProfileSpec::Swa { start_step, .. } if step >= *start_step => 1,
-            _ => 0,
-        };
-        return Decision {
-            action: Action::Copy,
-            swa_n,
-        };
+        return first_decision(profile, step);
     };
     debug_assert!(step > prev);
     let delta = (step - prev) as f64;
     let t = (step + 1) as f64;
     match profile {
-        ProfileSpec::Constant { beta, .. } => keep(Action::Lerp { weight: 1.0 - beta }),
+        ProfileSpec::Constant { beta, .. } => lerp(*beta),
         ProfileSpec::Warmup {
             beta,
             update_after_step,
@@ -55,33 +49,19 @@ pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -
             power,
             min_value,
             ..
-        } => {
-            // ema-pytorch `EMA.update`: copy while step <= update_after_step.
-            if step <= *update_after_step {
-                keep(Action::Copy)
-            } else if *beta == 1.0 {
-                // ema-pytorch `is_frozen`.
-                keep(Action::Hold)
-            } else {
-                let decay = warmup_decay(
-                    step,
-                    *update_after_step,
-                    *inv_gamma,
-                    *power,
-                    *min_value,
-                    *beta,
-                );
-                keep(Action::Lerp {
-                    weight: 1.0 - decay,
-                })
-            }
-        }
-        ProfileSpec::Power { gamma, .. } => {
-            let gamma = gamma.expect("validated power profile has gamma");
-            keep(Action::Lerp {
-                weight: 1.0 - power_beta(gamma, t, delta),
-            })
-        }
+        } => keep(warmup_action(
+            step,
+            *update_after_step,
+            *inv_gamma,
+            *power,
+            *min_value,
+            *beta,
+        )),
+        ProfileSpec::Power { gamma, .. } => lerp(power_beta(
+            gamma.expect("validated power profile has gamma"),
+            t,
+            delta,
+        )),
         ProfileSpec::Karras {
             gamma,
             update_every,
@@ -89,23 +69,13 @@ pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -
             ..
         } => {
             let gamma = gamma.expect("validated karras profile has gamma");
-            if *frozen || step % update_every != 0 {
-                // ema-pytorch `KarrasEMA.update` returns on other steps; a
-                // frozen one keeps its first copy.
-                keep(Action::Hold)
-            } else {
-                keep(Action::Lerp {
-                    weight: 1.0 - karras_beta(gamma, step),
-                })
-            }
+            keep(karras_action(gamma, *update_every, *frozen, step))
         }
         ProfileSpec::HalfLife {
             steps,
             rampup_ratio,
             ..
-        } => keep(Action::Lerp {
-            weight: 1.0 - half_life_beta(*steps, *rampup_ratio, t, delta),
-        }),
+        } => lerp(half_life_beta(*steps, *rampup_ratio, t, delta)),
         ProfileSpec::Diffusers {
             decay,
             min_decay,
@@ -136,27 +106,79 @@ pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -
             *update_after_step,
             use_warmup.then_some((*warmup_gamma, *warmup_power)),
         ))),
-        ProfileSpec::Swa { start_step, .. } => {
-            if step < *start_step {
-                // Before the averaging window the profile follows the weights.
-                Decision {
-                    action: Action::Copy,
-                    swa_n: 0,
-                }
-            } else if swa_n == 0 {
-                Decision {
-                    action: Action::Copy,
-                    swa_n: 1,
-                }
-            } else {
-                // AveragedModel's default: p + (w - p) / (n + 1).
-                Decision {
-                    action: Action::Lerp {
-                        weight: 1.0 / (swa_n as f64 + 1.0),
-                    },
-                    swa_n: swa_n + 1,
-                }
-            }
+        ProfileSpec::Swa { start_step, .. } => swa_decision(*start_step, step, swa_n),
+    }
+}
+
+/// The first applied push initialises every profile by copy (an SWA
+/// profile counts it when its window has begun).
+fn first_decision(profile: &ProfileSpec, step: u64) -> Decision {
+    let swa_n = match profile {
+        ProfileSpec::Swa { start_step, .. } if step >= *start_step => 1,
+        _ => 0,
+    };
+    Decision {
+        action: Action::Copy,
+        swa_n,
+    }
+}
+
+/// ema-pytorch `EMA.update`: copy while step <= update_after_step, hold
+/// a frozen EMA, else lerp by the warmup decay.
+fn warmup_action(
+    step: u64,
+    update_after_step: u64,
+    inv_gamma: f64,
+    power: f64,
+    min_value: f64,
+    beta: f64,
+) -> Action {
+    if step <= update_after_step {
+        Action::Copy
+    } else if beta == 1.0 {
+        // ema-pytorch `is_frozen`.
+        Action::Hold
+    } else {
+        let decay = warmup_decay(step, update_after_step, inv_gamma, power, min_value, beta);
+        Action::Lerp {
+            weight: 1.0 - decay,
+        }
+    }
+}
+
+/// ema-pytorch `KarrasEMA.update` returns on steps off its `update_every`
+/// grid; a frozen one keeps its first copy.
+fn karras_action(gamma: f64, update_every: u64, frozen: bool, step: u64) -> Action {
+    if frozen || step % update_every != 0 {
+        Action::Hold
+    } else {
+        Action::Lerp {
+            weight: 1.0 - karras_beta(gamma, step),
+        }
+    }
+}
+
+/// SWA: the profile follows the weights before its averaging window, then
+/// averages every push equally.
+fn swa_decision(start_step: u64, step: u64, swa_n: u64) -> Decision {
+    if step < start_step {
+        // Before the averaging window the profile follows the weights.
+        Decision {
+            action: Action::Copy,
+            swa_n: 0,
+        }
+    } else if swa_n == 0 {
+        Decision {
+            action: Action::Copy,
+            swa_n: 1,
+        }
+    } else {
+        // AveragedModel's default: p + (w - p) / (n + 1).
+        Decision {
+            action: Action::Lerp {
+                weight: 1.0 / (swa_n as f64 + 1.0),
+            },
+            swa_n: swa_n + 1,
         }
     }
 }

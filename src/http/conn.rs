@@ -127,29 +127,7 @@ pub async fn serve(
     // also run while a keep-alive connection idles, merging the two limits.
     builder.http1().header_read_timeout(None);
     let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        // Wait for a free slot before accepting: past the cap, clients wait
-        // in the kernel's backlog instead of being served half-way.
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-            _ = &mut shutdown => break,
-        };
-        let (stream, _peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors and the like: back off instead of
-                    // spinning.
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
+    while let Some((slot, stream)) = next_connection(&listener, &slots, shutdown.as_mut()).await {
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
         let io = TokioIo::new(GuardedIo::new(stream, activity.clone(), limits));
@@ -157,76 +135,19 @@ pub async fn serve(
         // The connection's slot, given back early when it turns into a
         // download.
         let slot = Arc::new(Mutex::new(Some(slot)));
-        let (conn_slot, budget, download_gauge) =
-            (slot.clone(), downloads.clone(), gauges.downloads.clone());
+        let budget = DownloadBudget {
+            conn_slot: slot.clone(),
+            downloads: downloads.clone(),
+            gauge: gauges.downloads.clone(),
+        };
         let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
             let guard = ActiveGuard::start(activity.clone());
             let http1 = req.version() <= http::Version::HTTP_11;
             // Set once the handler read the request body to its end (or
             // there was none).
             let read_out = Arc::new(AtomicBool::new(false));
-            let req = req.map(|body| {
-                let body = Body::new(body);
-                if http_body::Body::is_end_stream(&body) {
-                    read_out.store(true, Ordering::Relaxed);
-                    body
-                } else {
-                    Body::new(TimedBody::new(body, limits, read_out.clone()))
-                }
-            });
-            let app = app.clone();
-            let (slot, downloads, gauge) =
-                (conn_slot.clone(), budget.clone(), download_gauge.clone());
-            async move {
-                let response = app.oneshot(req).await?;
-                let (response, download) = if response.extensions().get::<Download>().is_some() {
-                    match downloads.try_acquire_owned() {
-                        Ok(permit) => {
-                            let mut response = response;
-                            if http1 {
-                                // One request at a time on this connection:
-                                // the download is all it does from now on.
-                                slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-                                response.headers_mut().insert(
-                                    http::header::CONNECTION,
-                                    http::HeaderValue::from_static("close"),
-                                );
-                            }
-                            gauge.inc();
-                            (
-                                response,
-                                Some(DownloadSlot {
-                                    _permit: permit,
-                                    gauge,
-                                }),
-                            )
-                        }
-                        Err(_) => (too_many_downloads(), None),
-                    }
-                } else {
-                    (response, None)
-                };
-                let mut response = response;
-                if http1 && !read_out.load(Ordering::Relaxed) {
-                    // Answered before its body was read (refused early):
-                    // hyper closes the connection rather than read the rest,
-                    // so say so, and the client does not send its next
-                    // request on a connection about to close.
-                    response.headers_mut().insert(
-                        http::header::CONNECTION,
-                        http::HeaderValue::from_static("close"),
-                    );
-                }
-                // The request counts as in flight until its response body
-                // is sent (downloads and event streams included).
-                Ok::<_, std::convert::Infallible>(response.map(|body| {
-                    Body::new(GuardedBody {
-                        body,
-                        _guard: guard,
-                        _download: download,
-                    })
-                }))
-            }
+            let req = req.map(|body| timed_body(body, limits, &read_out));
+            answer(app.clone(), req, http1, read_out, guard, budget.clone())
         });
         let conn = builder.serve_connection_with_upgrades(io, service);
         let conn = graceful.watch(conn.into_owned());
@@ -247,6 +168,122 @@ pub async fn serve(
         .is_err()
     {
         tracing::warn!("requests still in flight after {drain:?}; stopping anyway");
+    }
+}
+
+/// The next connection and its slot; `None` once `shutdown` resolved.
+async fn next_connection(
+    listener: &TcpListener,
+    slots: &Arc<Semaphore>,
+    mut shutdown: Pin<&mut impl Future<Output = ()>>,
+) -> Option<(tokio::sync::OwnedSemaphorePermit, TcpStream)> {
+    loop {
+        // Wait for a free slot before accepting: past the cap, clients wait
+        // in the kernel's backlog instead of being served half-way.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => slot.ok()?,
+            _ = &mut shutdown => return None,
+        };
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => return Some((slot, stream)),
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of
+                    // spinning.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = &mut shutdown => return None,
+        }
+    }
+}
+
+/// A request body under the body clock ([`TimedBody`]); `read_out` is set
+/// once it is read to its end (at once when there is none).
+fn timed_body(body: hyper::body::Incoming, limits: ConnLimits, read_out: &Arc<AtomicBool>) -> Body {
+    let body = Body::new(body);
+    if http_body::Body::is_end_stream(&body) {
+        read_out.store(true, Ordering::Relaxed);
+        body
+    } else {
+        Body::new(TimedBody::new(body, limits, read_out.clone()))
+    }
+}
+
+/// What a connection's downloads draw on: the connection's own slot (given
+/// back when it turns into a download) and the `--max-downloads` budget.
+#[derive(Clone)]
+struct DownloadBudget {
+    conn_slot: Arc<Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>,
+    downloads: Arc<Semaphore>,
+    gauge: prometheus::IntGauge,
+}
+
+/// Answers one request. It counts as in flight (`guard`) until its
+/// response body is sent (downloads and event streams included).
+async fn answer(
+    app: Router,
+    req: Request,
+    http1: bool,
+    read_out: Arc<AtomicBool>,
+    guard: ActiveGuard,
+    budget: DownloadBudget,
+) -> Result<axum::response::Response, std::convert::Infallible> {
+    let response = app.oneshot(req).await?;
+    let (mut response, download) = if response.extensions().get::<Download>().is_some() {
+        budget.admit(response, http1)
+    } else {
+        (response, None)
+    };
+    if http1 && !read_out.load(Ordering::Relaxed) {
+        // Answered before its body was read (refused early): hyper closes
+        // the connection rather than read the rest, so say so, and the
+        // client does not send its next request on a connection about to
+        // close.
+        response.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+    }
+    Ok(response.map(|body| {
+        Body::new(GuardedBody {
+            body,
+            _guard: guard,
+            _download: download,
+        })
+    }))
+}
+
+impl DownloadBudget {
+    /// A download takes a download slot, or is answered 503 when none is
+    /// free.
+    fn admit(
+        &self,
+        mut response: axum::response::Response,
+        http1: bool,
+    ) -> (axum::response::Response, Option<DownloadSlot>) {
+        let Ok(permit) = self.downloads.clone().try_acquire_owned() else {
+            return (too_many_downloads(), None);
+        };
+        if http1 {
+            // One request at a time on this connection: the download is
+            // all it does from now on.
+            self.conn_slot
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            response.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
+        self.gauge.inc();
+        let slot = DownloadSlot {
+            _permit: permit,
+            gauge: self.gauge.clone(),
+        };
+        (response, Some(slot))
     }
 }
 

@@ -2,7 +2,7 @@
 //! shard.
 //!
 //! The handler checks what is cheap first (auth, run, rank, step), then
-//! hands the request to the ingest service (`services/ingest.rs`), which
+//! hands the request to the ingest service (`services/ingest/`), which
 //! receives the body under the in-flight byte budget, validates it on a
 //! blocking thread and applies it on the engine.
 

@@ -261,18 +261,7 @@ impl ProfileSpec {
     /// Checks the values and fills the derived ones (a power profile gets
     /// both `sigma_rel` and `gamma`).
     fn validate(&mut self, at: &str) -> Result<(), FieldError> {
-        if !valid_name(self.name()) {
-            return Err(field_err(
-                format!("{at}.name"),
-                "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-            ));
-        }
-        if reserved_profile(self.name()) {
-            return Err(field_err(
-                format!("{at}.name"),
-                "is reserved (`online` names the mirror in downloads and comparisons)",
-            ));
-        }
+        check_profile_name(at, self.name())?;
         let unit_open = |field: &str, v: f64| -> Result<(), FieldError> {
             if v.is_finite() && (0.0..1.0).contains(&v) {
                 Ok(())
@@ -291,12 +280,7 @@ impl ProfileSpec {
                 ..
             } => {
                 check_warmup(at, *beta, *inv_gamma, *power, *min_value)?;
-                if *update_after_step > MAX_STEP {
-                    return Err(field_err(
-                        format!("{at}.update_after_step"),
-                        "must be <= 2^53",
-                    ));
-                }
+                at_most_max_step(at, "update_after_step", *update_after_step)?;
             }
             ProfileSpec::Power {
                 sigma_rel, gamma, ..
@@ -319,16 +303,7 @@ impl ProfileSpec {
                 steps,
                 rampup_ratio,
                 ..
-            } => {
-                if !(steps.is_finite() && *steps > 0.0) {
-                    return Err(field_err(format!("{at}.steps"), "must be > 0"));
-                }
-                if let Some(r) = rampup_ratio {
-                    if !(r.is_finite() && *r > 0.0) {
-                        return Err(field_err(format!("{at}.rampup_ratio"), "must be > 0"));
-                    }
-                }
-            }
+            } => check_half_life(at, *steps, *rampup_ratio)?,
             ProfileSpec::Diffusers {
                 decay,
                 min_decay,
@@ -358,14 +333,49 @@ impl ProfileSpec {
                     ("warmup_power", *warmup_power),
                 ],
             )?,
-            ProfileSpec::Swa { start_step, .. } => {
-                if *start_step > MAX_STEP {
-                    return Err(field_err(format!("{at}.start_step"), "must be <= 2^53"));
-                }
-            }
+            ProfileSpec::Swa { start_step, .. } => at_most_max_step(at, "start_step", *start_step)?,
         }
         Ok(())
     }
+}
+
+/// A profile's name: valid, and not the mirror's.
+fn check_profile_name(at: &str, name: &str) -> Result<(), FieldError> {
+    if !valid_name(name) {
+        return Err(field_err(
+            format!("{at}.name"),
+            "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        ));
+    }
+    if reserved_profile(name) {
+        return Err(field_err(
+            format!("{at}.name"),
+            "is reserved (`online` names the mirror in downloads and comparisons)",
+        ));
+    }
+    Ok(())
+}
+
+/// A step field (`update_after_step`, `start_step`) within what a float
+/// holds exactly.
+fn at_most_max_step(at: &str, field: &str, step: u64) -> Result<(), FieldError> {
+    if step > MAX_STEP {
+        return Err(field_err(format!("{at}.{field}"), "must be <= 2^53"));
+    }
+    Ok(())
+}
+
+/// A half-life profile's length and ramp-up ratio, both positive.
+fn check_half_life(at: &str, steps: f64, rampup_ratio: Option<f64>) -> Result<(), FieldError> {
+    if !(steps.is_finite() && steps > 0.0) {
+        return Err(field_err(format!("{at}.steps"), "must be > 0"));
+    }
+    if let Some(r) = rampup_ratio {
+        if !(r.is_finite() && r > 0.0) {
+            return Err(field_err(format!("{at}.rampup_ratio"), "must be > 0"));
+        }
+    }
+    Ok(())
 }
 
 /// The body of `POST /v1/runs`.

@@ -187,34 +187,7 @@ fn wholes(parts: &[StoredPart]) -> Result<Vec<Whole>, AssembleError> {
                 "`{name}` has different dtypes or global shapes on different ranks"
             )));
         }
-        let whole_count = all.iter().filter(|t| t.chunk_offsets.is_none()).count();
-        let chunks: Vec<StoredTensor> = if whole_count == all.len() {
-            // Replicated (DDP, or a tensor FSDP did not shard): one copy.
-            vec![all.swap_remove(0)]
-        } else if whole_count > 0 {
-            return Err(AssembleError::DoesNotTile(format!(
-                "`{name}` is whole on some ranks and a chunk on others"
-            )));
-        } else {
-            let mut kept: Vec<StoredTensor> = Vec::new();
-            for t in all.into_iter().filter(|t| t.numel() > 0) {
-                // The same chunk on several ranks (replicas, e.g. HSDP).
-                if kept
-                    .iter()
-                    .any(|k| k.offsets() == t.offsets() && k.shape == t.shape)
-                {
-                    continue;
-                }
-                if let Some(k) = kept.iter().find(|k| boxes_overlap(k, &t)) {
-                    return Err(AssembleError::DoesNotTile(format!(
-                        "chunks of `{name}` from ranks {} and {} overlap",
-                        k.rank, t.rank
-                    )));
-                }
-                kept.push(t);
-            }
-            kept
-        };
+        let chunks = distinct_chunks(&name, all)?;
         let covered: i64 = chunks.iter().map(StoredTensor::numel).sum();
         let total: i64 = global.iter().product();
         if covered != total {
@@ -229,8 +202,51 @@ fn wholes(parts: &[StoredPart]) -> Result<Vec<Whole>, AssembleError> {
             chunks,
         });
     }
-    // Tied names were pushed and stored once; every layout writes them
-    // under each name so that strict `load_state_dict` finds them all.
+    add_tied(parts, &mut out);
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// The pieces of tensor `name` (its copies on every rank, lowest rank
+/// first): one copy of a replicated tensor, else its non-empty chunks with
+/// replicas dropped, none overlapping another.
+fn distinct_chunks(
+    name: &str,
+    mut all: Vec<StoredTensor>,
+) -> Result<Vec<StoredTensor>, AssembleError> {
+    let whole_count = all.iter().filter(|t| t.chunk_offsets.is_none()).count();
+    if whole_count == all.len() {
+        // Replicated (DDP, or a tensor FSDP did not shard): one copy.
+        return Ok(vec![all.swap_remove(0)]);
+    }
+    if whole_count > 0 {
+        return Err(AssembleError::DoesNotTile(format!(
+            "`{name}` is whole on some ranks and a chunk on others"
+        )));
+    }
+    let mut kept: Vec<StoredTensor> = Vec::new();
+    for t in all.into_iter().filter(|t| t.numel() > 0) {
+        // The same chunk on several ranks (replicas, e.g. HSDP).
+        if kept
+            .iter()
+            .any(|k| k.offsets() == t.offsets() && k.shape == t.shape)
+        {
+            continue;
+        }
+        if let Some(k) = kept.iter().find(|k| boxes_overlap(k, &t)) {
+            return Err(AssembleError::DoesNotTile(format!(
+                "chunks of `{name}` from ranks {} and {} overlap",
+                k.rank, t.rank
+            )));
+        }
+        kept.push(t);
+    }
+    Ok(kept)
+}
+
+/// Tied names were pushed and stored once; every layout writes them under
+/// each name so that strict `load_state_dict` finds them all.
+fn add_tied(parts: &[StoredPart], out: &mut Vec<Whole>) {
     let aliases: BTreeMap<&str, &str> = parts
         .iter()
         .flat_map(|p| p.meta.layout.aliases.iter())
@@ -248,8 +264,6 @@ fn wholes(parts: &[StoredPart]) -> Result<Vec<Whole>, AssembleError> {
             out.push(tied);
         }
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
 }
 
 fn out_dtype(stored: DType, cast: Option<DType>) -> DType {
@@ -374,35 +388,16 @@ pub fn build(
         ));
     }
     let hf_config = meta.remove(HF_CONFIG_META);
-    let mut hasher = Sha256::new();
-    hasher.update(snapshot_id.as_bytes());
-    hasher.update(format!("{layout:?}{cast:?}").as_bytes());
-    if let (Layout::Hf { .. }, Some(config)) = (layout, &hf_config) {
-        hasher.update(config.as_bytes());
-    }
-    for p in parts {
-        hasher.update(p.sha256.as_bytes());
-    }
-    let etag = format!("\"{}\"", &hex::encode(hasher.finalize())[..32]);
+    let etag = etag_of(snapshot_id, parts, layout, cast, hf_config.as_deref());
     let suffix = cast
         .map(|c| format!("-{}", c.safetensors_name().to_lowercase()))
         .unwrap_or_default();
     let (pieces, content_type, file_name) = match layout {
-        Layout::Rank(rank) => {
-            let part = parts.iter().find(|p| p.rank == rank).ok_or_else(|| {
-                AssembleError::Missing(format!("rank {rank} has no file in this snapshot"))
-            })?;
-            let len = part.path.open()?.size()?;
-            (
-                vec![Piece::File {
-                    path: part.path.clone(),
-                    offset: 0,
-                    len,
-                }],
-                "application/octet-stream",
-                format!("{snapshot_id}-rank{rank:05}.safetensors"),
-            )
-        }
+        Layout::Rank(rank) => (
+            rank_file(parts, rank)?,
+            "application/octet-stream",
+            format!("{snapshot_id}-rank{rank:05}.safetensors"),
+        ),
         Layout::Full => {
             let all = wholes(parts)?;
             let refs: Vec<&Whole> = all.iter().collect();
@@ -414,131 +409,23 @@ pub fn build(
                 format!("{snapshot_id}{suffix}.safetensors"),
             )
         }
-        Layout::Hf { max_shard_size } => {
-            let all = wholes(parts)?;
-            let mut sorted: Vec<&Whole> = all.iter().collect();
-            sorted.sort_by(|a, b| a.name.cmp(&b.name));
-            // Greedy packing in name order; a tensor larger than the limit
-            // gets a shard of its own.
-            let mut shards: Vec<Vec<&Whole>> = Vec::new();
-            let mut size = 0u64;
-            for w in sorted {
-                let bytes = w.global_shape.iter().product::<i64>() as u64
-                    * out_dtype(w.dtype, cast).size() as u64;
-                if shards.is_empty() || (size + bytes > max_shard_size && size > 0) {
-                    shards.push(Vec::new());
-                    size = 0;
-                }
-                shards.last_mut().expect("a shard").push(w);
-                size += bytes;
-            }
-            let n = shards.len();
-            let mut out = Vec::new();
-            let mut weight_map = BTreeMap::new();
-            let mut total = 0u64;
-            for (k, shard) in shards.iter().enumerate() {
-                let name = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
-                for w in shard {
-                    weight_map.insert(w.name.clone(), name.clone());
-                    total += w.global_shape.iter().product::<i64>() as u64
-                        * out_dtype(w.dtype, cast).size() as u64;
-                }
-                let mut meta = meta.clone();
-                meta.insert("format".into(), "pt".into());
-                tar_file(&mut out, &name, full_file(shard, cast, meta), mtime);
-            }
-            let index =
-                serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-            let index = Bytes::from(serde_json::to_vec_pretty(&index).unwrap_or_default());
-            tar_file(
-                &mut out,
-                "model.safetensors.index.json",
-                vec![Piece::Bytes(index)],
+        Layout::Hf { max_shard_size } => (
+            hf_tar(
+                &wholes(parts)?,
+                max_shard_size,
+                cast,
+                &meta,
+                hf_config,
                 mtime,
-            );
-            // `from_pretrained` builds the model from it; without it a
-            // default model is built and the weights do not fit.
-            if let Some(config) = hf_config {
-                tar_file(
-                    &mut out,
-                    "config.json",
-                    vec![Piece::Bytes(Bytes::from(config.into_bytes()))],
-                    mtime,
-                );
-            }
-            out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
-            (
-                out,
-                "application/x-tar",
-                format!("{snapshot_id}{suffix}-hf.tar"),
-            )
-        }
-        Layout::Sharded => {
-            // The tiling check, and the set of chunks each rank contributes
-            // (replicas and empty chunks dropped).
-            let all = wholes(parts)?;
-            let mut per_rank: BTreeMap<u32, Vec<(&str, &StoredTensor)>> = BTreeMap::new();
-            for w in &all {
-                for c in &w.chunks {
-                    per_rank
-                        .entry(c.rank)
-                        .or_default()
-                        .push((w.name.as_str(), c));
-                }
-            }
-            let mut out = Vec::new();
-            for (rank, mut tensors) in per_rank {
-                tensors.sort_by(|(an, a), (bn, b)| {
-                    let (da, db) = (out_dtype(a.dtype, cast), out_dtype(b.dtype, cast));
-                    db.size().cmp(&da.size()).then(an.cmp(bn))
-                });
-                let mut info = serde_json::Map::new();
-                for (name, t) in &tensors {
-                    info.insert(
-                        name.to_string(),
-                        serde_json::json!({"saved_offsets": t.offsets()}),
-                    );
-                }
-                let mut meta = meta.clone();
-                meta.insert(
-                    "DCP_SHARDING_INFO".into(),
-                    serde_json::Value::Object(info).to_string(),
-                );
-                meta.insert("DCP_VERSION".into(), "1.0".into());
-                meta.insert("polyak.rank".into(), rank.to_string());
-                let header = SafetensorsHeader::new(
-                    tensors
-                        .iter()
-                        .map(|(name, t)| {
-                            let to = out_dtype(t.dtype, cast);
-                            HeaderEntry {
-                                name: name.to_string(),
-                                dtype: to,
-                                shape: t.shape.clone(),
-                                nbytes: t.numel() as usize * to.size(),
-                            }
-                        })
-                        .collect(),
-                    meta,
-                );
-                let mut pieces = vec![Piece::Bytes(Bytes::from(header.into_bytes()))];
-                for (_, t) in &tensors {
-                    pieces.push(data_piece(t, out_dtype(t.dtype, cast)));
-                }
-                tar_file(
-                    &mut out,
-                    &format!("rank-{rank:05}.safetensors"),
-                    pieces,
-                    mtime,
-                );
-            }
-            out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
-            (
-                out,
-                "application/x-tar",
-                format!("{snapshot_id}{suffix}-sharded.tar"),
-            )
-        }
+            ),
+            "application/x-tar",
+            format!("{snapshot_id}{suffix}-hf.tar"),
+        ),
+        Layout::Sharded => (
+            sharded_tar(&wholes(parts)?, cast, &meta, mtime),
+            "application/x-tar",
+            format!("{snapshot_id}{suffix}-sharded.tar"),
+        ),
     };
     Ok(Download {
         file: VirtualFile::new(pieces),
@@ -546,4 +433,189 @@ pub fn build(
         content_type,
         file_name,
     })
+}
+
+/// The download's ETag: what it is built from (the snapshot, the layout
+/// and cast, the model config of an `hf` tar, every part's sha256).
+fn etag_of(
+    snapshot_id: &str,
+    parts: &[StoredPart],
+    layout: Layout,
+    cast: Option<DType>,
+    hf_config: Option<&str>,
+) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(snapshot_id.as_bytes());
+    hasher.update(format!("{layout:?}{cast:?}").as_bytes());
+    if let (Layout::Hf { .. }, Some(config)) = (layout, hf_config) {
+        hasher.update(config.as_bytes());
+    }
+    for p in parts {
+        hasher.update(p.sha256.as_bytes());
+    }
+    format!("\"{}\"", &hex::encode(hasher.finalize())[..32])
+}
+
+/// One rank's stored file, as it is.
+fn rank_file(parts: &[StoredPart], rank: u32) -> Result<Vec<Piece>, AssembleError> {
+    let part = parts.iter().find(|p| p.rank == rank).ok_or_else(|| {
+        AssembleError::Missing(format!("rank {rank} has no file in this snapshot"))
+    })?;
+    let len = part.path.open()?.size()?;
+    Ok(vec![Piece::File {
+        path: part.path.clone(),
+        offset: 0,
+        len,
+    }])
+}
+
+/// Bytes of a whole tensor once cast.
+fn whole_bytes(w: &Whole, cast: Option<DType>) -> u64 {
+    w.global_shape.iter().product::<i64>() as u64 * out_dtype(w.dtype, cast).size() as u64
+}
+
+/// The tensors in name order, packed greedily into shards of at most
+/// `max_shard_size` bytes; a tensor larger than the limit gets a shard of
+/// its own.
+fn pack_shards(all: &[Whole], max_shard_size: u64, cast: Option<DType>) -> Vec<Vec<&Whole>> {
+    let mut sorted: Vec<&Whole> = all.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut shards: Vec<Vec<&Whole>> = Vec::new();
+    let mut size = 0u64;
+    for w in sorted {
+        let bytes = whole_bytes(w, cast);
+        if shards.is_empty() || (size + bytes > max_shard_size && size > 0) {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        shards.last_mut().expect("a shard").push(w);
+        size += bytes;
+    }
+    shards
+}
+
+/// The `hf` layout: a tar of `transformers` shards, their index and the
+/// model's `config.json` when the run has one.
+fn hf_tar(
+    all: &[Whole],
+    max_shard_size: u64,
+    cast: Option<DType>,
+    meta: &BTreeMap<String, String>,
+    hf_config: Option<String>,
+    mtime: u64,
+) -> Vec<Piece> {
+    let shards = pack_shards(all, max_shard_size, cast);
+    let n = shards.len();
+    let mut out = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    for (k, shard) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
+        for w in shard {
+            weight_map.insert(w.name.clone(), name.clone());
+            total += whole_bytes(w, cast);
+        }
+        let mut meta = meta.clone();
+        meta.insert("format".into(), "pt".into());
+        tar_file(&mut out, &name, full_file(shard, cast, meta), mtime);
+    }
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    let index = Bytes::from(serde_json::to_vec_pretty(&index).unwrap_or_default());
+    tar_file(
+        &mut out,
+        "model.safetensors.index.json",
+        vec![Piece::Bytes(index)],
+        mtime,
+    );
+    // `from_pretrained` builds the model from it; without it a default
+    // model is built and the weights do not fit.
+    if let Some(config) = hf_config {
+        tar_file(
+            &mut out,
+            "config.json",
+            vec![Piece::Bytes(Bytes::from(config.into_bytes()))],
+            mtime,
+        );
+    }
+    out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
+    out
+}
+
+/// The `sharded` layout: a tar of one DCP-style safetensors file per rank
+/// holding the chunks it contributes (replicas and empty chunks dropped by
+/// the tiling check).
+fn sharded_tar(
+    all: &[Whole],
+    cast: Option<DType>,
+    meta: &BTreeMap<String, String>,
+    mtime: u64,
+) -> Vec<Piece> {
+    let mut per_rank: BTreeMap<u32, Vec<(&str, &StoredTensor)>> = BTreeMap::new();
+    for w in all {
+        for c in &w.chunks {
+            per_rank
+                .entry(c.rank)
+                .or_default()
+                .push((w.name.as_str(), c));
+        }
+    }
+    let mut out = Vec::new();
+    for (rank, tensors) in per_rank {
+        tar_file(
+            &mut out,
+            &format!("rank-{rank:05}.safetensors"),
+            rank_chunks_file(rank, tensors, cast, meta.clone()),
+            mtime,
+        );
+    }
+    out.push(Piece::Bytes(Bytes::from(vec![0u8; 1024])));
+    out
+}
+
+/// One rank's chunks as a safetensors file, their offsets in the global
+/// tensors in its `DCP_SHARDING_INFO` metadata (sorted by dtype size, then
+/// name).
+fn rank_chunks_file(
+    rank: u32,
+    mut tensors: Vec<(&str, &StoredTensor)>,
+    cast: Option<DType>,
+    mut meta: BTreeMap<String, String>,
+) -> Vec<Piece> {
+    tensors.sort_by(|(an, a), (bn, b)| {
+        let (da, db) = (out_dtype(a.dtype, cast), out_dtype(b.dtype, cast));
+        db.size().cmp(&da.size()).then(an.cmp(bn))
+    });
+    let mut info = serde_json::Map::new();
+    for (name, t) in &tensors {
+        info.insert(
+            name.to_string(),
+            serde_json::json!({"saved_offsets": t.offsets()}),
+        );
+    }
+    meta.insert(
+        "DCP_SHARDING_INFO".into(),
+        serde_json::Value::Object(info).to_string(),
+    );
+    meta.insert("DCP_VERSION".into(), "1.0".into());
+    meta.insert("polyak.rank".into(), rank.to_string());
+    let header = SafetensorsHeader::new(
+        tensors
+            .iter()
+            .map(|(name, t)| {
+                let to = out_dtype(t.dtype, cast);
+                HeaderEntry {
+                    name: name.to_string(),
+                    dtype: to,
+                    shape: t.shape.clone(),
+                    nbytes: t.numel() as usize * to.size(),
+                }
+            })
+            .collect(),
+        meta,
+    );
+    let mut pieces = vec![Piece::Bytes(Bytes::from(header.into_bytes()))];
+    for (_, t) in &tensors {
+        pieces.push(data_piece(t, out_dtype(t.dtype, cast)));
+    }
+    pieces
 }

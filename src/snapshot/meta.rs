@@ -289,86 +289,13 @@ impl StoredLayout {
     /// buffers, groups of known dtypes, names unique, aliases naming
     /// tensors; with its name index built.
     pub fn into_engine(self) -> Result<RankLayout, MetaError> {
-        let groups = |gs: &[StoredGroup]| -> Result<Vec<Group>, MetaError> {
-            gs.iter()
-                .map(|g| {
-                    if g.numel < 0 {
-                        return Err(malformed(format!("a group of {} elements", g.numel)));
-                    }
-                    Ok(Group {
-                        dtype: dtype_of(&g.dtype)?,
-                        numel: g.numel,
-                    })
-                })
-                .collect()
-        };
-        let copied_groups = groups(&self.copied_groups)?;
-        let mirror_groups = groups(&self.mirror_groups)?;
-        let within = |name: &str, what: &str, offset: i64, numel: i64, len: i64| {
-            if offset < 0 || offset.checked_add(numel).is_none_or(|end| end > len) {
-                Err(malformed(format!(
-                    "`{name}`: {numel} elements at {offset} do not fit the {what} of {len}"
-                )))
-            } else {
-                Ok(())
-            }
-        };
-        let mut tensors = Vec::with_capacity(self.tensors.len());
-        for t in self.tensors {
-            let dtype = dtype_of(&t.dtype)?;
-            let numel = t
-                .shape
-                .iter()
-                .try_fold(1i64, |n, &d| if d < 0 { None } else { n.checked_mul(d) });
-            if numel != Some(t.numel) {
-                return Err(malformed(format!(
-                    "`{}`: shape {:?} does not hold {} elements",
-                    t.name, t.shape, t.numel
-                )));
-            }
-            let slot = match t.place {
-                StoredPlace::Averaged { offset } => {
-                    within(&t.name, "averaged buffer", offset, t.numel, self.ema_numel)?;
-                    Slot::Averaged { offset }
-                }
-                StoredPlace::Copied { group, offset } => {
-                    let g = copied_groups.get(group).ok_or_else(|| {
-                        malformed(format!("`{}`: no copied group {group}", t.name))
-                    })?;
-                    if g.dtype != dtype {
-                        return Err(malformed(format!(
-                            "`{}` is {dtype}, its copied group {}",
-                            t.name, g.dtype
-                        )));
-                    }
-                    within(&t.name, "copied group", offset, t.numel, g.numel)?;
-                    Slot::Copied { group, offset }
-                }
-            };
-            let mirror = match t.mirror {
-                None if mirror_groups.is_empty() => (0, 0),
-                None => return Err(malformed(format!("`{}` has no mirror place", t.name))),
-                Some(StoredOffset { group, offset }) => {
-                    let g = mirror_groups.get(group).ok_or_else(|| {
-                        malformed(format!("`{}`: no mirror group {group}", t.name))
-                    })?;
-                    within(&t.name, "mirror group", offset, t.numel, g.numel)?;
-                    (group, offset)
-                }
-            };
-            tensors.push(LayoutTensor {
-                name: t.name,
-                dtype,
-                shape: t.shape,
-                numel: t.numel,
-                chunk: t.chunk.map(|c| Chunk {
-                    global_shape: c.global_shape,
-                    offsets: c.offsets,
-                }),
-                slot,
-                mirror,
-            });
-        }
+        let copied_groups = groups_of(&self.copied_groups)?;
+        let mirror_groups = groups_of(&self.mirror_groups)?;
+        let tensors = self
+            .tensors
+            .into_iter()
+            .map(|t| t.into_engine(self.ema_numel, &copied_groups, &mirror_groups))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut names = HashSet::new();
         if let Some(t) = tensors.iter().find(|t| !names.insert(t.name.as_str())) {
             return Err(malformed(format!("`{}` appears twice", t.name)));
@@ -394,6 +321,97 @@ impl StoredLayout {
             copied_groups,
             mirror_groups,
             aliases: self.aliases,
+        })
+    }
+}
+
+/// The engine's groups, of known dtypes and sizes.
+fn groups_of(gs: &[StoredGroup]) -> Result<Vec<Group>, MetaError> {
+    gs.iter()
+        .map(|g| {
+            if g.numel < 0 {
+                return Err(malformed(format!("a group of {} elements", g.numel)));
+            }
+            Ok(Group {
+                dtype: dtype_of(&g.dtype)?,
+                numel: g.numel,
+            })
+        })
+        .collect()
+}
+
+/// Whether `numel` elements at `offset` fit a buffer (`what`) of `len`.
+fn within(name: &str, what: &str, offset: i64, numel: i64, len: i64) -> Result<(), MetaError> {
+    if offset < 0 || offset.checked_add(numel).is_none_or(|end| end > len) {
+        Err(malformed(format!(
+            "`{name}`: {numel} elements at {offset} do not fit the {what} of {len}"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+impl StoredTensor {
+    /// The engine's tensor, checked: its shape holds its elements, which
+    /// fit the averaged buffer or its copied group, and its mirror group.
+    fn into_engine(
+        self,
+        ema_numel: i64,
+        copied_groups: &[Group],
+        mirror_groups: &[Group],
+    ) -> Result<LayoutTensor, MetaError> {
+        let dtype = dtype_of(&self.dtype)?;
+        let numel = self
+            .shape
+            .iter()
+            .try_fold(1i64, |n, &d| if d < 0 { None } else { n.checked_mul(d) });
+        if numel != Some(self.numel) {
+            return Err(malformed(format!(
+                "`{}`: shape {:?} does not hold {} elements",
+                self.name, self.shape, self.numel
+            )));
+        }
+        let slot = match self.place {
+            StoredPlace::Averaged { offset } => {
+                within(&self.name, "averaged buffer", offset, self.numel, ema_numel)?;
+                Slot::Averaged { offset }
+            }
+            StoredPlace::Copied { group, offset } => {
+                let g = copied_groups.get(group).ok_or_else(|| {
+                    malformed(format!("`{}`: no copied group {group}", self.name))
+                })?;
+                if g.dtype != dtype {
+                    return Err(malformed(format!(
+                        "`{}` is {dtype}, its copied group {}",
+                        self.name, g.dtype
+                    )));
+                }
+                within(&self.name, "copied group", offset, self.numel, g.numel)?;
+                Slot::Copied { group, offset }
+            }
+        };
+        let mirror = match self.mirror {
+            None if mirror_groups.is_empty() => (0, 0),
+            None => return Err(malformed(format!("`{}` has no mirror place", self.name))),
+            Some(StoredOffset { group, offset }) => {
+                let g = mirror_groups.get(group).ok_or_else(|| {
+                    malformed(format!("`{}`: no mirror group {group}", self.name))
+                })?;
+                within(&self.name, "mirror group", offset, self.numel, g.numel)?;
+                (group, offset)
+            }
+        };
+        Ok(LayoutTensor {
+            name: self.name,
+            dtype,
+            shape: self.shape,
+            numel: self.numel,
+            chunk: self.chunk.map(|c| Chunk {
+                global_shape: c.global_shape,
+                offsets: c.offsets,
+            }),
+            slot,
+            mirror,
         })
     }
 }

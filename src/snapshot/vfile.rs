@@ -275,6 +275,28 @@ impl VirtualFile {
         tokio_stream::wrappers::ReceiverStream::new(rx)
     }
 
+    /// Rereads and hashes the parts under `range` on a blocking thread
+    /// beside the stream, until `cancel`; the first mismatch is left in
+    /// `verdict`.
+    fn spawn_side_check(
+        &self,
+        range: Range<u64>,
+        handle: &tokio::runtime::Handle,
+        cancel: &Arc<AtomicBool>,
+        verdict: &Arc<Mutex<Option<io::Error>>>,
+    ) -> tokio::task::JoinHandle<()> {
+        let parts = self.parts_in(range);
+        let (cancel, verdict) = (cancel.clone(), verdict.clone());
+        handle.spawn_blocking(move || {
+            for part in parts {
+                if let Err(e) = part.verify(&cancel) {
+                    *verdict.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    return;
+                }
+            }
+        })
+    }
+
     fn produce_verified(
         &self,
         range: Range<u64>,
@@ -291,27 +313,10 @@ impl VirtualFile {
         let verdict: Arc<Mutex<Option<io::Error>>> = Arc::new(Mutex::new(None));
         let side = match &inline {
             Some(_) => None,
-            None => {
-                let parts = self.parts_in(range.clone());
-                let (cancel, verdict) = (cancel.clone(), verdict.clone());
-                Some(handle.spawn_blocking(move || {
-                    for part in parts {
-                        if let Err(e) = part.verify(&cancel) {
-                            *verdict.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                            return;
-                        }
-                    }
-                }))
-            }
+            None => Some(self.spawn_side_check(range.clone(), handle, &cancel, &verdict)),
         };
         // Stops the side reader whatever way this returns.
-        struct Cancel(Arc<AtomicBool>);
-        impl Drop for Cancel {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::Relaxed);
-            }
-        }
-        let _cancel = Cancel(cancel);
+        let _cancel = CancelOnDrop(cancel);
         let failed = |verdict: &Mutex<Option<io::Error>>| {
             verdict.lock().unwrap_or_else(|e| e.into_inner()).take()
         };
@@ -358,6 +363,15 @@ impl VirtualFile {
             send(last);
         }
         Ok(())
+    }
+}
+
+/// Sets its flag when dropped.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 

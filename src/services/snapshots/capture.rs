@@ -15,80 +15,95 @@ pub(super) async fn on_event(state: &Snaps, event: CaptureEvent) {
             step,
             profiles,
             backlog,
-        } => {
-            let Some(handle) = state.run(&run) else {
-                return;
-            };
-            let timeout = Duration::from_secs(handle.config.snapshot_timeout_secs.max(1));
-            // This node's ranks; on a run spread over nodes, the others
-            // open the same cut (same id) for theirs.
-            state.pending.register(
-                &snapshot,
-                &run,
-                SnapshotKind::Periodic,
-                (
-                    handle.held_ranks().into_iter().collect(),
-                    handle.config.world_size,
-                ),
-                Some(Instant::now() + timeout),
-                Some(backlog),
-            );
-            let row = SnapshotRow {
-                deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
-                ..SnapshotRow::pending(&snapshot, &run, step, SnapshotKind::Periodic, profiles)
-            };
-            match state.store.insert_snapshot_once(&row).await {
-                Ok(true) => {}
-                // Another node of the service recorded it first.
-                Ok(false) => return,
-                Err(e) => {
-                    tracing::error!(run = %run, error = %e, "recording a periodic snapshot failed")
-                }
-            }
-            state.events.emit(
-                &run,
-                None,
-                Some(step),
-                Event::Snapshot(SnapshotEvent::Pending {
-                    id: snapshot,
-                    kind: SnapshotKind::Periodic,
-                    cut: None,
-                }),
-            );
-        }
+        } => periodic_opened(state, snapshot, run, step, profiles, backlog).await,
         CaptureEvent::PeriodicSkipped {
             run,
             step,
             held,
             bytes,
-        } => {
-            let limit = state.args.periodic_backlog.0;
-            let reason = format!(
-                "earlier periodic snapshots still hold {held} captured bytes not yet written; \
-                 this one ({bytes} bytes) would pass the backlog of {limit} bytes"
-            );
-            tracing::warn!(run = %run, step, "periodic snapshot skipped: {reason}");
-            state
-                .metrics
-                .snapshots_skipped
-                .with_label_values(&[&run])
-                .inc();
-            state.events.emit(
-                &run,
-                None,
-                Some(step),
-                Event::Snapshot(SnapshotEvent::Skipped {
-                    kind: SnapshotKind::Periodic,
-                    reason,
-                }),
-            );
-        }
+        } => periodic_skipped(state, &run, step, held, bytes),
         CaptureEvent::Captured(capture) => {
             let fence = fence_of(state, &capture);
             write_capture(state.clone(), *capture, fence)
         }
         CaptureEvent::Failed { snapshot, reason } => fail(state, &snapshot, &reason).await,
     }
+}
+
+/// An engine opened a periodic cut: registered as pending (this node's
+/// ranks, until its deadline), recorded once in the catalog, announced.
+async fn periodic_opened(
+    state: &Snaps,
+    snapshot: String,
+    run: String,
+    step: u64,
+    profiles: Vec<String>,
+    backlog: Backlog,
+) {
+    let Some(handle) = state.run(&run) else {
+        return;
+    };
+    let timeout = Duration::from_secs(handle.config.snapshot_timeout_secs.max(1));
+    // This node's ranks; on a run spread over nodes, the others
+    // open the same cut (same id) for theirs.
+    state.pending.register(
+        &snapshot,
+        &run,
+        SnapshotKind::Periodic,
+        (
+            handle.held_ranks().into_iter().collect(),
+            handle.config.world_size,
+        ),
+        Some(Instant::now() + timeout),
+        Some(backlog),
+    );
+    let row = SnapshotRow {
+        deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
+        ..SnapshotRow::pending(&snapshot, &run, step, SnapshotKind::Periodic, profiles)
+    };
+    match state.store.insert_snapshot_once(&row).await {
+        Ok(true) => {}
+        // Another node of the service recorded it first.
+        Ok(false) => return,
+        Err(e) => {
+            tracing::error!(run = %run, error = %e, "recording a periodic snapshot failed")
+        }
+    }
+    state.events.emit(
+        &run,
+        None,
+        Some(step),
+        Event::Snapshot(SnapshotEvent::Pending {
+            id: snapshot,
+            kind: SnapshotKind::Periodic,
+            cut: None,
+        }),
+    );
+}
+
+/// An engine skipped a periodic cut (the backlog was full): counted and
+/// announced.
+fn periodic_skipped(state: &Snaps, run: &str, step: u64, held: u64, bytes: u64) {
+    let limit = state.args.periodic_backlog.0;
+    let reason = format!(
+        "earlier periodic snapshots still hold {held} captured bytes not yet written; \
+         this one ({bytes} bytes) would pass the backlog of {limit} bytes"
+    );
+    tracing::warn!(run = %run, step, "periodic snapshot skipped: {reason}");
+    state
+        .metrics
+        .snapshots_skipped
+        .with_label_values(&[run])
+        .inc();
+    state.events.emit(
+        run,
+        None,
+        Some(step),
+        Event::Snapshot(SnapshotEvent::Skipped {
+            kind: SnapshotKind::Periodic,
+            reason,
+        }),
+    );
 }
 
 /// Serialises one rank's capture and uploads its parts to the object store

@@ -56,19 +56,7 @@ async fn persist_held(
     state
         .pending
         .set_state_attempt(&run.config.name, Instant::now());
-    // A lease is not a lock: after a lapse another node may hold these
-    // ranks, so nothing is captured until the renewal that follows has
-    // read the placement again (services::nodes). A capture already past
-    // this point is refused by the catalog (its epoch is stale).
-    if let Some(age) = state.lease.fenced() {
-        return Err(SnapshotError::LeaseLost(format!(
-            "this node's lease was last renewed {:.1} s ago (lease {:.1} s): it may no longer \
-             hold the ranks of run `{}` and writes no state for them until it renews",
-            age.as_secs_f64(),
-            state.lease.length().as_secs_f64(),
-            run.config.name
-        )));
-    }
+    check_lease(state, run)?;
     disk::check(state, run.resident_bytes())?;
     let epochs = held_epochs(state, run);
     let id = snapshot_id(SnapshotKind::State, 0);
@@ -82,35 +70,11 @@ async fn persist_held(
     if captures.is_empty() {
         return Ok(None);
     }
-    // Each part's fencing token, read with no await since the capture: a
-    // rank that changed hands meanwhile (a sync let it go, or took it
-    // again in a later epoch) is written under neither epoch.
-    let fences: Vec<Fence> = captures.iter().map(|c| fence_of(state, c)).collect();
-    if let Some(c) = captures
-        .iter()
-        .zip(&fences)
-        .find(|(c, f)| epochs.get(&c.rank) != Some(&f.epoch))
-        .map(|(c, _)| c)
-    {
-        return Err(SnapshotError::LeaseLost(format!(
-            "rank {} of run `{}` changed hands while its state was captured",
-            c.rank, run.config.name
-        )));
-    }
-    let step = captures.iter().map(|c| c.step).max().unwrap_or(0);
-    let profiles = run
-        .config
-        .profiles
-        .iter()
-        .map(|p| p.name().to_string())
-        .collect();
-    let row = SnapshotRow {
-        detail: serde_json::json!({
-            "rank_steps": captures.iter().map(|c| (c.rank.to_string(), c.step)).collect::<BTreeMap<_, _>>()
-        }),
-        ..SnapshotRow::pending(&id, &run.config.name, step, SnapshotKind::State, profiles)
-    };
-    state.store.insert_snapshot(&row).await?;
+    let fences = fences_of(state, run, &captures, &epochs)?;
+    state
+        .store
+        .insert_snapshot(&state_row(run, &id, &captures))
+        .await?;
     state.pending.register(
         &id,
         &run.config.name,
@@ -144,6 +108,65 @@ async fn persist_held(
         Err(_) => Err(SnapshotError::WriteFailed(
             "state snapshot abandoned".into(),
         )),
+    }
+}
+
+/// A lease is not a lock: after a lapse another node may hold these
+/// ranks, so nothing is captured until the renewal that follows has read
+/// the placement again (services::nodes). A capture already past this
+/// point is refused by the catalog (its epoch is stale).
+fn check_lease(state: &Snaps, run: &RunHandle) -> Result<(), SnapshotError> {
+    match state.lease.fenced() {
+        Some(age) => Err(SnapshotError::LeaseLost(format!(
+            "this node's lease was last renewed {:.1} s ago (lease {:.1} s): it may no longer \
+             hold the ranks of run `{}` and writes no state for them until it renews",
+            age.as_secs_f64(),
+            state.lease.length().as_secs_f64(),
+            run.config.name
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Each part's fencing token, read with no await since the capture: a
+/// rank that changed hands meanwhile (a sync let it go, or took it again
+/// in a later epoch) is written under neither epoch.
+fn fences_of(
+    state: &Snaps,
+    run: &RunHandle,
+    captures: &[RankCapture],
+    epochs: &BTreeMap<u32, u64>,
+) -> Result<Vec<Fence>, SnapshotError> {
+    let fences: Vec<Fence> = captures.iter().map(|c| fence_of(state, c)).collect();
+    if let Some(c) = captures
+        .iter()
+        .zip(&fences)
+        .find(|(c, f)| epochs.get(&c.rank) != Some(&f.epoch))
+        .map(|(c, _)| c)
+    {
+        return Err(SnapshotError::LeaseLost(format!(
+            "rank {} of run `{}` changed hands while its state was captured",
+            c.rank, run.config.name
+        )));
+    }
+    Ok(fences)
+}
+
+/// The catalog row of a state snapshot: at its newest rank's step, with
+/// every rank's step in its detail.
+fn state_row(run: &RunHandle, id: &str, captures: &[RankCapture]) -> SnapshotRow {
+    let step = captures.iter().map(|c| c.step).max().unwrap_or(0);
+    let profiles = run
+        .config
+        .profiles
+        .iter()
+        .map(|p| p.name().to_string())
+        .collect();
+    SnapshotRow {
+        detail: serde_json::json!({
+            "rank_steps": captures.iter().map(|c| (c.rank.to_string(), c.step)).collect::<BTreeMap<_, _>>()
+        }),
+        ..SnapshotRow::pending(id, &run.config.name, step, SnapshotKind::State, profiles)
     }
 }
 
