@@ -156,7 +156,7 @@ pub fn drift_ratio(diff_sq: f64, online_sq: f64) -> f64 {
 
 /// Records a rank's drift sample: the rank's point, and, once every rank
 /// holding data has sampled this step, the run-level point combining them.
-pub fn record_drift(
+pub(super) fn record_drift(
     state: &Shared,
     run: &Arc<RunHandle>,
     rank: u32,
@@ -212,7 +212,7 @@ pub fn record_drift(
 }
 
 /// Writes points in the background (the push answer does not wait).
-pub fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
+fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
     if points.is_empty() {
         return;
     }
@@ -226,7 +226,7 @@ pub fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
 }
 
 /// Counts an applied push into the run's ingest window.
-pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
+pub(super) fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
     let mut w = run.ingest.lock().expect("ingest lock");
     w.pushes += 1;
     w.bytes += bytes;
@@ -234,7 +234,7 @@ pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
 }
 
 /// Turns each run's ingest window into points (called every few seconds).
-pub fn sample_ingest(state: &Shared, since: Instant) {
+fn sample_ingest(state: &Shared, since: Instant) {
     let elapsed = since.elapsed().as_secs_f64().max(1e-3);
     let runs = state.all_runs();
     let at_ms = now_ms();
@@ -357,7 +357,7 @@ pub fn effective_window(
 }
 
 /// Records the per-tensor sums of a drift sample (one row per profile).
-pub fn record_tensor_drift(
+fn record_tensor_drift(
     state: &Shared,
     run: &str,
     rank: u32,
