@@ -40,8 +40,10 @@
 //! - [`telemetry`]: logging set-up and the Prometheus registry.
 //! - [`registry`]: the runs, their ranks' summaries, the engine of each device.
 //! - [`events`]: the event bus (numbered, broadcast to SSE, stored).
-//! - [`services`]: the domain work handlers call: ingest, the snapshot
-//!   lifecycle (and derived snapshots), monitoring series, alerts.
+//! - [`services`]: the domain work handlers call, one struct per service
+//!   owning its state and tasks: ingest, the snapshot lifecycle (and
+//!   derived snapshots), monitoring series, alerts, evaluations, runs,
+//!   nodes, the cluster, operations (health, readiness, verify).
 //! - [`state`]: `AppState`, handles to the services and nothing else.
 //! - [`http`]: routes, handlers (extract, one service call, render), the one
 //!   error type that maps every failure to a status and a JSON body, auth,

@@ -49,7 +49,9 @@ pub async fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
     crate::services::snapshots::recover(state.snapshots())
         .await
         .context("recovering from the last run's snapshots")?;
-    crate::services::nodes::register(state.shared())
+    state
+        .nodes()
+        .register()
         .await
         .map_err(|e| anyhow::anyhow!("registering this node in the catalog: {e}"))?;
     let tasks = Tasks::spawn(&state, captures);
@@ -144,14 +146,13 @@ impl Tasks {
         captures: tokio::sync::mpsc::UnboundedReceiver<crate::engine::capture::CaptureEvent>,
     ) -> Self {
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
-        let others = vec![
+        let mut others = vec![
             crate::services::alerts::spawn(state.alerts().clone(), stop_rx.clone()),
-            crate::services::monitor::spawn(state.shared().clone(), stop_rx.clone()),
+            state.monitor().spawn(stop_rx.clone()),
             state.ingest().spawn_trim(stop_rx.clone()),
-            crate::services::nodes::spawn(state.shared().clone(), stop_rx.clone()),
-            crate::services::cluster::spawn(state.shared().clone(), stop_rx.clone()),
-            crate::services::cluster::spawn_event_relay(state.shared().clone(), stop_rx.clone()),
+            state.nodes().spawn(stop_rx.clone()),
         ];
+        others.extend(state.cluster().spawn(stop_rx.clone()));
         let snapshots =
             crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);
         Tasks {

@@ -1,6 +1,8 @@
-//! What every handler shares: handles to the services and to the layers
-//! they are built on. No tensor and no domain state lives here; each
-//! service owns its own.
+//! What every handler shares: handles to the services, built here from
+//! the context (catalog, object store, registry, event bus, metrics,
+//! lease) that only the services hold. No tensor and no domain state lives
+//! here; each service owns its own, and its periodic tasks (started from
+//! `server.rs`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,8 +13,13 @@ use crate::events::EventBus;
 use crate::objstore::ObjectStore;
 use crate::registry::Registry;
 use crate::services::alerts::{AlertService, AlertsSvc};
+use crate::services::cluster::Cluster;
 use crate::services::evals::Evals;
 use crate::services::ingest::Ingest;
+use crate::services::monitor::Monitor;
+use crate::services::nodes::Nodes;
+use crate::services::ops::Ops;
+use crate::services::runs::Runs;
 use crate::services::snapshots::{Snaps, SnapshotService};
 use crate::services::{Context, Shared};
 use crate::store::writer::CatalogWriter;
@@ -21,11 +28,18 @@ use crate::telemetry::Metrics;
 
 /// Handles shared by every handler.
 pub struct AppInner {
+    /// For the registry, configuration, event bus and metrics handles
+    /// below; never handed out whole.
     shared: Context,
     ingest: Arc<Ingest>,
     snapshots: Snaps,
     alerts: AlertsSvc,
     evals: Arc<Evals>,
+    runs: Runs,
+    nodes: Nodes,
+    cluster: Cluster,
+    monitor: Monitor,
+    ops: Ops,
 }
 
 pub type AppState = Arc<AppInner>;
@@ -74,19 +88,22 @@ impl AppInner {
             lease: Arc::new(crate::node::Lease::new(args.lease_secs)),
             args,
         });
+        let ingest = Arc::new(Ingest::new(shared.clone()));
+        let snapshots = SnapshotService::new(&shared);
+        let alerts = AlertService::new(&shared);
         let state = Arc::new(AppInner {
-            ingest: Arc::new(Ingest::new(shared.clone())),
-            snapshots: SnapshotService::new(&shared),
-            alerts: AlertService::new(&shared),
+            runs: Runs::new(&shared, &snapshots, &alerts, &ingest),
+            nodes: Nodes::new(&shared),
+            cluster: Cluster::new(&shared),
+            monitor: Monitor::new(&shared),
+            ops: Ops::new(&shared, &snapshots),
             evals: Arc::new(Evals::new(&shared)),
+            ingest,
+            snapshots,
+            alerts,
             shared,
         });
         Ok((state, captures_rx))
-    }
-
-    /// The context every service is built on.
-    pub fn shared(&self) -> &Context {
-        &self.shared
     }
 
     pub fn registry(&self) -> &Registry {
@@ -109,12 +126,28 @@ impl AppInner {
         &self.evals
     }
 
-    pub fn args(&self) -> &ServeArgs {
-        &self.shared.args
+    pub fn runs(&self) -> &Runs {
+        &self.runs
     }
 
-    pub fn store(&self) -> &Store {
-        &self.shared.store
+    pub fn nodes(&self) -> &Nodes {
+        &self.nodes
+    }
+
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    pub fn monitor(&self) -> &Monitor {
+        &self.monitor
+    }
+
+    pub fn ops(&self) -> &Ops {
+        &self.ops
+    }
+
+    pub fn args(&self) -> &ServeArgs {
+        &self.shared.args
     }
 
     pub fn events(&self) -> &EventBus {
@@ -123,11 +156,6 @@ impl AppInner {
 
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
-    }
-
-    /// When the server started.
-    pub fn started(&self) -> Instant {
-        self.shared.started
     }
 
     pub fn run(&self, name: &str) -> Option<Arc<crate::registry::RunHandle>> {

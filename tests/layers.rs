@@ -50,6 +50,9 @@ const LAYERS: &[(&str, u32)] = &[
     // from snapshots); the lease, which lets taken ranks go, last.
     ("services::ingest", 9),
     ("services::cluster", 9),
+    // Readiness and the scrape's gauges read the snapshot service's disk
+    // figures; verifying rereads its parts.
+    ("services::ops", 9),
     // Creating a run places it and tells the peers (cluster).
     ("services::runs", 10),
     ("services::nodes", 10),
@@ -517,9 +520,6 @@ const HANDLERS_REACHING_BELOW: &[(&str, &str)] = &[
     ("http::events", "store"),
     ("http::extract", "registry"),
     ("http::insight", "store"),
-    ("http::metrics", "store"),
-    ("http::ops", "snapshot"),
-    ("http::ops", "store"),
     ("http::push", "store"),
     ("http::route", "registry"),
     ("http::runs", "engine"),

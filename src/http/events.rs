@@ -152,7 +152,7 @@ async fn cursor_after(state: &AppState, run: &str, since: i64) -> Result<EventCu
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
     loop {
-        match state.store().event_place(run, since).await? {
+        match state.monitor().event_place(run, since).await? {
             EventPlace::Exact(seq) => return Ok(EventCursor::Seq(seq)),
             EventPlace::Before(before) => {
                 let waiting = state.events().pending(run).iter().any(|e| e.id == since);
@@ -188,8 +188,8 @@ async fn history(
     loop {
         let want = limit.map_or(REPLAY_PAGE, |l| l - stored.len() as i64);
         let page = state
-            .store()
-            .events(name, after, kinds, want, newest)
+            .monitor()
+            .stored_events(name, after, kinds, want, newest)
             .await?;
         let full = page.len() as i64 == want;
         after = match (after, page.last()) {

@@ -20,7 +20,7 @@ use crate::events::{Annotated, Event};
 use crate::run::alerts::AlertRules;
 use crate::run::{FieldError, RunSpec};
 use crate::services::alerts::Alert;
-use crate::services::cluster::{self, FORWARDED};
+use crate::services::cluster::FORWARDED;
 use crate::services::monitor::{drift_ratio, effective_window};
 use crate::state::AppState;
 use crate::store::meta::RunMeta;
@@ -152,7 +152,7 @@ pub async fn patch_run(
         }
         Some(c) => Some(c),
     };
-    crate::services::runs::store_meta(state.shared(), &run, meta.clone()).await?;
+    state.runs().store_meta(&run, meta.clone()).await?;
     state.events().emit(
         &name,
         None,
@@ -197,7 +197,7 @@ async fn peers_to_ask(
     if headers.contains_key(FORWARDED) {
         return Ok(Vec::new());
     }
-    Ok(cluster::live_peers(state.shared()).await?)
+    Ok(state.cluster().live_peers().await?)
 }
 
 /// A run's alerts, over every node of the service: each node judges the
@@ -355,7 +355,7 @@ pub async fn tensor_drift(
         ));
     }
     let rows = state
-        .store()
+        .monitor()
         .tensor_drift(&name, &profile, q.limit.unwrap_or(200).clamp(1, 2000))
         .await?;
     // (tensor, step) -> (diff_sq, online_sq, ranks that contributed).

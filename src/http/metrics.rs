@@ -13,11 +13,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{bounded_step, run_named, ApiJson, ApiQuery};
-use crate::clock::now_ms;
-use crate::events::{self, Event};
 use crate::run::alerts::valid_metric_name;
+use crate::services::monitor::Scalars;
 use crate::state::AppState;
-use crate::store::MetricPoint;
 
 /// One step's scalars.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -59,8 +57,6 @@ pub async fn post(
         MetricsBody::One(p) => vec![p],
         MetricsBody::Many(v) => v,
     };
-    let at_ms = now_ms();
-    let mut points = Vec::new();
     for (i, p) in posts.iter().enumerate() {
         bounded_step(&format!("[{i}].step"), p.step)?;
         if let Some(rank) = p.rank {
@@ -87,37 +83,18 @@ pub async fn post(
                     format!("[{i}].values.{metric}: must be a finite number"),
                 ));
             }
-            points.push(MetricPoint {
-                name: metric.clone(),
-                step: p.step,
-                rank: p.rank,
-                value,
-                at_ms,
-            });
         }
     }
-    state.store().insert_metrics(&name, &points).await?;
-    state
-        .metrics()
-        .metric_points
-        .with_label_values(&[&name])
-        .inc_by(points.len() as u64);
-    for p in &posts {
-        state.events().emit(
-            &name,
-            p.rank,
-            Some(p.step),
-            Event::Metrics(events::Metrics {
-                values: p.values.clone(),
-            }),
-        );
-    }
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(MetricsAccepted {
-            accepted: points.len(),
-        }),
-    ))
+    let posts: Vec<Scalars> = posts
+        .into_iter()
+        .map(|p| Scalars {
+            step: p.step,
+            rank: p.rank,
+            values: p.values,
+        })
+        .collect();
+    let accepted = state.monitor().record_metrics(&name, &posts).await?;
+    Ok((StatusCode::ACCEPTED, Json(MetricsAccepted { accepted })))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -182,9 +159,9 @@ pub async fn get(
         ));
     }
     let limit = q.limit.unwrap_or(10_000).clamp(1, 1_000_000);
-    let points = state
-        .store()
-        .metrics(&name, names.as_deref(), q.since_step, rank, limit)
+    let (points, names) = state
+        .monitor()
+        .series(&name, names.as_deref(), q.since_step, rank, limit)
         .await?;
     let mut series: Vec<Series> = Vec::new();
     for p in points {
@@ -199,8 +176,5 @@ pub async fn get(
             }),
         }
     }
-    Ok(Json(MetricsResponse {
-        names: state.store().metric_names(&name).await?,
-        series,
-    }))
+    Ok(Json(MetricsResponse { names, series }))
 }

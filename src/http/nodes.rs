@@ -8,7 +8,6 @@ use utoipa::ToSchema;
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
 use crate::contract::NodeStatus;
-use crate::services::nodes;
 use crate::state::AppState;
 
 /// A node as the catalog knows it.
@@ -52,7 +51,7 @@ pub async fn list(
 ) -> Result<Json<NodeList>, ApiError> {
     caller.require_admin()?;
     let (this, _) = crate::node::identity(state.args());
-    let rows = nodes::list(state.shared()).await?;
+    let rows = state.nodes().list().await?;
     Ok(Json(NodeList {
         nodes: rows
             .into_iter()

@@ -12,6 +12,7 @@ use utoipa::{OpenApi, ToSchema};
 
 use super::auth::Caller;
 use super::error::{ApiError, ErrorBody};
+use crate::services::ops::Readiness;
 use crate::state::AppState;
 
 /// Files under `static/`: embedded in release builds, read from disk in
@@ -40,15 +41,16 @@ pub struct Health {
 }
 
 fn health(state: &AppState, status: &str, detail: Option<String>) -> Health {
+    let facts = state.ops().facts();
     Health {
         status: status.into(),
         version: env!("CARGO_PKG_VERSION").into(),
-        uptime_seconds: state.started().elapsed().as_secs_f64(),
-        runs: state.registry().len(),
-        disk_free_bytes: crate::services::snapshots::disk::refresh_gauge(state.snapshots()),
-        disk_reserve_bytes: state.args().disk_reserve.0,
-        catalog: state.store().kind().name().into(),
-        store: state.shared().objects.kind().into(),
+        uptime_seconds: facts.uptime_seconds,
+        runs: facts.runs,
+        disk_free_bytes: facts.disk_free_bytes,
+        disk_reserve_bytes: facts.disk_reserve_bytes,
+        catalog: facts.catalog.into(),
+        store: facts.store.into(),
         detail,
     }
 }
@@ -66,48 +68,17 @@ pub async fn livez(State(state): State<AppState>) -> Json<Health> {
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    // Bounded by --catalog-timeout-secs: a probe sees a quick 503, never
-    // a hang, while the catalog is away (or holds every connection).
-    let wait = std::time::Duration::from_secs_f64(state.args().catalog_timeout_secs);
-    let ping = match tokio::time::timeout(wait, state.store().ping()).await {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e.to_string()),
-        Err(_) => Some(format!("no answer within {:.1} s", wait.as_secs_f64())),
-    };
-    if let Some(e) = ping {
-        return (
+    match state.ops().readiness().await {
+        Readiness::Ready => Json(health(&state, "ok", None)).into_response(),
+        Readiness::Unavailable(detail) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(health(
-                &state,
-                "unavailable",
-                Some(format!("catalog ({}): {e}", state.store().kind().name())),
-            )),
+            Json(health(&state, "unavailable", Some(detail))),
         )
-            .into_response();
+            .into_response(),
+        Readiness::Degraded(detail) => {
+            Json(health(&state, "degraded", Some(detail))).into_response()
+        }
     }
-    if !crate::services::runs::engines_answer(state.shared()).await {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(health(
-                &state,
-                "unavailable",
-                Some("an engine thread stopped".into()),
-            )),
-        )
-            .into_response();
-    }
-    let objects = &state.shared().objects;
-    let ping = tokio::time::timeout(std::time::Duration::from_secs(5), objects.ping()).await;
-    let failed = match ping {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e.to_string()),
-        Err(_) => Some("no answer within 5 s".to_string()),
-    };
-    if let Some(e) = failed {
-        let detail = format!("store ({}): {e}", objects.kind());
-        return Json(health(&state, "degraded", Some(detail))).into_response();
-    }
-    Json(health(&state, "ok", None)).into_response()
 }
 
 /// Prometheus text exposition. With auth on it needs the admin token: the
@@ -131,18 +102,8 @@ pub async fn verify(
     caller: Caller,
     super::extract::ApiQuery(q): super::extract::ApiQuery<VerifyQuery>,
 ) -> Result<Json<crate::services::snapshots::verify::VerifyReport>, ApiError> {
-    use crate::services::snapshots::verify;
     caller.require_admin()?;
-    let shared = state.shared();
-    let report = verify::verify_store(&shared.store, &shared.objects, q.run.as_deref()).await?;
-    for bad in report.bad.iter().filter(|b| b.problem == "mismatch") {
-        let m = crate::snapshot::source::PartMismatch {
-            key: bad.key.clone(),
-            what: bad.detail.clone(),
-        };
-        verify::report_mismatch(&shared.events, &shared.metrics, &m, "verify");
-    }
-    Ok(Json(report))
+    Ok(Json(state.ops().verify(q.run.as_deref()).await?))
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "ops",
@@ -160,36 +121,9 @@ pub async fn metrics_open(State(state): State<AppState>) -> Response {
 }
 
 async fn exposition(state: &AppState) -> Response {
-    for engine in state.registry().engines() {
-        state
-            .metrics()
-            .engine_queue
-            .with_label_values(&[engine.label()])
-            .set(engine.queued() as i64);
-        for (kind, n) in engine.queued_by_kind() {
-            state
-                .metrics()
-                .engine_queue_by_kind
-                .with_label_values(&[engine.label(), kind.as_str()])
-                .set(n as i64);
-        }
-    }
-    crate::services::snapshots::disk::refresh_gauge(state.snapshots());
-    let lease_age = state.shared().lease.age().as_millis();
-    state.metrics().lease_age_ms.set(lease_age as i64);
-    let writer = crate::store::writer::counts();
-    state.metrics().sync_catalog_counts(
-        crate::store::query_counts(),
-        crate::telemetry::WriterFigures {
-            flushes: writer.flushes,
-            failures: writer.failures,
-            dropped: writer.dropped,
-            held: writer.held,
-        },
-    );
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics().render(),
+        state.ops().exposition(),
     )
         .into_response()
 }

@@ -146,26 +146,22 @@ async fn answer(
 /// ranks: its lease was not renewed for most of its length and another
 /// node could take them (see [`crate::node::Lease`]).
 fn fence(state: &AppState) -> Result<(), ApiError> {
-    let lease = &state.shared().lease;
-    match lease.fenced() {
+    match state.ingest().fenced() {
         None => Ok(()),
-        Some(age) => {
-            state.metrics().pushes_fenced.inc();
-            Err(ApiError {
-                retry_after: Some(1),
-                ..ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "lease_lost",
-                    format!(
+        Some((age, length)) => Err(ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "lease_lost",
+                format!(
                     "this node's lease was last renewed {:.1} s ago (lease {:.1} s): it may no \
                      longer hold the rank and acknowledges no push until it renews; retry, or \
                      read the placement again",
                     age.as_secs_f64(),
-                    lease.length().as_secs_f64()
+                    length.as_secs_f64()
                 ),
-                )
-            })
-        }
+            )
+        }),
     }
 }
 

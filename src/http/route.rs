@@ -130,7 +130,7 @@ pub async fn forward(owner: &Owner, uri: &Uri, headers: &HeaderMap) -> Result<Re
     responses((status = 200, body = Synced)))]
 pub async fn sync(State(state): State<AppState>, caller: Caller) -> Result<Json<Synced>, ApiError> {
     caller.require_admin()?;
-    Ok(Json(cluster::sync(state.shared()).await?))
+    Ok(Json(state.cluster().sync().await?))
 }
 
 /// This node's ranks' last steps (for a cut of a run spread over nodes).

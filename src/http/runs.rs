@@ -164,29 +164,27 @@ pub async fn create_run(
     super::insight::check_webhook(&state, &meta.alerts)?;
     let registry = state.registry();
     let config = spec.validate(registry.default_device(), |d| registry.device_for(d))?;
-    Ok(
-        match runs::create(state.shared(), config, meta, q.exist_ok).await? {
-            runs::Created::Existing(run) => (
-                StatusCode::OK,
+    Ok(match state.runs().create(config, meta, q.exist_ok).await? {
+        runs::Created::Existing(run) => (
+            StatusCode::OK,
+            Json(CreatedRun {
+                run: run_view(&run, true),
+                write_token: None,
+                read_token: None,
+            }),
+        ),
+        runs::Created::New { run, tokens } => {
+            let (write_token, read_token) = tokens.unzip();
+            (
+                StatusCode::CREATED,
                 Json(CreatedRun {
                     run: run_view(&run, true),
-                    write_token: None,
-                    read_token: None,
+                    write_token,
+                    read_token,
                 }),
-            ),
-            runs::Created::New { run, tokens } => {
-                let (write_token, read_token) = tokens.unzip();
-                (
-                    StatusCode::CREATED,
-                    Json(CreatedRun {
-                        run: run_view(&run, true),
-                        write_token,
-                        read_token,
-                    }),
-                )
-            }
-        },
-    )
+            )
+        }
+    })
 }
 
 /// The body of `POST /v1/runs/{run}/finish`.
@@ -274,14 +272,7 @@ pub async fn delete_run(
 ) -> Result<StatusCode, ApiError> {
     run_named(&state, &name)?;
     caller.require_admin()?;
-    runs::delete_named(
-        state.shared(),
-        state.snapshots(),
-        state.alerts(),
-        state.ingest(),
-        &name,
-    )
-    .await?;
+    state.runs().delete(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -426,7 +417,7 @@ pub async fn get_rank_ema(
             )
         })?),
     };
-    let host = runs::rank_ema(&run, rank, &profile, cast).await?;
+    let host = state.runs().rank_ema(&run, rank, &profile, cast).await?;
     let mut meta = BTreeMap::new();
     meta.insert("polyak.run".to_string(), run.config.name.clone());
     meta.insert("polyak.rank".to_string(), rank.to_string());

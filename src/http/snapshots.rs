@@ -89,9 +89,7 @@ pub async fn list(
 ) -> Result<Json<SnapshotList>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let snapshots = state
-        .store()
-        .snapshots(&name)
+    let snapshots = download::list(state.snapshots(), &name)
         .await?
         .into_iter()
         .filter(|s| q.kind.as_ref().is_none_or(|k| s.kind.as_str() == k))
@@ -116,7 +114,7 @@ pub async fn get(
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
     let snapshot = row_of(&state, &name, &id).await?;
-    let files = state.store().snapshot_files(&id).await?;
+    let files = download::files(state.snapshots(), &id).await?;
     let progress = snap::derived::progress_of(state.snapshots(), &id);
     Ok(Json(SnapshotView {
         snapshot,

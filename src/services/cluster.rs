@@ -3,12 +3,18 @@
 //!
 //! Every node knows every run (reads work anywhere) but holds only the
 //! ranks placed on it. The catalog is the truth; a node learns of changes
-//! by [`sync`]: at once when the node that made the change tells it
-//! (`POST /v1/internal/sync`, see [`tell_peers`]), else within a second
+//! by [`Cluster::sync`]: at once when the node that made the change tells it
+//! (`POST /v1/internal/sync`, see `tell_peers`), else within a second
 //! (the periodic task, which runs only while the service has other nodes).
 //! The ranks another node holds are shown from the catalog's rank rows.
+//!
+//! [`Cluster`] is the service: it owns the lock that keeps syncs one at a
+//! time, the periodic sync and, on PostgreSQL, the relay of the other
+//! nodes' events. Creating and deleting runs (`super::runs`) and the
+//! lease's renewal (`super::nodes`) reach the helpers here.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -33,10 +39,51 @@ const SYNC_EVERY: Duration = Duration::from_secs(1);
 /// The path a node asks a peer to sync on.
 pub const SYNC_PATH: &str = "/v1/internal/sync";
 
+/// This node among the others: syncing with the catalog, the live peers,
+/// and the tasks that keep up with them.
+pub struct Cluster {
+    ctx: Context,
+    /// Syncs are one at a time (a told sync and the periodic one must not
+    /// interleave: one could drop a run the other just installed).
+    syncing: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Cluster {
+    pub fn new(ctx: &Context) -> Self {
+        Cluster {
+            ctx: ctx.clone(),
+            syncing: Arc::new(tokio::sync::Mutex::new(())),
+        }
+    }
+
+    /// Brings this node's registry up to the catalog now: installs the runs
+    /// it does not know, drops those deleted elsewhere, takes over the
+    /// ranks of nodes that are gone, refreshes the ranks others hold.
+    pub async fn sync(&self) -> Result<Synced, ServiceError> {
+        sync(&self.ctx, &self.syncing).await
+    }
+
+    /// The other live nodes of the service that have a URL: `(node id, URL)`.
+    pub async fn live_peers(&self) -> Result<Vec<(String, String)>, ServiceError> {
+        Ok(live_peers(&self.ctx).await?)
+    }
+
+    /// Starts the periodic sync and the relay of the other nodes' events.
+    pub fn spawn(&self, stop: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+        vec![
+            spawn_sync(self.ctx.clone(), self.syncing.clone(), stop.clone()),
+            spawn_event_relay(self.ctx.clone(), stop),
+        ]
+    }
+}
+
 /// Where the ranks of a new run go: over the live nodes, balanced by the
 /// ranks each holds and its memory budget (see [`assign`]); this node
 /// first, so a node alone in its service holds every rank.
-pub async fn place_new_run(ctx: &Context, world_size: u32) -> Result<Vec<Owner>, ServiceError> {
+pub(super) async fn place_new_run(
+    ctx: &Context,
+    world_size: u32,
+) -> Result<Vec<Owner>, ServiceError> {
     let nodes = ctx.store.list_nodes().await?;
     let held = ctx.store.ranks_per_node().await?;
     let me = ctx.registry.node_id().to_string();
@@ -84,7 +131,7 @@ fn owner(ctx: &Context, nodes: &[NodeRow], id: &str, epoch: u64) -> Owner {
     }
 }
 
-/// What one [`sync`] changed.
+/// What one [`Cluster::sync`] changed.
 #[derive(Debug, Default, serde::Serialize, utoipa::ToSchema)]
 pub struct Synced {
     /// Runs installed (created on another node, or before this one started).
@@ -97,16 +144,12 @@ pub struct Synced {
     pub taken_over: usize,
 }
 
-/// Syncs are one at a time (a told sync and the periodic one must not
-/// interleave: one could drop a run the other just installed).
-static SYNC_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// Brings this node's registry up to the catalog: installs the runs it does
 /// not know (with the ranks placed on it), drops the runs deleted
 /// elsewhere, and refreshes the owners and summaries of the ranks other
-/// nodes hold.
-pub async fn sync(ctx: &Context) -> Result<Synced, ServiceError> {
-    let _one = SYNC_LOCK.lock().await;
+/// nodes hold. Under `syncing`, one at a time.
+async fn sync(ctx: &Context, syncing: &tokio::sync::Mutex<()>) -> Result<Synced, ServiceError> {
+    let _one = syncing.lock().await;
     let nodes = ctx.store.list_nodes().await?;
     let stored = ctx.store.list_runs().await?;
     let mut out = Synced::default();
@@ -280,7 +323,7 @@ async fn release_lost(ctx: &Context, run: &RunHandle, placed: &[Placed]) {
 /// renewal that followed a lapse, before pushes are acknowledged again:
 /// a claim either committed before that renewal (and is seen here) or
 /// found the lease live and failed (see [`crate::store::Store::claim_ranks`]).
-pub async fn release_taken(ctx: &Context) -> Result<(), ServiceError> {
+pub(super) async fn release_taken(ctx: &Context) -> Result<(), ServiceError> {
     for run in ctx.registry.all_runs() {
         if run.held_ranks().is_empty() {
             continue;
@@ -443,7 +486,7 @@ async fn refresh(ctx: &Context, nodes: &[NodeRow], run: &RunHandle) -> Result<()
 /// Tells every other live node to sync now (after this node created or
 /// deleted a run), so a client that goes straight to them finds it. A peer
 /// that does not answer learns it from its periodic sync.
-pub async fn tell_peers(ctx: &Context) {
+pub(super) async fn tell_peers(ctx: &Context) {
     let peers = match live_peers(ctx).await {
         Ok(peers) => peers,
         Err(e) => {
@@ -474,7 +517,7 @@ pub async fn tell_peers(ctx: &Context) {
 }
 
 /// The other live nodes of the service that have a URL: `(node id, URL)`.
-pub async fn live_peers(ctx: &Context) -> Result<Vec<(String, String)>, crate::store::StoreError> {
+async fn live_peers(ctx: &Context) -> Result<Vec<(String, String)>, crate::store::StoreError> {
     let me = ctx.registry.node_id();
     Ok(ctx
         .store
@@ -488,7 +531,11 @@ pub async fn live_peers(ctx: &Context) -> Result<Vec<(String, String)>, crate::s
 
 /// Syncs every second while the service has other live nodes, or this
 /// node knows runs with ranks elsewhere.
-pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+fn spawn_sync(
+    ctx: Context,
+    syncing: Arc<tokio::sync::Mutex<()>>,
+    mut stop: watch::Receiver<bool>,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(SYNC_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -496,7 +543,7 @@ pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
             tokio::select! {
                 _ = tick.tick() => {
                     if needs_sync(&ctx).await {
-                        if let Err(e) = sync(&ctx).await {
+                        if let Err(e) = sync(&ctx, &syncing).await {
                             tracing::warn!(error = %e, "syncing with the catalog failed");
                         }
                     }
@@ -534,7 +581,7 @@ const RELAY_BATCH: i64 = 1000;
 /// event stream on any node shows every node's events. Woken by the
 /// writers' `NOTIFY` (LISTEN on [`EVENTS_CHANNEL`]), and every
 /// [`RELAY_POLL`] in case one is missed. Nothing on SQLite (one node).
-pub fn spawn_event_relay(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+fn spawn_event_relay(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         if ctx.store.kind() != CatalogKind::Postgres {
             return;

@@ -1,27 +1,41 @@
 //! Services: the domain work between the HTTP handlers and the layers
 //! below (registry, event bus, engine, snapshot format, store). A handler
 //! extracts its request, calls one service, and renders the answer or the
-//! [`ServiceError`]. Each service owns its state and its periodic task,
-//! started from `server.rs`.
+//! [`ServiceError`]. Each service is a struct built from the [`Context`]
+//! in `state.rs`, keeps what it reaches private, and starts the periodic
+//! tasks that touch its state (`spawn`, called from `server.rs`). Handlers
+//! reach services only, never the context.
 //!
-//! - [`ingest`]: a push from its body to the applied update and its
-//!   bookkeeping (metrics, rank summary, catalog, drift, events).
+//! - [`ingest`] ([`ingest::Ingest`]): a push from its body to the applied
+//!   update and its bookkeeping (metrics, rank summary, catalog, drift,
+//!   events); whether pushes are fenced by the lease. Task: trimming idle
+//!   receive buffers.
 //! - [`pipeline`]: pipelined pushes of a rank (`Polyak-Prev-Step`), held
 //!   until their predecessor is answered so they apply in step order.
-//! - [`monitor`]: the series the server records itself (drift, ingest
-//!   rate) and their retention.
-//! - [`nodes`]: this server's registration and lease in the catalog, and
-//!   the list of the service's nodes.
-//! - [`cluster`]: where a new run's ranks go among the nodes, and each
-//!   node keeping up with the runs the others create, delete and hold.
-//! - [`alerts`]: per-run alert rules evaluated from events and a tick;
-//!   webhooks.
-//! - [`runs`]: deleting a run, exporting its live EMA, engine liveness.
-//! - [`evals`]: evaluations of candidates (a snapshot's profile or its
-//!   online weights), and the best candidate of a metric.
-//! - [`snapshots`]: the snapshot lifecycle (cuts, capture writes,
-//!   retention, state persistence, restore and recovery) and derived
-//!   snapshots (post-hoc, merge).
+//! - [`monitor`] ([`monitor::Monitor`]): the series the server records
+//!   itself (drift, ingest rate), the trainer's scalars, per-tensor drift
+//!   and the event history as stored. Task: sampling the ingest rate, and
+//!   pruning all of them to their retention.
+//! - [`nodes`] ([`nodes::Nodes`]): this server's registration in the
+//!   catalog, and the list of the service's nodes. Task: renewing the
+//!   lease.
+//! - [`cluster`] ([`cluster::Cluster`]): where a new run's ranks go among
+//!   the nodes, and each node keeping up with the runs the others create,
+//!   delete and hold. Tasks: the periodic sync, and relaying the other
+//!   nodes' events.
+//! - [`alerts`] ([`alerts::AlertService`]): per-run alert rules evaluated
+//!   from events and a tick; webhooks.
+//! - [`runs`] ([`runs::Runs`]): creating, annotating and deleting a run,
+//!   exporting its live EMA.
+//! - [`ops`] ([`ops::Ops`]): liveness facts, readiness (catalog, engines,
+//!   object store), the gauges sampled at a scrape, and verifying every
+//!   snapshot part.
+//! - [`evals`] ([`evals::Evals`]): evaluations of candidates (a snapshot's
+//!   profile or its online weights), and the best candidate of a metric.
+//! - [`snapshots`] ([`snapshots::SnapshotService`]): the snapshot
+//!   lifecycle (cuts, capture writes, retention, state persistence,
+//!   restore and recovery) and derived snapshots (post-hoc, merge). Tasks:
+//!   the capture writer and the snapshot ticker.
 
 pub mod alerts;
 pub mod cluster;
@@ -30,6 +44,7 @@ pub mod evals;
 pub mod ingest;
 pub mod monitor;
 pub mod nodes;
+pub mod ops;
 pub mod peer;
 pub mod pipeline;
 pub mod runs;

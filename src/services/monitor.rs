@@ -8,6 +8,12 @@
 //! while pushes arrive), `ingest/rank_step` (per rank, the step each rank
 //! had reached at the same moments). Per-tensor drift goes to its own table
 //! (one row per rank, profile and sample).
+//!
+//! [`Monitor`] is the service: it stores the trainer's scalars, reads the
+//! stored series, per-tensor drift and event history back, and owns the
+//! task that samples the ingest series and keeps everything stored within
+//! its retention. Ingest records drift and ingest samples through the
+//! helpers here.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,10 +22,125 @@ use crate::engine::rank::DriftSample;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::{Context, Shared};
+use super::{Context, ServiceError, Shared};
 use crate::clock::now_ms;
+use crate::events::Event;
 use crate::registry::RunHandle;
-use crate::store::MetricPoint;
+use crate::store::meta::TensorDriftRow;
+use crate::store::{EventCursor, EventPlace, MetricPoint, StoredEvent};
+
+/// One step's scalars from the trainer: name -> value, of one rank or
+/// (`rank: None`) of the run.
+pub struct Scalars {
+    pub step: u64,
+    pub rank: Option<u32>,
+    pub values: std::collections::BTreeMap<String, f64>,
+}
+
+/// The stored series (the trainer's and the server's own), per-tensor
+/// drift and events: reads, writes, and their retention.
+pub struct Monitor {
+    ctx: Context,
+}
+
+impl Monitor {
+    pub fn new(ctx: &Context) -> Self {
+        Monitor { ctx: ctx.clone() }
+    }
+
+    /// Stores a run's trainer scalars (checked by the caller: finite
+    /// values, metric names, steps and ranks in range), counts them, and
+    /// tells each post as a `metrics` event. Returns the points stored.
+    pub async fn record_metrics(
+        &self,
+        run: &str,
+        posts: &[Scalars],
+    ) -> Result<usize, ServiceError> {
+        let at_ms = now_ms();
+        let points: Vec<MetricPoint> = posts
+            .iter()
+            .flat_map(|p| {
+                p.values.iter().map(move |(name, &value)| MetricPoint {
+                    name: name.clone(),
+                    step: p.step,
+                    rank: p.rank,
+                    value,
+                    at_ms,
+                })
+            })
+            .collect();
+        self.ctx.store.insert_metrics(run, &points).await?;
+        self.ctx
+            .metrics
+            .metric_points
+            .with_label_values(&[run])
+            .inc_by(points.len() as u64);
+        for p in posts {
+            self.ctx.events.emit(
+                run,
+                p.rank,
+                Some(p.step),
+                Event::Metrics(crate::events::Metrics {
+                    values: p.values.clone(),
+                }),
+            );
+        }
+        Ok(points.len())
+    }
+
+    /// A run's stored points (`names`, from `since_step`, of one rank or
+    /// the run level), the newest `limit` per series, and every series
+    /// name it has.
+    pub async fn series(
+        &self,
+        run: &str,
+        names: Option<&[String]>,
+        since_step: Option<u64>,
+        rank: Option<Option<u32>>,
+        limit: i64,
+    ) -> Result<(Vec<MetricPoint>, Vec<String>), ServiceError> {
+        let store = &self.ctx.store;
+        let points = store.metrics(run, names, since_step, rank, limit).await?;
+        Ok((points, store.metric_names(run).await?))
+    }
+
+    /// The per-tensor drift rows of a profile's newest `limit` samples.
+    pub async fn tensor_drift(
+        &self,
+        run: &str,
+        profile: &str,
+        limit: i64,
+    ) -> Result<Vec<TensorDriftRow>, ServiceError> {
+        Ok(self.ctx.store.tensor_drift(run, profile, limit).await?)
+    }
+
+    /// Where event `id` of a run sits in the catalog's order.
+    pub async fn event_place(&self, run: &str, id: i64) -> Result<EventPlace, ServiceError> {
+        Ok(self.ctx.store.event_place(run, id).await?)
+    }
+
+    /// A page of a run's stored events after `after` (see
+    /// [`crate::store::Store::events`]).
+    pub async fn stored_events(
+        &self,
+        run: &str,
+        after: EventCursor,
+        kinds: Option<&[String]>,
+        limit: i64,
+        newest: bool,
+    ) -> Result<Vec<StoredEvent>, ServiceError> {
+        Ok(self
+            .ctx
+            .store
+            .events(run, after, kinds, limit, newest)
+            .await?)
+    }
+
+    /// Starts the task that samples the ingest series and prunes.
+    pub fn spawn(&self, stop: watch::Receiver<bool>) -> JoinHandle<()> {
+        spawn(self.ctx.clone(), stop)
+    }
+}
 
 /// Prefix of the drift series.
 pub const DRIFT_PREFIX: &str = "ema_drift/";
@@ -35,7 +156,7 @@ pub fn drift_ratio(diff_sq: f64, online_sq: f64) -> f64 {
 
 /// Records a rank's drift sample: the rank's point, and, once every rank
 /// holding data has sampled this step, the run-level point combining them.
-pub fn record_drift(
+pub(super) fn record_drift(
     state: &Shared,
     run: &Arc<RunHandle>,
     rank: u32,
@@ -91,7 +212,7 @@ pub fn record_drift(
 }
 
 /// Writes points in the background (the push answer does not wait).
-pub fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
+fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
     if points.is_empty() {
         return;
     }
@@ -105,7 +226,7 @@ pub fn store_points(state: &Shared, run: &str, points: Vec<MetricPoint>) {
 }
 
 /// Counts an applied push into the run's ingest window.
-pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
+pub(super) fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
     let mut w = run.ingest.lock().expect("ingest lock");
     w.pushes += 1;
     w.bytes += bytes;
@@ -113,7 +234,7 @@ pub fn note_ingest(run: &RunHandle, bytes: u64, seconds: f64) {
 }
 
 /// Turns each run's ingest window into points (called every few seconds).
-pub fn sample_ingest(state: &Shared, since: Instant) {
+fn sample_ingest(state: &Shared, since: Instant) {
     let elapsed = since.elapsed().as_secs_f64().max(1e-3);
     let runs = state.all_runs();
     let at_ms = now_ms();
@@ -163,7 +284,7 @@ pub fn sample_ingest(state: &Shared, since: Instant) {
 /// Starts the monitoring task: every two seconds it samples each run's
 /// ingest series; every `--prune-interval-secs` it drops the oldest stored
 /// metric points, per-tensor drift rows and events past their retention.
-pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         let mut ingest_since = Instant::now();
@@ -236,13 +357,7 @@ pub fn effective_window(
 }
 
 /// Records the per-tensor sums of a drift sample (one row per profile).
-pub fn record_tensor_drift(
-    state: &Shared,
-    run: &str,
-    rank: u32,
-    step: u64,
-    samples: &[DriftSample],
-) {
+fn record_tensor_drift(state: &Shared, run: &str, rank: u32, step: u64, samples: &[DriftSample]) {
     let rows: Vec<(String, crate::store::meta::TensorDriftRow)> = samples
         .iter()
         .filter(|d| !d.tensors.is_empty())

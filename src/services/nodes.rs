@@ -3,6 +3,9 @@
 //! three times per `--lease-secs` with the ranks and bytes it holds, and
 //! gives the lease up on a graceful stop. Every node sharing the catalog
 //! lists the others (`GET /v1/nodes`, the dashboard's Nodes page).
+//!
+//! [`Nodes`] is the service: handlers list the nodes through it, and it
+//! owns the task that renews the lease.
 
 use std::time::Duration;
 
@@ -13,8 +16,36 @@ use super::{Context, ServiceError};
 use crate::contract::NodeStatus;
 use crate::store::nodes::{NodeInfo, NodeRow};
 
+/// This server as a node: its registration, its lease's renewal task,
+/// and the list of the service's nodes.
+pub struct Nodes {
+    ctx: Context,
+}
+
+impl Nodes {
+    pub fn new(ctx: &Context) -> Self {
+        Nodes { ctx: ctx.clone() }
+    }
+
+    /// Registers this node (at start, before it serves).
+    pub async fn register(&self) -> Result<(), ServiceError> {
+        self.ctx.store.register_node(&info(&self.ctx)).await?;
+        Ok(())
+    }
+
+    /// Every node of the service, as the catalog knows them.
+    pub async fn list(&self) -> Result<Vec<NodeRow>, ServiceError> {
+        Ok(self.ctx.store.list_nodes().await?)
+    }
+
+    /// Starts the task that renews the lease until `stop`, then gives it up.
+    pub fn spawn(&self, stop: watch::Receiver<bool>) -> JoinHandle<()> {
+        spawn_renewal(self.ctx.clone(), stop)
+    }
+}
+
 /// This node as it registers.
-pub fn info(ctx: &Context) -> NodeInfo {
+fn info(ctx: &Context) -> NodeInfo {
     let args = &ctx.args;
     let (node_id, url) = crate::node::identity(args);
     NodeInfo {
@@ -41,19 +72,8 @@ fn system_memory() -> u64 {
         .unwrap_or(0)
 }
 
-/// Registers this node (at start, before it serves).
-pub async fn register(ctx: &Context) -> Result<(), ServiceError> {
-    ctx.store.register_node(&info(ctx)).await?;
-    Ok(())
-}
-
-/// Every node of the service, as the catalog knows them.
-pub async fn list(ctx: &Context) -> Result<Vec<NodeRow>, ServiceError> {
-    Ok(ctx.store.list_nodes().await?)
-}
-
 /// Renews the lease until `stop`, then gives it up.
-pub fn spawn(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+fn spawn_renewal(ctx: Context, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let node = info(&ctx).node_id;
         let every = Duration::from_secs_f64(ctx.args.lease_secs / 3.0);

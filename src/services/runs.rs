@@ -1,8 +1,8 @@
 //! A run's life outside ingest and snapshots: creating it (tokens,
 //! placement, the catalog, the registry, the peers told), deleting it
-//! everywhere it lives, exporting one rank's live EMA, and whether every
-//! engine answers. The handlers extract and render; the engine closures
-//! live here.
+//! everywhere it lives, and exporting one rank's live EMA: the [`Runs`]
+//! service. The handlers extract and render; the engine closures live
+//! here.
 
 use std::sync::Arc;
 
@@ -35,85 +35,176 @@ pub enum Created {
     },
 }
 
-/// Creates a run: its tokens, its ranks placed over the live nodes, its
-/// rows in the catalog, its engines, its annotations, the nodes holding
-/// its other ranks told (before the client pushes to them), an event. A
-/// run of that name already there is `Existing` when `exist_ok` and the
-/// configurations agree, else `409 run_exists` with the differences.
-pub async fn create(
-    ctx: &Context,
-    config: RunConfig,
-    meta: RunMeta,
-    exist_ok: bool,
-) -> Result<Created, ServiceError> {
-    // Creators and deleters of one name take turns (see `lock_name`).
-    let _name = ctx.registry.lock_name(&config.name).await;
-    if let Some(existing) = ctx.run(&config.name) {
-        let differences = config_differences(&existing.config, &config);
-        if exist_ok && differences.is_empty() {
-            return Ok(Created::Existing(existing));
-        }
-        let message = if differences.is_empty() {
-            format!("run `{}` already exists", config.name)
-        } else {
-            format!(
-                "run `{}` already exists with another configuration: {} (existing != asked)",
-                config.name,
-                differences.join("; ")
-            )
-        };
-        return Err(ServiceError::conflict("run_exists", message));
-    }
-    let tokens = ctx.args.token.as_ref().map(|_| {
-        (
-            format!("pkw_{}", random_hex()),
-            format!("pkr_{}", random_hex()),
-        )
-    });
-    let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
-    let created = now_ms();
-    let owners = cluster::place_new_run(ctx, config.world_size).await?;
-    let owner_ids: Vec<String> = owners.iter().map(|o| o.node_id.clone()).collect();
-    ctx.store
-        .insert_run(&config, created, hashes.clone(), &owner_ids)
-        .await?;
-    let config = Arc::new(config);
-    let run = ctx
-        .registry
-        .install_run(
-            config.clone(),
-            created,
-            hashes.map(|(write_hash, read_hash)| RunTokens {
-                write_hash,
-                read_hash,
-            }),
-            Vec::new(),
-            owners,
-        )
-        .await?;
-    ctx.registry.record_engines(&ctx.store, &run).await;
-    store_meta(ctx, &run, meta).await?;
-    cluster::tell_peers(ctx).await;
-    ctx.events.emit(
-        &config.name,
-        None,
-        None,
-        Event::RunCreated(RunCreated {
-            world_size: config.world_size,
-            profiles: config.profiles.len(),
-        }),
-    );
-    tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
-    Ok(Created::New { run, tokens })
+/// Creating, annotating, deleting runs and exporting their live EMA.
+pub struct Runs {
+    ctx: Context,
+    /// Deleting a run removes its snapshot files,
+    snaps: Snaps,
+    /// forgets its alert rules,
+    alerts: AlertsSvc,
+    /// and its pipelined pushes.
+    ingest: Arc<Ingest>,
 }
 
-/// Stores a run's annotations and installs them on its handle.
-pub async fn store_meta(ctx: &Context, run: &RunHandle, meta: RunMeta) -> Result<(), ServiceError> {
-    ctx.store
-        .put_run_meta(&run.config.name, &meta, now_ms())
-        .await?;
-    *run.meta.lock().expect("meta lock") = meta;
-    Ok(())
+impl Runs {
+    pub fn new(ctx: &Context, snaps: &Snaps, alerts: &AlertsSvc, ingest: &Arc<Ingest>) -> Self {
+        Runs {
+            ctx: ctx.clone(),
+            snaps: snaps.clone(),
+            alerts: alerts.clone(),
+            ingest: ingest.clone(),
+        }
+    }
+
+    /// Creates a run: its tokens, its ranks placed over the live nodes, its
+    /// rows in the catalog, its engines, its annotations, the nodes holding
+    /// its other ranks told (before the client pushes to them), an event. A
+    /// run of that name already there is `Existing` when `exist_ok` and the
+    /// configurations agree, else `409 run_exists` with the differences.
+    pub async fn create(
+        &self,
+        config: RunConfig,
+        meta: RunMeta,
+        exist_ok: bool,
+    ) -> Result<Created, ServiceError> {
+        let ctx = &self.ctx;
+        // Creators and deleters of one name take turns (see `lock_name`).
+        let _name = ctx.registry.lock_name(&config.name).await;
+        if let Some(existing) = ctx.run(&config.name) {
+            let differences = config_differences(&existing.config, &config);
+            if exist_ok && differences.is_empty() {
+                return Ok(Created::Existing(existing));
+            }
+            let message = if differences.is_empty() {
+                format!("run `{}` already exists", config.name)
+            } else {
+                format!(
+                    "run `{}` already exists with another configuration: {} (existing != asked)",
+                    config.name,
+                    differences.join("; ")
+                )
+            };
+            return Err(ServiceError::conflict("run_exists", message));
+        }
+        let tokens = ctx.args.token.as_ref().map(|_| {
+            (
+                format!("pkw_{}", random_hex()),
+                format!("pkr_{}", random_hex()),
+            )
+        });
+        let hashes = tokens.as_ref().map(|(w, r)| (token_hash(w), token_hash(r)));
+        let created = now_ms();
+        let owners = cluster::place_new_run(ctx, config.world_size).await?;
+        let owner_ids: Vec<String> = owners.iter().map(|o| o.node_id.clone()).collect();
+        ctx.store
+            .insert_run(&config, created, hashes.clone(), &owner_ids)
+            .await?;
+        let config = Arc::new(config);
+        let run = ctx
+            .registry
+            .install_run(
+                config.clone(),
+                created,
+                hashes.map(|(write_hash, read_hash)| RunTokens {
+                    write_hash,
+                    read_hash,
+                }),
+                Vec::new(),
+                owners,
+            )
+            .await?;
+        ctx.registry.record_engines(&ctx.store, &run).await;
+        self.store_meta(&run, meta).await?;
+        cluster::tell_peers(ctx).await;
+        ctx.events.emit(
+            &config.name,
+            None,
+            None,
+            Event::RunCreated(RunCreated {
+                world_size: config.world_size,
+                profiles: config.profiles.len(),
+            }),
+        );
+        tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
+        Ok(Created::New { run, tokens })
+    }
+
+    /// Stores a run's annotations and installs them on its handle.
+    pub async fn store_meta(&self, run: &RunHandle, meta: RunMeta) -> Result<(), ServiceError> {
+        self.ctx
+            .store
+            .put_run_meta(&run.config.name, &meta, now_ms())
+            .await?;
+        *run.meta.lock().expect("meta lock") = meta;
+        Ok(())
+    }
+
+    /// Deletes the run called `name`, under the name's lock (creators and
+    /// deleters take turns; the run is looked up again under it, another
+    /// delete may have won): see `delete_run`; then its ingest state is
+    /// forgotten and the peers told.
+    pub async fn delete(&self, name: &str) -> Result<(), ServiceError> {
+        let ctx = &self.ctx;
+        let _name = ctx.registry.lock_name(name).await;
+        let run = ctx
+            .run(name)
+            .ok_or_else(|| ServiceError::not_found("run_not_found", format!("no run `{name}`")))?;
+        self.delete_run(&run).await?;
+        self.ingest.forget_run(&run.config.name);
+        cluster::tell_peers(ctx).await;
+        Ok(())
+    }
+
+    /// Deletes a run: out of the registry and the catalog, its EMA freed on
+    /// its engine, its metrics and alerts forgotten, its files removed.
+    async fn delete_run(&self, run: &RunHandle) -> Result<(), ServiceError> {
+        let ctx = &self.ctx;
+        let name = run.config.name.clone();
+        ctx.registry.remove_run(&name);
+        // The cascade over the run's rows can deadlock with a request on the
+        // run inserting a row at the same moment; the run is out of the
+        // registry already, so tries again find nothing new to wait for.
+        let mut tries = 0;
+        loop {
+            match ctx.store.delete_run(&name).await {
+                Err(e) if e.is_contention() && tries < DELETE_TRIES => {
+                    tries += 1;
+                    tracing::info!(run = %name, tries, "deleting the run's rows met another write; again");
+                    tokio::time::sleep(std::time::Duration::from_millis(20 << tries)).await;
+                }
+                done => {
+                    done?;
+                    break;
+                }
+            }
+        }
+        run.engines.drop_run(&name).await;
+        ctx.metrics.forget_run(&name);
+        self.alerts.alerts.forget(&name);
+        // The catalog no longer lists them: without this they stayed on disk
+        // until the next start.
+        if let Err(e) = snapshots::remove_run_files(&self.snaps, &name).await {
+            tracing::warn!(run = %name, error = %e, "removing a deleted run's files failed");
+        }
+        tracing::info!(run = %name, "run deleted");
+        Ok(())
+    }
+
+    /// One rank's live EMA of `profile`, on the host (cast to `cast` first).
+    pub async fn rank_ema(
+        &self,
+        run: &RunHandle,
+        rank: u32,
+        profile: &str,
+        cast: Option<DType>,
+    ) -> Result<EmaExport, ServiceError> {
+        let engine = run.engines.of(rank).ok_or_else(|| EngineError::NotHere {
+            run: run.config.name.clone(),
+            rank,
+        })?;
+        let export = engine.export_ema(&run.config.name, rank, profile).await??;
+        Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)
+    }
 }
 
 fn random_hex() -> String {
@@ -158,89 +249,4 @@ pub fn config_differences(existing: &RunConfig, asked: &RunConfig) -> Vec<String
         _ => out.push("the configurations could not be compared".into()),
     }
     out
-}
-
-/// Deletes the run called `name`, under the name's lock (creators and
-/// deleters take turns; the run is looked up again under it, another
-/// delete may have won): see [`delete`]; then its ingest state is
-/// forgotten and the peers told.
-pub async fn delete_named(
-    ctx: &Context,
-    snaps: &Snaps,
-    alerts: &AlertsSvc,
-    ingest: &Ingest,
-    name: &str,
-) -> Result<(), ServiceError> {
-    let _name = ctx.registry.lock_name(name).await;
-    let run = ctx
-        .run(name)
-        .ok_or_else(|| ServiceError::not_found("run_not_found", format!("no run `{name}`")))?;
-    delete(ctx, snaps, alerts, &run).await?;
-    ingest.forget_run(&run.config.name);
-    cluster::tell_peers(ctx).await;
-    Ok(())
-}
-
-/// Deletes a run: out of the registry and the catalog, its EMA freed on
-/// its engine, its metrics and alerts forgotten, its files removed.
-pub async fn delete(
-    ctx: &Context,
-    snaps: &Snaps,
-    alerts: &AlertsSvc,
-    run: &RunHandle,
-) -> Result<(), ServiceError> {
-    let name = run.config.name.clone();
-    ctx.registry.remove_run(&name);
-    // The cascade over the run's rows can deadlock with a request on the
-    // run inserting a row at the same moment; the run is out of the
-    // registry already, so tries again find nothing new to wait for.
-    let mut tries = 0;
-    loop {
-        match ctx.store.delete_run(&name).await {
-            Err(e) if e.is_contention() && tries < DELETE_TRIES => {
-                tries += 1;
-                tracing::info!(run = %name, tries, "deleting the run's rows met another write; again");
-                tokio::time::sleep(std::time::Duration::from_millis(20 << tries)).await;
-            }
-            done => {
-                done?;
-                break;
-            }
-        }
-    }
-    run.engines.drop_run(&name).await;
-    ctx.metrics.forget_run(&name);
-    alerts.alerts.forget(&name);
-    // The catalog no longer lists them: without this they stayed on disk
-    // until the next start.
-    if let Err(e) = snapshots::remove_run_files(snaps, &name).await {
-        tracing::warn!(run = %name, error = %e, "removing a deleted run's files failed");
-    }
-    tracing::info!(run = %name, "run deleted");
-    Ok(())
-}
-
-/// One rank's live EMA of `profile`, on the host (cast to `cast` first).
-pub async fn rank_ema(
-    run: &RunHandle,
-    rank: u32,
-    profile: &str,
-    cast: Option<DType>,
-) -> Result<EmaExport, ServiceError> {
-    let engine = run.engines.of(rank).ok_or_else(|| EngineError::NotHere {
-        run: run.config.name.clone(),
-        rank,
-    })?;
-    let export = engine.export_ema(&run.config.name, rank, profile).await??;
-    Ok(tokio::task::spawn_blocking(move || export.to_host(cast.map(DType::kind))).await??)
-}
-
-/// Whether every engine thread still takes work.
-pub async fn engines_answer(ctx: &Context) -> bool {
-    for engine in ctx.registry.engines() {
-        if engine.ping().await.is_err() {
-            return false;
-        }
-    }
-    true
 }

@@ -161,6 +161,17 @@ impl Ingest {
         })
     }
 
+    /// Whether pushes are fenced now: this node's lease was not renewed for
+    /// most of its length and another node could take its ranks (see
+    /// [`crate::node::Lease`]). `(age, length)` of the lease when they are,
+    /// counted as a fenced push.
+    pub fn fenced(&self) -> Option<(std::time::Duration, std::time::Duration)> {
+        let lease = &self.ctx.lease;
+        let age = lease.fenced()?;
+        self.ctx.metrics.pushes_fenced.inc();
+        Some((age, lease.length()))
+    }
+
     /// Receives, validates and applies one push, and records its outcome or
     /// its rejection.
     pub async fn push<B>(&self, req: PushRequest<B>) -> Result<PushResponse, ServiceError>

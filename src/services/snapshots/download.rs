@@ -19,7 +19,7 @@ use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::format::MIRROR_PART;
 use crate::snapshot::source::PartMismatch;
 use crate::snapshot::vfile::VirtualFile;
-use crate::store::snapshots::SnapshotRow;
+use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
 
 /// HF-style shards' default size, in bytes (5 GB, as `transformers` has it).
@@ -109,6 +109,16 @@ pub async fn row(snaps: &Snaps, run: &str, id: &str) -> Result<SnapshotRow, Serv
             format!("no snapshot `{id}` in run `{run}`"),
         )
     })
+}
+
+/// A run's snapshots, oldest first.
+pub async fn list(snaps: &Snaps, run: &str) -> Result<Vec<SnapshotRow>, ServiceError> {
+    Ok(snaps.store.snapshots(run).await?)
+}
+
+/// The files of snapshot `id` (sha256, bytes, step per rank).
+pub async fn files(snaps: &Snaps, id: &str) -> Result<Vec<FileRow>, ServiceError> {
+    Ok(snaps.store.snapshot_files(id).await?)
 }
 
 /// Assembles the download of snapshot `id` that `asked` names: the
