@@ -147,14 +147,13 @@ impl Tasks {
     ) -> Self {
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
         let mut others = vec![
-            crate::services::alerts::spawn(state.alerts().clone(), stop_rx.clone()),
+            state.alerts().spawn(stop_rx.clone()),
             state.monitor().spawn(stop_rx.clone()),
             state.ingest().spawn_trim(stop_rx.clone()),
             state.nodes().spawn(stop_rx.clone()),
         ];
         others.extend(state.cluster().spawn(stop_rx.clone()));
-        let snapshots =
-            crate::services::snapshots::spawn_tasks(state.snapshots().clone(), captures, stop_rx);
+        let snapshots = state.snapshots().spawn(captures, stop_rx);
         Tasks {
             stop,
             snapshots,

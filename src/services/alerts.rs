@@ -400,8 +400,18 @@ impl AlertService {
     }
 }
 
-/// Starts the evaluator; it stops when `stop` turns true.
-pub fn spawn(
+impl AlertService {
+    /// Starts the evaluator (the event bus and a one-second tick); it stops
+    /// when `stop` turns true.
+    pub fn spawn(
+        self: &Arc<Self>,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
+        evaluate(self.clone(), stop)
+    }
+}
+
+fn evaluate(
     state: AlertsSvc,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {

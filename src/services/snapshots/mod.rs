@@ -156,9 +156,19 @@ fn backlog_permits(bytes: u64) -> usize {
     bytes.div_ceil(1 << 20).max(1) as usize
 }
 
-/// Starts the task that writes what the engines capture, and the ticker
-/// that fails late snapshots and takes periodic state snapshots.
-pub fn spawn_tasks(
+impl SnapshotService {
+    /// Starts the task that writes what the engines capture, and the ticker
+    /// that fails late snapshots and takes periodic state snapshots.
+    pub fn spawn(
+        self: &Arc<Self>,
+        captures: mpsc::UnboundedReceiver<CaptureEvent>,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<()> {
+        run_tasks(self.clone(), captures, stop)
+    }
+}
+
+fn run_tasks(
     state: Snaps,
     mut captures: mpsc::UnboundedReceiver<CaptureEvent>,
     mut stop: tokio::sync::watch::Receiver<bool>,
