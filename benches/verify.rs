@@ -1,23 +1,31 @@
-//! What holding a download to its parts' recorded sha256 costs: a `full`
-//! download of four ranks' parts (the parts reread and hashed beside the
-//! stream) and a `layout=rank` download of one part (hashed as it is sent),
-//! each streamed verified and unverified from the same file store in the
-//! same process, as an HTTP body reads them, and written to a loopback TCP
-//! socket whose other end a thread drains (a download goes to a socket; a
-//! file store's cached pages reach the stream without a copy, so without
-//! the socket the unverified side would cost nothing at all). Prints the
-//! time ratios (verified / unverified) and sha256's own rate on the same
-//! bytes; asserts nothing. `cargo bench --bench verify`
-//! streams 1 GiB (4 x 256 MiB), best of three; `cargo test --benches` runs
-//! it once with 64 MiB.
+//! What holding a download to its parts' records costs, and what recording
+//! the block checksums costs a capture's write.
+//!
+//! Reads: a `full` download of four ranks' parts and a `layout=rank`
+//! download of one part, each streamed checked (every block's CRC-32
+//! checked before its bytes go on) and unchecked from the same file store
+//! in the same process, as an HTTP body reads them, and written to a
+//! loopback TCP socket whose other end a thread drains (a download goes to
+//! a socket; a file store's cached pages reach the stream without a copy,
+//! so without the socket the unchecked side would cost nothing at all).
+//!
+//! Writes: a part written to the data dir as a capture writes it
+//! (`snapshot::files::PartWriter`: sha256 and block checksums on the way,
+//! fsync, rename) against the same write with the sha256 alone and with
+//! no hash at all (the store's own rate).
+//!
+//! Prints the time ratios and CRC-32's and sha256's own rates on the same
+//! bytes; asserts nothing. `cargo test --bench verify -- --bench` streams
+//! 1 GiB (4 x 256 MiB) and writes 256 MiB, best of three; `cargo test
+//! --benches` runs it once with 64 MiB and 16 MiB.
 
+use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Instant;
 
-use std::io::Read;
-
 use futures::StreamExt;
-use polyak::objstore::ObjectStore;
+use polyak::objstore::{BlockSums, ObjectStore, BLOCK_BYTES};
+use polyak::snapshot::files::PartWriter;
 use polyak::snapshot::source::PartLoc;
 use polyak::snapshot::vfile::{Piece, VirtualFile};
 use sha2::{Digest, Sha256};
@@ -47,7 +55,14 @@ fn main() {
         std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
         std::fs::write(&path, &data).expect("write");
         let sha = hex::encode(Sha256::digest(&data));
-        parts.push(PartLoc::recorded(&store, &key, part as u64, &sha));
+        let blocks = BlockSums::of(&data, BLOCK_BYTES);
+        parts.push(PartLoc::recorded_with(
+            &store,
+            &key,
+            part as u64,
+            &sha,
+            Some(blocks),
+        ));
     }
     let file = |which: &[Arc<PartLoc>]| {
         Arc::new(VirtualFile::new(
@@ -107,26 +122,85 @@ fn main() {
         }
         let mib = f.len() as f64 / (1 << 20) as f64;
         rows.push(format!(
-            "| {name}, {mib:.0} MiB from files: verified / unverified (time) | {:.2} | {:.0} / {:.0} MiB/s |",
+            "| {name}, {mib:.0} MiB from files into a socket: verified / unverified (time) | {:.2} | {:.0} / {:.0} MiB/s |",
             checked / plain,
             mib / checked,
             mib / plain,
         ));
     }
-    // sha256 alone over the same bytes (one thread): the floor of the cost.
-    let data: Vec<u8> = (0..part).map(|i| (i % 251) as u8).collect();
-    let mut hashed = f64::INFINITY;
+
+    // The write side: one part as a capture writes it into the data dir.
+    let wsize = if full { 256usize << 20 } else { 16 << 20 };
+    let data: Vec<u8> = (0..wsize).map(|i| (i % 251) as u8).collect();
+    let wdir = tempfile::tempdir().expect("tempdir");
+    let write = |how: u8, n: usize| -> f64 {
+        let rel = std::path::PathBuf::from(format!("w/part-{how}-{n}.safetensors"));
+        let started = Instant::now();
+        match how {
+            // Sha256 and block checksums on the way (what captures do).
+            0 => {
+                let mut w = PartWriter::create(wdir.path(), &rel).expect("create");
+                for piece in data.chunks(4 << 20) {
+                    w.write_all(piece).expect("write");
+                }
+                std::hint::black_box(w.finish().expect("finish"));
+            }
+            // The sha256 alone, or no hash: the same buffered write, fsync.
+            _ => {
+                let path = wdir.path().join(&rel);
+                std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+                let file = std::fs::File::create(&path).expect("create");
+                let mut out = std::io::BufWriter::with_capacity(4 << 20, file);
+                let mut hasher = Sha256::new();
+                for piece in data.chunks(4 << 20) {
+                    out.write_all(piece).expect("write");
+                    if how == 1 {
+                        hasher.update(piece);
+                    }
+                }
+                let file = out.into_inner().expect("flush");
+                file.sync_all().expect("fsync");
+                std::hint::black_box(hasher.finalize());
+            }
+        }
+        started.elapsed().as_secs_f64()
+    };
+    let (mut both, mut sha_only, mut bare) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    for n in 0..reps.max(2) {
+        bare = bare.min(write(2, n));
+        sha_only = sha_only.min(write(1, n));
+        both = both.min(write(0, n));
+    }
+    let wmib = wsize as f64 / (1 << 20) as f64;
+    rows.push(format!(
+        "| capture write of {wmib:.0} MiB to files: sha256 + block CRC-32 / sha256 alone (time) | {:.2} | {:.0} / {:.0} MiB/s |",
+        both / sha_only,
+        wmib / both,
+        wmib / sha_only,
+    ));
+    rows.push(format!(
+        "| capture write of {wmib:.0} MiB to files: sha256 + block CRC-32 / no hash (time) | {:.2} | {:.0} / {:.0} MiB/s |",
+        both / bare,
+        wmib / both,
+        wmib / bare,
+    ));
+
+    // The hashes alone over the same bytes (one thread).
+    let (mut crc, mut sha) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..reps {
         let started = Instant::now();
+        std::hint::black_box(BlockSums::of(&data, BLOCK_BYTES));
+        crc = crc.min(started.elapsed().as_secs_f64());
+        let started = Instant::now();
         std::hint::black_box(Sha256::digest(&data));
-        hashed = hashed.min(started.elapsed().as_secs_f64());
+        sha = sha.min(started.elapsed().as_secs_f64());
     }
     rows.push(format!(
-        "| sha256 of {:.0} MiB in memory, one thread | | {:.0} MiB/s |",
-        part as f64 / (1 << 20) as f64,
-        part as f64 / (1 << 20) as f64 / hashed,
+        "| block CRC-32 / sha256 of {wmib:.0} MiB in memory, one thread | | {:.0} / {:.0} MiB/s |",
+        wmib / crc,
+        wmib / sha,
     ));
-    println!("| download | ratio | rates (verified / unverified) |");
+    println!("| figure | ratio | rates |");
     println!("| --- | --- | --- |");
     for row in rows {
         println!("{row}");

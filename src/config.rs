@@ -152,6 +152,12 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_CATALOG_TIMEOUT_SECS", default_value_t = 2.0)]
     pub catalog_timeout_secs: f64,
 
+    /// Seconds one request to an S3 store may take, its retries included,
+    /// before it fails (a snapshot writing to a store that stopped
+    /// answering then fails with the reason instead of waiting forever).
+    #[arg(long, env = "POLYAK_STORE_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub store_timeout_secs: f64,
+
     /// Commands the engine queue holds before pushes are answered with 429.
     #[arg(long, env = "POLYAK_QUEUE_DEPTH", default_value_t = 16)]
     pub queue_depth: usize,
@@ -247,6 +253,11 @@ pub struct ServeArgs {
     #[arg(long, env = "POLYAK_DISK_RESERVE", default_value = "512MiB")]
     pub disk_reserve: ByteSize,
 
+    /// Evaluations a run may hold: a new one past it is `409
+    /// too_many_evaluations` (the catalog and every listing stay bounded).
+    #[arg(long, env = "POLYAK_MAX_EVALS_PER_RUN", default_value_t = 100_000)]
+    pub max_evals_per_run: u64,
+
     /// Also serve `/metrics`, without a token, on this address (e.g.
     /// `127.0.0.1:9090`). It must be loopback unless `--insecure` is given.
     /// With auth on, `/metrics` on the main address needs the admin token.
@@ -300,6 +311,9 @@ impl ServeArgs {
         }
         if self.body_min_rate.0 == 0 {
             return Err("--body-min-rate must be at least 1 byte per second".into());
+        }
+        if !(self.store_timeout_secs >= 0.1 && self.store_timeout_secs <= 3600.0) {
+            return Err("--store-timeout-secs must be between 0.1 and 3600".into());
         }
         if !(self.catalog_timeout_secs >= 0.1 && self.catalog_timeout_secs <= 600.0) {
             return Err("--catalog-timeout-secs must be between 0.1 and 600".into());

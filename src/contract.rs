@@ -148,8 +148,9 @@ string_enum! {
         Finished = "finished",
         Resumed = "resumed",
         Restored = "restored",
-        /// A rank was taken over from a node that was gone (and, at its
-        /// next push, the steps its EMA lost).
+        /// A rank was taken over from a node that was gone, or restored by
+        /// its own node after a restart (and, at its next push, the steps
+        /// its EMA lost).
         Failover = "failover",
         Annotated = "annotated",
         /// A stored part read back other than it was written (size or
@@ -247,6 +248,10 @@ string_enum! {
         SnapshotFailed = "snapshot_failed",
         /// A stored part read back other than it was written.
         SnapshotCorrupt = "snapshot_corrupt",
+        /// A rank's EMA lost update steps (restored after a restart or a
+        /// failover short of the steps its trainer pushed); until
+        /// acknowledged.
+        StepsLost = "steps_lost",
     }
 }
 

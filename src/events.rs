@@ -32,6 +32,10 @@ pub struct EventBus {
     /// so every one of its events up to it is stored).
     relayed_own: std::sync::atomic::AtomicI64,
     catalog: CatalogWriter,
+    /// Turned true when the server stops: live streams end at once, so an
+    /// open `/events` never holds a graceful stop (and its final state
+    /// write) for the whole shutdown timeout.
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 /// Events kept in memory for replay.
@@ -74,6 +78,21 @@ impl EventBus {
             recent: Mutex::new(std::collections::VecDeque::with_capacity(RECENT_EVENTS)),
             relayed_own: std::sync::atomic::AtomicI64::new(0),
             catalog,
+            closing: tokio::sync::watch::channel(false).0,
+        }
+    }
+
+    /// Ends every live stream (the server is stopping); later ones end at
+    /// once too.
+    pub fn close_streams(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves once [`Self::close_streams`] was called.
+    pub fn closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closing.subscribe();
+        async move {
+            let _ = rx.wait_for(|closing| *closing).await;
         }
     }
 

@@ -11,7 +11,11 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .thread_name("polyak-io")
                 .build()?;
-            runtime.block_on(polyak::server::serve(args))
+            let served = runtime.block_on(polyak::server::serve(args));
+            // A blocking task stuck in a read of an object store that hangs
+            // must not hold the exit: serve() already bounded the stop.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            served
         }
         Command::Verify(args) => {
             polyak::telemetry::init_logging(args.serve.log_format);

@@ -81,12 +81,19 @@ pub struct Owner {
     pub engine: Option<String>,
 }
 
-/// A rank taken over from a node that was gone: where it was restored from
-/// and, once its trainer pushed again, what was lost in between.
+/// A rank taken over from a node that was gone, or restored by its own node
+/// after a restart (a crash, an OOM kill, a reboot: a failover to itself):
+/// where it was restored from and, once its trainer pushed again, what was
+/// lost in between.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct Failover {
-    /// The node that held the rank, and the epoch its new owner holds it in.
+    /// The node that held the rank (after a restart: this node itself), and
+    /// the epoch its owner holds it in now.
     pub from_node: String,
+    /// The rank's own node restarted and restored it (`false`: another
+    /// node took it over from a node that was gone).
+    #[serde(default)]
+    pub restart: bool,
     pub epoch: u64,
     pub at_ms: i64,
     /// The snapshot the EMA was restored from and the rank's step in it;

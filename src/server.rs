@@ -71,18 +71,63 @@ pub async fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
         Some(listener) => Some(MetricsListener::start(listener, &state)?),
         None => None,
     };
-    run(listener, state.clone(), shutdown_signal()).await?;
+    // On SIGTERM the final state write starts at once, beside the drain of
+    // the requests in flight, and live event streams end: a stop finishes
+    // well inside a 30 s grace period (Kubernetes' default) whatever the
+    // clients hold open.
+    // The whole stop is bounded by --shutdown-timeout-secs from the
+    // signal on, whatever the object store does: what could not be written
+    // by then is logged and left for the restart, never waited on forever.
+    let grace = Duration::from_secs(state.args().shutdown_timeout_secs);
+    let (stopping, mut stopped) = tokio::sync::watch::channel(None);
+    let signal = {
+        let state = state.clone();
+        async move {
+            shutdown_signal().await;
+            tracing::info!("stopping: the final state write starts; live streams close");
+            state.events().close_streams();
+            stopping.send_replace(Some(tokio::time::Instant::now() + grace));
+        }
+    };
+    let first_write = {
+        let snapshots = state.snapshots().clone();
+        tokio::spawn(async move {
+            let deadline = match stopped.wait_for(|s| s.is_some()).await {
+                Ok(at) => (*at).unwrap_or_else(tokio::time::Instant::now),
+                Err(_) => return None,
+            };
+            crate::services::snapshots::persist_all_until(&snapshots, deadline).await;
+            Some(deadline)
+        })
+    };
+    run(listener, state.clone(), signal).await?;
     if let Some(metrics) = metrics {
         metrics.stop().await;
     }
-    // Requests in flight are done: persist every run that changed, then stop
-    // the services' tasks.
-    crate::services::snapshots::persist_all(state.snapshots()).await;
-    tasks.stop().await;
+    // Requests in flight are done: persist what they applied after the
+    // first write took its copy (runs that did not change are skipped),
+    // then stop the services' tasks, all before the deadline.
+    let deadline = first_write
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| tokio::time::Instant::now() + grace);
+    crate::services::snapshots::persist_all_until(state.snapshots(), deadline).await;
+    if tokio::time::timeout_at(deadline, tasks.stop())
+        .await
+        .is_err()
+    {
+        tracing::error!("the services' tasks did not stop within the shutdown timeout");
+    }
     drop(state);
     // Every catalog sender is gone once the state is dropped; the writer
-    // flushes what it holds and ends.
-    let _ = tokio::time::timeout(Duration::from_secs(10), writer).await;
+    // flushes what it holds and ends (a few seconds at most past the
+    // deadline: the catalog, not the object store).
+    let flush = deadline
+        .saturating_duration_since(tokio::time::Instant::now())
+        .max(Duration::from_secs(2))
+        .min(Duration::from_secs(10));
+    let _ = tokio::time::timeout(flush, writer).await;
     tracing::info!("stopped");
     Ok(())
 }
@@ -107,7 +152,9 @@ fn open_objects(args: &ServeArgs) -> anyhow::Result<ObjectStore> {
         .filter(|url| !url.is_empty())
         .unwrap_or_else(|| ObjectStore::default_url(&args.data_dir));
     let endpoint = args.s3_endpoint.as_deref().filter(|e| !e.is_empty());
-    ObjectStore::open(&url, endpoint).with_context(|| format!("opening the object store {url}"))
+    let timeout = std::time::Duration::from_secs_f64(args.store_timeout_secs);
+    ObjectStore::open_with_timeout(&url, endpoint, timeout)
+        .with_context(|| format!("opening the object store {url}"))
 }
 
 /// Opens the catalog `--catalog` names (default: SQLite in the data dir),

@@ -80,6 +80,9 @@ pub struct Metrics {
     /// Due state snapshots skipped because the run's last one was still
     /// being written, or the server's capture backlog had no room, by run.
     pub state_persist_skipped: IntCounterVec,
+    /// How long each run's last `state` write took, capture to commit (the
+    /// next one waits for its share, see `persist::PERSIST_BUSY_SHARE`).
+    pub state_write_seconds: GaugeVec,
     /// Snapshot parts the catalog refused: captured in a placement epoch
     /// the rank had left (a node paused or cut off past its lease).
     pub snapshot_parts_fenced: IntCounter,
@@ -259,6 +262,16 @@ impl Metrics {
                 "Due state snapshots skipped while the run's last one was still being written or the capture backlog was full",
                 &["run"],
             ),
+            state_write_seconds: register(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "polyak_state_write_seconds",
+                        "Seconds the run's last state snapshot took from capture to commit",
+                    ),
+                    &["run"],
+                ),
+            ),
             snapshot_parts_fenced: register(
                 &r,
                 IntCounter::new(
@@ -332,6 +345,7 @@ impl Metrics {
         let _ = self.metric_points.remove_label_values(&[run]);
         let _ = self.snapshots_skipped.remove_label_values(&[run]);
         let _ = self.state_persist_skipped.remove_label_values(&[run]);
+        let _ = self.state_write_seconds.remove_label_values(&[run]);
         let _ = self.failover_ranks.remove_label_values(&[run]);
         let _ = self.failover_steps_lost.remove_label_values(&[run]);
         for kind in crate::run::alerts::KINDS {

@@ -63,14 +63,40 @@ export function alignByX(list) {
   return [Array.from(xs), ...columns];
 }
 
+/**
+ * The decimals that write `incr` exactly: 5 -> 0, 0.25 -> 2, 0.025 -> 3.
+ * uPlot steps its ticks by 1, 2, 2.5 and 5 times a power of ten, so a tick
+ * needs as many decimals as its step, not as the step's order of magnitude
+ * (0.025 written with two would be 0.03, off its gridline).
+ */
+export function decimalsOf(incr) {
+  if (!(incr > 0) || !Number.isFinite(incr)) return 2;
+  for (let d = 0; d <= 12; d += 1) {
+    const scaled = incr * 10 ** d;
+    if (Math.abs(scaled - Math.round(scaled)) <= 1e-6 * Math.max(1, scaled)) return d;
+  }
+  return 12;
+}
+
 /** A tick label with as many decimals as the tick spacing needs. */
 export function fmtTick(v, incr) {
   if (v === null || v === undefined) return '';
   if (v === 0) return '0';
   const a = Math.abs(v);
-  if (a >= 1e6 || a < 1e-4) return v.toExponential(Math.max(0, Math.min(6, Math.round(-Math.log10(incr / a))))).replace('e+', 'e');
-  const decimals = incr > 0 ? Math.max(0, Math.min(10, Math.ceil(-Math.log10(incr) - 1e-9))) : 2;
-  return v.toFixed(decimals);
+  if (a >= 1e6 || a < 1e-4) {
+    const exponent = Math.floor(Math.log10(a));
+    const digits = incr > 0 ? decimalsOf(incr / 10 ** exponent) : 2;
+    return v.toExponential(Math.min(6, digits)).replace('e+', 'e');
+  }
+  return v.toFixed(decimalsOf(incr));
+}
+
+/** A tick of a log axis (1, 2, 5 times a power of ten): its significant digits only. */
+function fmtLogTick(v) {
+  if (v === null || v === undefined) return '';
+  const exact = Number(v.toPrecision(6)); // a split's float error dropped
+  const a = Math.abs(exact);
+  return a >= 1e6 || a < 1e-4 ? exact.toExponential().replace('e+', 'e') : String(exact);
 }
 
 /**
@@ -111,6 +137,7 @@ const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: 
  * @property {Fmt} [fmt]
  * @property {boolean} [bars]
  * @property {string} [fill]
+ * @property {{size?: number, fill?: string}} [marker] The points' size and fill (when shown).
  * @typedef {object} ChartX
  * @property {string} [label]
  * @property {boolean} [time]
@@ -125,6 +152,7 @@ const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: 
  * @property {boolean} [log]
  * @property {boolean} [zero]
  * @property {string} [label]
+ * @property {boolean} [robust] Start with the range that ignores outliers.
  */
 
 /**
@@ -133,8 +161,10 @@ const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: 
  * - `series`: `[{label, color, width?, dash?, scale?, fmt?, bars?, fill?}]` (y series).
  * - `x`: `{label, time?, integer?, fmt?, values?, range?, axis?}`; `time: true` wants seconds since
  *   the epoch, `integer: true` ticks at whole numbers (steps).
- * - `y`: `{fmt?, legend?, log?, zero?, label?}` (`fmt` for ticks and legend, `legend` for the legend
- *   only, `zero` to start the axis at 0, as bars want); `y2`: a second axis on the right for series with `scale: 'y2'`.
+ * - `y`: `{fmt?, legend?, log?, zero?, label?, robust?}` (`fmt` for ticks and legend, `legend` for the legend
+ *   only, `zero` to start the axis at 0, as bars want, `robust` to start with the range that ignores
+ *   outliers); `y2`: a second axis on the right for series with `scale: 'y2'`.
+ *   Without `fmt`, a tick is written with the decimals of the tick spacing (`fmtTick`).
  *
  * Returns `{plot, update(data), destroy()}`; `update` keeps the user's zoom.
  * @param {HTMLElement} container
@@ -149,7 +179,7 @@ const AXIS = { stroke: '#5b6474', grid: { stroke: '#eceef2', width: 1 }, ticks: 
  */
 export function createChart(container, name, { series, x = {}, y = {}, y2 = null, height = 220, controls = true }) {
   // What the user chose with the chart's controls; a rebuild keeps it.
-  const view = { log: Boolean(y.log), robust: false };
+  const view = { log: Boolean(y.log), robust: Boolean(y.robust) };
   let plot = null;
   let source = null; // the data as given, before the log axis drops values <= 0
   let zoomed = false;
@@ -157,7 +187,7 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
   function build() {
     const width = Math.max(240, container.clientWidth || 600);
     const yFmt = y.fmt || y.legend || ((v) => String(v));
-    const yTick = y.fmt ? (v) => /** @type {Fmt} */ (y.fmt)(v) : fmtTick;
+    const yTick = y.fmt ? (v) => /** @type {Fmt} */ (y.fmt)(v) : view.log ? fmtLogTick : fmtTick;
     const yRange = y.zero ? (u, min, max) => [0, max > 0 ? max * 1.08 : 1] : linearRange;
     const scales = { x: { time: Boolean(x.time) } };
     if (view.log) scales.y = { distr: 3, ...(view.robust ? { range: (u, min, max) => robustRange(u, 'y', min, max, true) } : {}) };
@@ -191,7 +221,7 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
         grid: { show: false },
         label: y2.label,
         labelSize: y2.label ? 18 : 0,
-        values: (u, splits) => splits.map((v) => (v === null ? '' : (y2.fmt || String)(v))),
+        values: (u, splits, axisIdx, space, incr) => splits.map((v) => (v === null ? '' : y2.fmt ? y2.fmt(v) : fmtTick(v, incr))),
         size: axisSize,
       });
     }
@@ -228,7 +258,7 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
           dash: s.dash,
           fill: s.fill,
           spanGaps: true,
-          points: { show: s.bars ? false : (u, si) => u.data[0].length < 40 },
+          points: { show: s.bars ? false : (u, si) => u.data[0].length < 40, ...(s.marker || {}) },
           paths: s.bars ? uPlot.paths.bars({ size: [0.7, 64], align: 0 }) : undefined,
           value: (u, v) => (v === null || v === undefined ? '—' : (s.fmt || yFmt)(v)),
         })),
@@ -280,12 +310,13 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
       build();
     }, 'log');
     logButton.setAttribute('aria-pressed', String(view.log));
-    const robustButton = button('auto range', 'y range: every point, or ignoring outliers (2nd-98th percentile)', () => {
+    const robustButton = button(view.robust ? 'robust range' : 'auto range', 'y range: every point, or ignoring outliers (past the 2nd-98th percentiles or 1.5 IQR beyond the quartiles)', () => {
       view.robust = !view.robust;
       robustButton.textContent = view.robust ? 'robust range' : 'auto range';
       robustButton.setAttribute('aria-pressed', String(view.robust));
       build();
     }, 'robust');
+    robustButton.setAttribute('aria-pressed', String(view.robust));
     resetButton = button('reset zoom', 'show every point (or double-click the chart)', () => {
       zoomed = false;
       resetButton.disabled = true;
@@ -322,7 +353,12 @@ export function createChart(container, name, { series, x = {}, y = {}, y2 = null
   };
 }
 
-/** The y range of the points drawn, ignoring the 2% at each end. */
+/**
+ * The y range of the points drawn, ignoring outliers: the 2% at each end,
+ * and any point past Tukey's fences (1.5 interquartile ranges beyond the
+ * quartiles), so that a few points far off (an evaluation of the initial
+ * weights at step 0) do not flatten the rest.
+ */
 function robustRange(u, scale, min, max, log) {
   const values = [];
   u.series.forEach((s, i) => {
@@ -334,6 +370,12 @@ function robustRange(u, scale, min, max, log) {
   const at = (q) => values[Math.min(values.length - 1, Math.max(0, Math.round(q * (values.length - 1))))];
   let lo = at(0.02);
   let hi = at(0.98);
+  const iqr = at(0.75) - at(0.25);
+  if (iqr > 0) {
+    const inside = values.filter((v) => v >= at(0.25) - 1.5 * iqr && v <= at(0.75) + 1.5 * iqr);
+    lo = Math.max(lo, inside[0]);
+    hi = Math.min(hi, inside[inside.length - 1]);
+  }
   const pad = (hi - lo) * 0.1 || Math.abs(hi) * 0.01 || 1;
   lo -= pad;
   hi += pad;

@@ -364,6 +364,42 @@ fn openapi_enums_are_the_python_clients_and_the_docs() {
     assert_eq!(download["in"], "query", "{download}");
 }
 
+/// The contract's table of run fields (the rows after `**Run fields.**`)
+/// names exactly the fields of `POST /v1/runs` the server serves.
+#[test]
+fn contract_run_fields_table_is_the_run_spec() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(dir.path(), &[]);
+    let spec: Value = server.get("/openapi.json").json().unwrap();
+    let mut served: Vec<String> = spec["components"]["schemas"]["RunSpec"]["properties"]
+        .as_object()
+        .expect("RunSpec has properties")
+        .keys()
+        .cloned()
+        .collect();
+    served.sort();
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/contract.md")).unwrap();
+    let (_, after) = docs
+        .split_once("**Run fields.**")
+        .expect("docs/contract.md has its run fields table");
+    let mut documented: Vec<String> = after
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .filter_map(|row| {
+            let first = row.trim_start_matches('|').split('|').next()?.trim();
+            Some(first.strip_prefix('`')?.strip_suffix('`')?.to_string())
+        })
+        .collect();
+    documented.sort();
+    assert!(served.contains(&"persist_every_secs".to_string()));
+    assert_eq!(
+        documented, served,
+        "docs/contract.md's run fields (left) differ from the server's RunSpec (right)"
+    );
+}
+
 #[test]
 fn openapi_document_says_what_the_server_does() {
     let dir = tempfile::tempdir().unwrap();

@@ -18,9 +18,10 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use super::rank::{RankLayout, RankState};
+use super::rank::{BemaBuffers, RankLayout, RankState};
 use super::{deep_copy, EngineError};
 use crate::run::RunConfig;
+use crate::snapshot::format::{bema_part, BemaBuffer};
 use crate::wire::check::BodyDigest;
 
 /// A cut the engine is waiting on.
@@ -46,6 +47,11 @@ pub struct RankMeta {
     /// Per profile name: pushes averaged (SWA).
     pub swa_n: BTreeMap<String, u64>,
     pub has_keyframe: bool,
+    /// The rank's lineage: raised by every `resume` (which goes back to an
+    /// older step on purpose), kept by a restore or a failover. A restore
+    /// ranks one owner's states by it, then by step: an order the server
+    /// controls, never the wall clock.
+    pub generation: u64,
 }
 
 /// One rank's buffers at one step, copied on the device.
@@ -55,7 +61,9 @@ pub struct RankCapture {
     pub rank: u32,
     pub step: u64,
     pub layout: Arc<RankLayout>,
-    /// (profile name, flat EMA copy)
+    /// (profile name, flat EMA copy); a `bema` profile's hidden buffers
+    /// follow it under their part names (`format::bema_part`), written as
+    /// profile parts like it.
     pub profiles: Vec<(String, Tensor)>,
     pub copied: Vec<Tensor>,
     pub mirror: Option<Vec<Tensor>>,
@@ -137,13 +145,11 @@ pub fn capture_rank(
         layout: state.layout.clone(),
         profiles: profiles
             .iter()
-            .map(|&p| {
-                Ok((
-                    config.profiles[p].name().to_string(),
-                    deep_copy(&state.ema[p])?,
-                ))
-            })
-            .collect::<Result<_, EngineError>>()?,
+            .map(|&p| profile_buffers(config, state, p))
+            .collect::<Result<Vec<_>, EngineError>>()?
+            .into_iter()
+            .flatten()
+            .collect(),
         copied: state
             .copied
             .iter()
@@ -158,6 +164,22 @@ pub fn capture_rank(
     })
 }
 
+/// Copies of profile `p`'s buffers under their part names: the served EMA,
+/// then a `bema` profile's `w0` and plain EMA.
+fn profile_buffers(
+    config: &RunConfig,
+    state: &RankState,
+    p: usize,
+) -> Result<Vec<(String, Tensor)>, EngineError> {
+    let name = config.profiles[p].name();
+    let mut out = vec![(name.to_string(), deep_copy(&state.ema[p])?)];
+    if let Some(Some(bufs)) = state.bema.get(p) {
+        out.push((bema_part(name, BemaBuffer::Start), deep_copy(&bufs.start)?));
+        out.push((bema_part(name, BemaBuffer::Ema), deep_copy(&bufs.ema)?));
+    }
+    Ok(out)
+}
+
 pub fn meta_of(config: &RunConfig, state: &RankState) -> RankMeta {
     RankMeta {
         layout: (*state.layout).clone(),
@@ -170,6 +192,7 @@ pub fn meta_of(config: &RunConfig, state: &RankState) -> RankMeta {
             .map(|(p, &n)| (p.name().to_string(), n))
             .collect(),
         has_keyframe: state.has_keyframe,
+        generation: state.generation,
     }
 }
 
@@ -180,6 +203,9 @@ pub struct RestoredRank {
     pub ema: Vec<Tensor>,
     pub copied: Vec<Tensor>,
     pub mirror: Option<Vec<Tensor>>,
+    /// Per profile index: a `bema` profile's `(w0, plain EMA)` (ema dtype,
+    /// on the host); empty when the run has none.
+    pub bema: Vec<Option<(Tensor, Tensor)>>,
 }
 
 impl RestoredRank {
@@ -197,6 +223,28 @@ impl RestoredRank {
             .iter()
             .map(|p| self.meta.swa_n.get(p.name()).copied().unwrap_or(0))
             .collect();
+        let mut hidden = self.bema.into_iter();
+        let mut bema = Vec::with_capacity(config.profiles.len());
+        for (p, profile) in config.profiles.iter().enumerate() {
+            let restored = hidden.next().flatten();
+            bema.push(match (profile.is_bema(), restored) {
+                (false, _) => None,
+                (true, Some((start, ema))) => Some(BemaBuffers {
+                    start: to(start)?,
+                    ema: to(ema)?,
+                }),
+                // The snapshot readers refuse a bema profile without its
+                // buffers; a caller that built none restarts them from the
+                // served weights.
+                (true, None) => {
+                    tracing::warn!(profile = profile.name(), "a bema profile restored without its w0 and EMA: restarted from its served weights");
+                    Some(BemaBuffers {
+                        start: deep_copy(&self.ema[p])?.f_to_device(device)?,
+                        ema: deep_copy(&self.ema[p])?.f_to_device(device)?,
+                    })
+                }
+            });
+        }
         Ok(RankState {
             layout: Arc::new(layout),
             ema: self.ema.into_iter().map(to).collect::<Result<_, _>>()?,
@@ -206,6 +254,7 @@ impl RestoredRank {
                 None => None,
             },
             swa_n,
+            bema,
             last_step: self.meta.last_step,
             last_digest: self
                 .meta
@@ -214,6 +263,7 @@ impl RestoredRank {
                 .and_then(BodyDigest::from_stored),
             recent: Default::default(),
             has_keyframe: self.meta.has_keyframe,
+            generation: self.meta.generation,
             applied: 0,
         })
     }

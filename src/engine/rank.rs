@@ -19,7 +19,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::kernels::{self, Delta, EmaPtr, MirrorPtr, Op, Src};
-use super::schedule::{decide, Action};
+use super::schedule::{decide, Action, BemaStep};
 use super::EngineError;
 use crate::hugepages;
 use crate::run::RunConfig;
@@ -43,6 +43,9 @@ pub struct RankState {
     pub mirror: Option<Vec<Tensor>>,
     /// Per profile: pushes averaged so far (SWA).
     pub swa_n: Vec<u64>,
+    /// Per profile: a `bema` profile's hidden buffers (`None` for the
+    /// other kinds).
+    pub bema: Vec<Option<BemaBuffers>>,
     /// The last applied step and the digest of its body.
     pub last_step: Option<u64>,
     pub last_digest: Option<BodyDigest>,
@@ -53,8 +56,20 @@ pub struct RankState {
     pub recent: std::collections::VecDeque<(u64, BodyDigest)>,
     /// A full push was applied, so deltas have a base.
     pub has_keyframe: bool,
+    /// The rank's lineage ([`super::capture::RankMeta::generation`]).
+    pub generation: u64,
     /// Applied pushes since this state was created (drift sampling).
     pub applied: u64,
+}
+
+/// A `bema` profile's buffers besides the served one (which holds TRL's
+/// `running_model`): flat like it, in the EMA dtype, over the averaged
+/// tensors.
+pub struct BemaBuffers {
+    /// `w0`: the weights at the rank's first push, or at `update_after`.
+    pub start: Tensor,
+    /// The plain EMA the served weights are corrected from.
+    pub ema: Tensor,
 }
 
 /// `||EMA - online||^2` and `||online||^2` of one profile over a rank's
@@ -370,6 +385,20 @@ impl RankState {
         let ema = (0..config.profiles.len())
             .map(|_| hugepages::zeros(layout.ema_numel, ema_kind, device))
             .collect::<Result<Vec<_>, _>>()?;
+        let bema = config
+            .profiles
+            .iter()
+            .map(|p| {
+                p.is_bema()
+                    .then(|| {
+                        Ok::<_, EngineError>(BemaBuffers {
+                            start: hugepages::zeros(layout.ema_numel, ema_kind, device)?,
+                            ema: hugepages::zeros(layout.ema_numel, ema_kind, device)?,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let copied = layout
             .copied_groups
             .iter()
@@ -392,10 +421,12 @@ impl RankState {
             copied,
             mirror,
             swa_n: vec![0; config.profiles.len()],
+            bema,
             last_step: None,
             last_digest: None,
             recent: Default::default(),
             has_keyframe: false,
+            generation: 0,
             applied: 0,
         })
     }
@@ -403,7 +434,8 @@ impl RankState {
     /// Bytes this rank holds on the device.
     pub fn resident_bytes(&self, config: &RunConfig) -> u64 {
         let l = &self.layout;
-        l.ema_bytes(config.ema_dtype.size()) * self.ema.len() as u64
+        let hidden = 2 * self.bema.iter().flatten().count();
+        l.ema_bytes(config.ema_dtype.size()) * (self.ema.len() + hidden) as u64
             + l.copied_bytes()
             + if self.mirror.is_some() {
                 l.mirror_bytes()
@@ -423,7 +455,10 @@ impl RankState {
         device: Device,
     ) -> Result<ApplyReport, EngineError> {
         let body = DeviceBody::new(push, device)?;
-        let fused = device == Device::Cpu && config.ema_dtype.kind() == Kind::Float;
+        // BEMA's three buffers per profile take the libtorch path.
+        let fused = device == Device::Cpu
+            && config.ema_dtype.kind() == Kind::Float
+            && self.bema.iter().all(Option::is_none);
         self.applied += 1;
         let sample_drift = config.drift_every > 0 && self.applied % config.drift_every == 0;
         let plan = self.plan(push, order, fused, sample_drift);
@@ -617,6 +652,8 @@ impl RankState {
                 // ATen's opmath weight for float tensors.
                 Action::Lerp { weight } => Op::Lerp(weight as f32),
                 Action::Hold => Op::Hold,
+                // Never read: a run with a bema profile is not fused.
+                Action::Bema(_) => Op::Hold,
             })
             .collect();
         // Drift sums still on the device: (profile, tensor, [diff_sq, online_sq]).
@@ -645,6 +682,12 @@ impl RankState {
                         let _ = dst.f_lerp_(&src, weight)?;
                     }
                     Action::Hold => {}
+                    Action::Bema(step) => {
+                        let bufs = self.bema[p]
+                            .as_mut()
+                            .expect("a bema profile has its buffers");
+                        bema_update(&mut dst, bufs, s.dst, s.numel, &src, step)?;
+                    }
                 }
                 if sample {
                     pending.push((p, si, drift_sums(&dst, &src)?));
@@ -770,6 +813,42 @@ impl RankState {
             })
             .collect()
     }
+}
+
+/// One segment of a `bema` profile: `served` is the segment of its served
+/// buffer, `bufs` its hidden buffers (the segment at `dst`, `numel` long),
+/// `w` the pushed weights in the EMA dtype. The update is TRL's own
+/// arithmetic (`ema.mul_(1 - beta).add_(w * beta)`, then
+/// `served = ema + alpha * (w - w0)`), so the served weights are TRL's
+/// `running_model` to float round-off.
+fn bema_update(
+    served: &mut Tensor,
+    bufs: &mut BemaBuffers,
+    dst: i64,
+    numel: i64,
+    w: &Tensor,
+    step: BemaStep,
+) -> Result<(), EngineError> {
+    let mut start = bufs.start.f_narrow(0, dst, numel)?;
+    let mut ema = bufs.ema.f_narrow(0, dst, numel)?;
+    match step {
+        BemaStep::Start => {
+            start.f_copy_(w)?;
+            ema.f_copy_(w)?;
+            served.f_copy_(w)?;
+        }
+        BemaStep::Restart => {
+            start.f_copy_(w)?;
+            ema.f_copy_(w)?;
+        }
+        BemaStep::Update { beta, alpha } => {
+            let _ = ema.f_mul_scalar_(1.0 - beta)?;
+            let _ = ema.f_add_(&w.f_mul_scalar(beta)?)?;
+            let corrected = ema.f_add(&w.f_sub(&start)?.f_mul_scalar(alpha)?)?;
+            served.f_copy_(&corrected)?;
+        }
+    }
+    Ok(())
 }
 
 /// Whether the fused kernel can add this delta: a float32 or bf16 mirror,
@@ -914,6 +993,47 @@ impl DriftSums {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// TRL `BEMACallback`'s arithmetic on one segment: a start sets all
+    /// three buffers, a restart `w0` and the EMA only, an update the EMA
+    /// and then the served weights from it.
+    #[test]
+    fn bema_update_is_trls_arithmetic() {
+        let t = |v: &[f32]| Tensor::from_slice(v);
+        let mut served = t(&[0.0, 0.0, 0.0]);
+        let mut bufs = BemaBuffers {
+            start: t(&[0.0, 0.0, 0.0]),
+            ema: t(&[0.0, 0.0, 0.0]),
+        };
+        let values = |x: &Tensor| Vec::<f32>::try_from(x).unwrap();
+        let w0 = t(&[1.0, -2.0, 0.5]);
+        bema_update(&mut served, &mut bufs, 0, 3, &w0, BemaStep::Start).unwrap();
+        for x in [&served, &bufs.start, &bufs.ema] {
+            assert_eq!(values(x), vec![1.0, -2.0, 0.5]);
+        }
+        let w1 = t(&[3.0, 0.0, -1.5]);
+        bema_update(&mut served, &mut bufs, 0, 3, &w1, BemaStep::Restart).unwrap();
+        assert_eq!(values(&served), vec![1.0, -2.0, 0.5]);
+        assert_eq!(values(&bufs.start), vec![3.0, 0.0, -1.5]);
+        assert_eq!(values(&bufs.ema), vec![3.0, 0.0, -1.5]);
+        // A segment of one element: the others stay.
+        let w2 = t(&[5.0]);
+        let (beta, alpha) = (0.25, 0.5);
+        let mut one = served.narrow(0, 1, 1);
+        bema_update(
+            &mut one,
+            &mut bufs,
+            1,
+            1,
+            &w2,
+            BemaStep::Update { beta, alpha },
+        )
+        .unwrap();
+        // ema = 0.75 * 0 + 0.25 * 5; served = ema + 0.5 * (5 - 0).
+        assert_eq!(values(&bufs.ema), vec![3.0, 1.25, -1.5]);
+        assert_eq!(values(&served), vec![1.0, 3.75, 0.5]);
+        assert_eq!(values(&bufs.start), vec![3.0, 0.0, -1.5]);
+    }
 
     #[test]
     fn coalesce_merges_only_contiguous_runs() {

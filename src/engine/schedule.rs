@@ -17,6 +17,23 @@ pub enum Action {
     Lerp { weight: f64 },
     /// Leave the EMA as it is (a frozen ema-pytorch EMA with `beta == 1`).
     Hold,
+    /// A `bema` profile's update of its served weights and hidden buffers.
+    Bema(BemaStep),
+}
+
+/// What a push does to a `bema` profile (TRL `BEMACallback`), whose served
+/// buffer holds TRL's `running_model` and whose hidden buffers hold `w0`
+/// and the plain EMA.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BemaStep {
+    /// The rank's first push: `w0 = ema = served = w` (TRL clones all three
+    /// from the weights at `on_train_begin`).
+    Start,
+    /// `step == update_after`: `w0 = ema = w`; the served weights stay.
+    Restart,
+    /// `ema = (1 - beta) * ema + beta * w`, then
+    /// `served = ema + alpha * (w - w0)` (TRL `_update_bema_weights`).
+    Update { beta: f64, alpha: f64 },
 }
 
 /// The action and the profile's SWA count after it.
@@ -107,6 +124,71 @@ pub fn decide(profile: &ProfileSpec, step: u64, prev: Option<u64>, swa_n: u64) -
             use_warmup.then_some((*warmup_gamma, *warmup_power)),
         ))),
         ProfileSpec::Swa { start_step, .. } => swa_decision(*start_step, step, swa_n),
+        ProfileSpec::Bema {
+            update_freq,
+            ema_power,
+            bias_power,
+            lag,
+            update_after,
+            multiplier,
+            min_ema_multiplier,
+            ..
+        } => keep(bema_action(
+            step,
+            *update_freq,
+            *update_after,
+            BemaPowers {
+                lag: *lag,
+                multiplier: *multiplier,
+                ema_power: *ema_power,
+                bias_power: *bias_power,
+                min_ema_multiplier: *min_ema_multiplier,
+            },
+        )),
+    }
+}
+
+/// The reals of a `bema` profile's two schedules.
+#[derive(Debug, Clone, Copy)]
+pub struct BemaPowers {
+    pub lag: f64,
+    pub multiplier: f64,
+    pub ema_power: f64,
+    pub bias_power: f64,
+    pub min_ema_multiplier: f64,
+}
+
+impl BemaPowers {
+    /// TRL `_ema_beta`: `max((lag + multiplier * step)^(-ema_power),
+    /// min_ema_multiplier)`, `step` being the trainer's `global_step` (not
+    /// counted from `update_after`).
+    pub fn beta(&self, step: u64) -> f64 {
+        (self.lag + self.multiplier * step as f64)
+            .powf(-self.ema_power)
+            .max(self.min_ema_multiplier)
+    }
+
+    /// TRL `_bema_alpha`: `(lag + multiplier * step)^(-bias_power)`.
+    pub fn alpha(&self, step: u64) -> f64 {
+        (self.lag + self.multiplier * step as f64).powf(-self.bias_power)
+    }
+}
+
+/// TRL `BEMACallback.on_step_end` at `global_step == step` (after the
+/// rank's first push): nothing before `update_after`, a restart of `w0` and
+/// the EMA at it, an update every `update_freq` steps after it.
+fn bema_action(step: u64, update_freq: u64, update_after: u64, powers: BemaPowers) -> Action {
+    if step < update_after {
+        Action::Hold
+    } else if step == update_after {
+        Action::Bema(BemaStep::Restart)
+    } else if (step - update_after) % update_freq == 0 {
+        Action::Bema(BemaStep::Update {
+            beta: powers.beta(step),
+            alpha: powers.alpha(step),
+        })
+    } else {
+        Action::Hold
     }
 }
 
@@ -117,10 +199,11 @@ fn first_decision(profile: &ProfileSpec, step: u64) -> Decision {
         ProfileSpec::Swa { start_step, .. } if step >= *start_step => 1,
         _ => 0,
     };
-    Decision {
-        action: Action::Copy,
-        swa_n,
-    }
+    let action = match profile {
+        ProfileSpec::Bema { .. } => Action::Bema(BemaStep::Start),
+        _ => Action::Copy,
+    };
+    Decision { action, swa_n }
 }
 
 /// ema-pytorch `EMA.update`: copy while step <= update_after_step, hold
@@ -572,6 +655,105 @@ mod tests {
         );
     }
 
+    fn bema(update_freq: u64, update_after: u64) -> ProfileSpec {
+        ProfileSpec::Bema {
+            name: "b".into(),
+            update_freq,
+            ema_power: 0.5,
+            bias_power: 0.2,
+            lag: 10.0,
+            update_after,
+            multiplier: 1.0,
+            min_ema_multiplier: 0.0,
+        }
+    }
+
+    /// `(beta, alpha)` printed by trl 1.16.0's `BEMACallback()._ema_beta(step)`
+    /// and `_bema_alpha(step)` (defaults: lag 10, multiplier 1, ema_power
+    /// 0.5, bias_power 0.2), and with `lag=3, multiplier=2.5,
+    /// ema_power=0.7, bias_power=0.35, min_ema_multiplier=0.12`.
+    #[test]
+    fn bema_powers_match_trl() {
+        let defaults = BemaPowers {
+            lag: 10.0,
+            multiplier: 1.0,
+            ema_power: 0.5,
+            bias_power: 0.2,
+            min_ema_multiplier: 0.0,
+        };
+        let other = BemaPowers {
+            lag: 3.0,
+            multiplier: 2.5,
+            ema_power: 0.7,
+            bias_power: 0.35,
+            min_ema_multiplier: 0.12,
+        };
+        for (powers, cases) in [(defaults, TRL_DEFAULTS), (other, TRL_OTHER)] {
+            for &(step, beta, alpha) in cases {
+                let (b, a) = (powers.beta(step), powers.alpha(step));
+                assert!((b - beta).abs() <= 1e-15, "step {step}: beta {b} vs {beta}");
+                assert!(
+                    (a - alpha).abs() <= 1e-15,
+                    "step {step}: alpha {a} vs {alpha}"
+                );
+            }
+        }
+    }
+
+    /// What a push at `step` does: TRL's `on_step_end` with `global_step ==
+    /// step` (its `step` is the global step, not counted from
+    /// `update_after`).
+    #[test]
+    fn bema_follows_trl_on_step_end() {
+        let p = bema(3, 0);
+        assert_eq!(decide(&p, 0, None, 0).action, Action::Bema(BemaStep::Start));
+        assert_eq!(decide(&p, 1, Some(0), 0).action, Action::Hold);
+        assert_eq!(decide(&p, 2, Some(1), 0).action, Action::Hold);
+        let powers = BemaPowers {
+            lag: 10.0,
+            multiplier: 1.0,
+            ema_power: 0.5,
+            bias_power: 0.2,
+            min_ema_multiplier: 0.0,
+        };
+        assert_eq!(
+            decide(&p, 3, Some(2), 0).action,
+            Action::Bema(BemaStep::Update {
+                beta: powers.beta(3),
+                alpha: powers.alpha(3)
+            })
+        );
+        // A push skipped in between changes nothing: the step decides.
+        assert_eq!(
+            decide(&p, 6, Some(3), 0).action,
+            decide(&p, 6, Some(5), 0).action
+        );
+        assert_eq!(decide(&p, 7, Some(6), 0).action, Action::Hold);
+        let late = bema(3, 5);
+        assert_eq!(
+            decide(&late, 0, None, 0).action,
+            Action::Bema(BemaStep::Start)
+        );
+        for step in 1..5 {
+            assert_eq!(decide(&late, step, Some(step - 1), 0).action, Action::Hold);
+        }
+        assert_eq!(
+            decide(&late, 5, Some(4), 0).action,
+            Action::Bema(BemaStep::Restart)
+        );
+        assert_eq!(decide(&late, 6, Some(5), 0).action, Action::Hold);
+        // The first update is at update_after + update_freq, with beta and
+        // alpha at the global step 8.
+        assert_eq!(
+            decide(&late, 8, Some(7), 0).action,
+            Action::Bema(BemaStep::Update {
+                beta: powers.beta(8),
+                alpha: powers.alpha(8)
+            })
+        );
+        assert!((powers.beta(8) - (18.0f64).powf(-0.5)).abs() < 1e-16);
+    }
+
     #[test]
     fn constant_weight() {
         let p = ProfileSpec::Constant {
@@ -586,4 +768,28 @@ mod tests {
             }
         );
     }
+
+    /// `(step, beta, alpha)` of trl 1.16.0's defaults.
+    const TRL_DEFAULTS: &[(u64, f64, f64)] = &[
+        (1, 0.30151134457776363, 0.6190439206838455),
+        (3, 0.2773500981126146, 0.5987028555414977),
+        (6, 0.25, 0.5743491774985174),
+        (8, 0.23570226039551584, 0.5609775727230997),
+        (12, 0.21320071635561044, 0.5389090338563629),
+        (100, 0.09534625892455924, 0.39059030831128655),
+        (400, 0.04938647983247948, 0.3002224941812098),
+        (10000, 0.009995003746877732, 0.15845764038704452),
+    ];
+    /// `(step, beta, alpha)` of `lag=3, multiplier=2.5, ema_power=0.7,
+    /// bias_power=0.35, min_ema_multiplier=0.12`.
+    const TRL_OTHER: &[(u64, f64, f64)] = &[
+        (1, 0.3032118130982988, 0.5506467225892648),
+        (3, 0.19282684286579993, 0.4391205334140046),
+        (6, 0.1322236819220245, 0.3636257443059065),
+        (8, 0.12, 0.333730006868727),
+        (12, 0.12, 0.29411699562097077),
+        (100, 0.12, 0.1441809283709545),
+        (400, 0.12, 0.08903170152288699),
+        (10000, 0.12, 0.028887021036331655),
+    ];
 }

@@ -6,6 +6,9 @@
 //! endpoints a browser opens by itself ([`query_token_allowed`]): a token in
 //! a URL ends up in histories and proxy logs, and nothing else needs it.
 //! A token that is neither the admin's nor any run's is 401, like none.
+//! Both are refused before a handler looks anything up, so a caller
+//! without a valid token cannot tell a run that exists from one that does
+//! not (every route that takes a [`Caller`] needs some token).
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
@@ -145,7 +148,7 @@ impl FromRequestParts<AppState> for Caller {
         let Some(admin) = &state.args().token else {
             return Ok(Caller::Open);
         };
-        Ok(match bearer(parts) {
+        let caller = match bearer(parts) {
             None => Caller::Anonymous,
             Some(token) => {
                 // Compare hashes: equal-length digests, no early exit on the
@@ -159,7 +162,14 @@ impl FromRequestParts<AppState> for Caller {
                     Caller::Unknown
                 }
             }
-        })
+        };
+        // No valid token may do anything (see `require_*`): answer 401 now,
+        // before the handler looks the run up and a 404 tells it apart.
+        match caller {
+            Caller::Anonymous => Err(unauthenticated()),
+            Caller::Unknown => Err(invalid_token()),
+            known => Ok(known),
+        }
     }
 }
 

@@ -97,9 +97,12 @@ pub async fn events(
         EventCursor::Id(to) => e.id > to,
         EventCursor::Seq(to) => e.seq.is_none_or(|seq| seq > to),
     });
+    // A stopping server ends the stream (the client reconnects with
+    // Last-Event-ID to whichever node serves next).
     let stream = futures::stream::iter(history)
         .chain(live)
-        .map(|e| Ok::<_, Infallible>(sse_event(&e)));
+        .map(|e| Ok::<_, Infallible>(sse_event(&e)))
+        .take_until(state.events().closed());
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())

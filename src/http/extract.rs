@@ -33,12 +33,23 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
             }
         })?;
         let de = &mut serde_json::Deserializer::from_slice(&bytes);
-        serde_path_to_error::deserialize(de)
+        let value = serde_path_to_error::deserialize(de)
             .map(ApiJson)
             .map_err(|e| {
                 let field = e.path().to_string();
                 let inner = e.into_inner();
-                if inner.is_syntax() || inner.is_eof() {
+                if is_number_out_of_range(&inner) {
+                    // Valid JSON (RFC 8259 sets no range), but no float64
+                    // holds it: a value out of its domain, like a string
+                    // where a number belongs.
+                    ApiError {
+                        field: (field != ".").then(|| field.clone()),
+                        ..ApiError::unprocessable(
+                            "invalid_config",
+                            format!("{field}: the number is out of range: {inner}"),
+                        )
+                    }
+                } else if inner.is_syntax() || inner.is_eof() {
                     ApiError::bad_request(
                         "invalid_json",
                         format!("the body is not valid JSON: {inner}"),
@@ -49,12 +60,122 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
                         ..ApiError::unprocessable("invalid_config", format!("{field}: {inner}"))
                     }
                 }
-            })
+            })?;
+        refuse_control_characters(&bytes)?;
+        Ok(value)
     }
 }
 
+/// serde_json's error for a number no `f64` (or integer type) holds, such
+/// as `1e400`; it files it under syntax.
+fn is_number_out_of_range(e: &serde_json::Error) -> bool {
+    e.is_syntax() && e.to_string().starts_with("number out of range")
+}
+
+/// Whether `c` may not appear in a string a client sends: a control
+/// character (C0, DEL, C1). `text` allows tab, newline and carriage return
+/// (free text in a JSON body, such as a note).
+pub fn forbidden_char(c: char, text: bool) -> bool {
+    c.is_control() && !(text && matches!(c, '\t' | '\n' | '\r'))
+}
+
+/// `422 invalid_string` naming `field`: a string holds a control
+/// character. The catalog stores and queries with these strings, and
+/// PostgreSQL's text holds no NUL at all.
+pub fn invalid_string(field: &str, text: bool) -> ApiError {
+    let allowed = if text {
+        " (tab, newline and carriage return are allowed)"
+    } else {
+        ""
+    };
+    ApiError {
+        field: Some(field.to_string()),
+        ..ApiError::unprocessable(
+            "invalid_string",
+            format!("{field}: holds a NUL or another control character{allowed}"),
+        )
+    }
+}
+
+/// Refuses a JSON body whose strings (keys too) hold a control character
+/// other than tab, newline and carriage return. A control character can
+/// only be in a JSON string escaped (`\u0000`), or as DEL or a C1 character
+/// written raw, so bodies without those bytes are not parsed again.
+fn refuse_control_characters(bytes: &[u8]) -> Result<(), ApiError> {
+    let suspect = bytes.windows(2).any(|w| {
+        (w[0] == b'\\' && w[1] == b'u')
+            || w[0] == 0x7f
+            || (w[0] == 0xc2 && (0x80..0xa0).contains(&w[1]))
+    }) || bytes.last() == Some(&0x7f);
+    if !suspect {
+        return Ok(());
+    }
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return Ok(());
+    };
+    match control_string_at(&value, String::new()) {
+        Some(field) => Err(invalid_string(&field, true)),
+        None => Ok(()),
+    }
+}
+
+/// The path (`a.b[2].c`, as serde_path_to_error writes it) of the first
+/// string in `value` that holds a forbidden character, if any.
+fn control_string_at(value: &serde_json::Value, at: String) -> Option<String> {
+    let bad = |s: &str| s.chars().any(|c| forbidden_char(c, true));
+    match value {
+        serde_json::Value::String(s) => bad(s).then_some(at),
+        serde_json::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| control_string_at(v, format!("{at}[{i}]"))),
+        serde_json::Value::Object(map) => map.iter().find_map(|(k, v)| {
+            let here = if at.is_empty() {
+                k.clone()
+            } else {
+                format!("{at}.{k}")
+            };
+            if bad(k) {
+                return Some(here);
+            }
+            control_string_at(v, here)
+        }),
+        _ => None,
+    }
+}
+
+/// Refuses a request whose path parameters or query values (or names)
+/// hold a control character: `422 invalid_string` naming the parameter.
+/// A route layer (it needs the matched route's parameter names).
+pub async fn printable_params(
+    req: Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let (mut parts, body) = req.into_parts();
+    if let Ok(params) = axum::extract::RawPathParams::from_request_parts(&mut parts, &()).await {
+        for (name, value) in &params {
+            if value.chars().any(|c| forbidden_char(c, false)) {
+                return invalid_string(name, false).into_response();
+            }
+        }
+    }
+    if let Some(query) = parts.uri.query() {
+        for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
+            if name.chars().any(|c| forbidden_char(c, false)) {
+                return invalid_string("query", false).into_response();
+            }
+            if value.chars().any(|c| forbidden_char(c, false)) {
+                return invalid_string(&name, false).into_response();
+            }
+        }
+    }
+    next.run(Request::from_parts(parts, body)).await
+}
+
 /// A query string; a malformed one is 400 `invalid_query` in the API's
-/// error shape (axum's own rejection is plain text).
+/// error shape (axum's own rejection is plain text), naming the parameter
+/// (in `field` too) and the value it was given.
 pub struct ApiQuery<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
@@ -62,9 +183,35 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let query = parts.uri.query().unwrap_or_default();
-        serde_urlencoded::from_str(query)
+        let de = serde_urlencoded::Deserializer::new(url::form_urlencoded::parse(query.as_bytes()));
+        serde_path_to_error::deserialize(de)
             .map(ApiQuery)
-            .map_err(|e| ApiError::bad_request("invalid_query", format!("query: {e}")))
+            .map_err(|e| invalid_query(query, e))
+    }
+}
+
+/// `invalid_query` naming the parameter that failed and the value it had
+/// (the last one given, as the query is read).
+fn invalid_query(
+    query: &str,
+    e: serde_path_to_error::Error<serde_urlencoded::de::Error>,
+) -> ApiError {
+    let field = e.path().to_string();
+    let inner = e.into_inner();
+    if field == "." {
+        return ApiError::bad_request("invalid_query", format!("query: {inner}"));
+    }
+    let given = url::form_urlencoded::parse(query.as_bytes())
+        .filter(|(k, _)| *k == field)
+        .last()
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default();
+    ApiError {
+        field: Some(field.clone()),
+        ..ApiError::bad_request(
+            "invalid_query",
+            format!("query parameter {field}=`{given}`: {inner}"),
+        )
     }
 }
 
@@ -120,12 +267,16 @@ pub fn rank_of(run: &RunHandle, segment: &str) -> Result<u32, ApiError> {
     Ok(rank)
 }
 
-/// Parses a step segment (at most [`MAX_STEP`]).
+/// Parses a step segment (at most [`MAX_STEP`]): the canonical decimal
+/// only, so one step has one path (`01` and `+1` are not step 1).
 pub fn step_of(segment: &str) -> Result<u64, ApiError> {
-    let step = segment.parse().map_err(|_| {
+    let canonical = !segment.is_empty()
+        && segment.bytes().all(|c| c.is_ascii_digit())
+        && (segment == "0" || !segment.starts_with('0'));
+    let step = segment.parse().ok().filter(|_| canonical).ok_or_else(|| {
         ApiError::bad_request(
             "invalid_step",
-            format!("step `{segment}` is not a non-negative integer"),
+            format!("step `{segment}` is not a non-negative integer in canonical decimal"),
         )
     })?;
     bounded_step("step", step)
@@ -141,4 +292,66 @@ pub fn bounded_step(what: &str, step: u64) -> Result<u64, ApiError> {
         ));
     }
     Ok(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_are_canonical_decimals() {
+        assert_eq!(step_of("0").unwrap(), 0);
+        assert_eq!(step_of("10").unwrap(), 10);
+        assert_eq!(step_of("9007199254740992").unwrap(), MAX_STEP);
+        for segment in [
+            "01",
+            "+1",
+            "00",
+            "",
+            " 1",
+            "1 ",
+            "-0",
+            "0x1",
+            "1e3",
+            "9007199254740993",
+        ] {
+            assert_eq!(
+                step_of(segment).unwrap_err().code,
+                "invalid_step",
+                "{segment:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn control_strings_are_found_with_their_path() {
+        let v = serde_json::json!({"note": "ok\n\tfine\r", "tags": ["a", "b\u{0}"]});
+        assert_eq!(
+            control_string_at(&v, String::new()).as_deref(),
+            Some("tags[1]")
+        );
+        let v = serde_json::json!({"alerts": {"metrics": [{"metric": "x\u{7f}"}]}});
+        assert_eq!(
+            control_string_at(&v, String::new()).as_deref(),
+            Some("alerts.metrics[0].metric")
+        );
+        let v = serde_json::json!({"values": {"l\u{85}": 1}});
+        assert_eq!(
+            control_string_at(&v, String::new()).as_deref(),
+            Some("values.l\u{85}")
+        );
+        let v = serde_json::json!({"note": "line\nline", "n": 1});
+        assert_eq!(control_string_at(&v, String::new()), None);
+        assert!(refuse_control_characters(br#"{"note": "a\u0000b"}"#).is_err());
+        assert!(refuse_control_characters(br#"{"note": "a\nb\u00e9"}"#).is_ok());
+        assert!(refuse_control_characters("{\"note\": \"a\u{85}\"}".as_bytes()).is_err());
+    }
+
+    #[test]
+    fn numbers_past_f64_are_told_from_syntax_errors() {
+        let e = serde_json::from_str::<serde_json::Value>("{\"x\": 1e400}").unwrap_err();
+        assert!(is_number_out_of_range(&e));
+        let e = serde_json::from_str::<serde_json::Value>("{\"x\": NaN}").unwrap_err();
+        assert!(!is_number_out_of_range(&e));
+    }
 }

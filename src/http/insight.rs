@@ -279,7 +279,7 @@ pub async fn ack_alert(
     let Ok(number) = id.parse::<u64>() else {
         return Err(not_found());
     };
-    if let Some(alert) = state.alerts().alerts.acknowledge(&name, number) {
+    if let Some(alert) = state.alerts().acknowledge(&name, number) {
         state.events().emit(
             &name,
             alert.rank,

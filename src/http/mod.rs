@@ -196,6 +196,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{run}/merge", axum::routing::post(derived::merge))
         .route("/v1/runs/{run}/evals", get(evals::list).post(evals::post))
         .route("/v1/runs/{run}/best", get(evals::best))
+        .route_layer(axum::middleware::from_fn(extract::printable_params))
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -75,6 +75,11 @@ fn add_errors(op: &mut Operation, under_v1: bool) {
             "a malformed path segment, query or body (invalid_run_name, invalid_query, ...)",
         ));
         statuses.push(("404", "no such run (or rank, snapshot, profile)"));
+        statuses.push((
+            "422",
+            "a path segment, query value or body string holds a control character (invalid_string), \
+             or a well-formed body the server cannot take",
+        ));
     }
     if op.request_body.is_some() {
         statuses.push(("408", "the body arrived too slowly (body_timeout)"));

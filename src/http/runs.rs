@@ -99,8 +99,14 @@ pub fn run_view(run: &RunHandle, with_ranks: bool) -> RunView {
         .iter()
         .filter(|r| r.status != RankStatus::NeverSeen)
         .collect();
+    let losses = run
+        .losses_unacknowledged
+        .load(std::sync::atomic::Ordering::Relaxed);
     let health = if finished.is_some() {
         RunHealth::Finished
+    } else if losses > 0 {
+        // What the EMA lost is said until someone acknowledged it.
+        RunHealth::Degraded
     } else if seen.is_empty() {
         RunHealth::Idle
     } else if seen.iter().any(|r| r.status != RankStatus::Live) {

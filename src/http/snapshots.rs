@@ -151,9 +151,82 @@ pub struct DownloadQuery {
     pub dtype: Option<String>,
     /// With `layout=rank`.
     pub rank: Option<u32>,
-    /// HF-style shards of at most this many bytes (`layout=hf`, or
-    /// `layout=full` with this set); default 5 GB.
+    /// HF-style shards of at most this size (`layout=hf`, or `layout=full`
+    /// with this set); default 5 GB. Bytes (`500000`) or transformers'
+    /// forms (`500KB`, `5GB`, `5GiB`; `5Gb` is in bits).
+    #[serde(default, deserialize_with = "shard_size_param")]
+    #[param(value_type = Option<String>)]
     pub max_shard_size: Option<u64>,
+}
+
+/// `max_shard_size` as the query spells it (see [`shard_size`]).
+fn shard_size_param<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let text = String::deserialize(d)?;
+    shard_size(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
+/// A size in bytes as `transformers.utils.convert_file_size_to_int` reads
+/// it, so that a `max_shard_size` that works in `save_pretrained` works
+/// here: `GiB`/`MiB`/`KiB` are powers of 1024, `GB`/`MB`/`KB` powers of
+/// 1000 (units in any case), and a decimal unit ending in a lowercase `b`
+/// counts bits (`5Gb` = 625000000 bytes, rounded down). The number is read
+/// as Python's `int()` reads one (surrounding whitespace, a sign, `_`
+/// between digits; ASCII digits). A bare number, which transformers takes
+/// only as an `int`, is bytes. Negative sizes and sizes past `u64` are
+/// refused.
+fn shard_size(text: &str) -> Result<u64, &'static str> {
+    let upper = text.to_ascii_uppercase();
+    // transformers' order of checks: the binary units before the decimal.
+    let units: [(&str, u64, bool); 6] = [
+        ("GIB", 1 << 30, false),
+        ("MIB", 1 << 20, false),
+        ("KIB", 1 << 10, false),
+        ("GB", 1_000_000_000, true),
+        ("MB", 1_000_000, true),
+        ("KB", 1_000, true),
+    ];
+    let (number, scale, bits) = units
+        .iter()
+        .find(|(unit, _, _)| upper.ends_with(unit))
+        .map(|&(unit, scale, decimal)| {
+            let number = &text[..text.len() - unit.len()];
+            (number, scale, decimal && text.ends_with('b'))
+        })
+        .unwrap_or((text, 1, false));
+    let n = python_int(number).ok_or(
+        "not a size: bytes, or an integer and a unit (500KB, 5GB, 5GiB; as transformers reads them)",
+    )?;
+    let n = u64::try_from(n).map_err(|_| "a size is at least 0 and at most 2^64 - 1 bytes")?;
+    let bytes = n
+        .checked_mul(scale)
+        .ok_or("a size is at most 2^64 - 1 bytes")?;
+    Ok(if bits { bytes / 8 } else { bytes })
+}
+
+/// An integer as Python's `int(str)` parses it, for ASCII digits:
+/// surrounding whitespace, an optional sign, and single underscores
+/// between digits. `None` when it is not one or does not fit an `i128`.
+fn python_int(text: &str) -> Option<i128> {
+    // str.strip()'s whitespace: Unicode's, and the ASCII separators 0x1c-0x1f.
+    let text = text.trim_matches(|c: char| c.is_whitespace() || ('\x1c'..='\x1f').contains(&c));
+    let (negative, digits) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let bytes = digits.as_bytes();
+    let well_formed = !bytes.is_empty()
+        && bytes[0].is_ascii_digit()
+        && bytes[bytes.len() - 1].is_ascii_digit()
+        && bytes.iter().all(|b| b.is_ascii_digit() || *b == b'_')
+        && !digits.contains("__");
+    if !well_formed {
+        return None;
+    }
+    let value: i128 = digits.replace('_', "").parse().ok()?;
+    Some(if negative { -value } else { value })
 }
 
 /// Download a complete snapshot, streamed (`Range` and `ETag` supported).
@@ -362,6 +435,76 @@ pub async fn persist(
 ) -> Result<Json<PersistResponse>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_write(&run)?;
-    let snapshot = snap::persist_state(state.snapshots(), &run, true).await?;
+    let snapshot = snap::persist_bounded(state.snapshots(), &run).await?;
     Ok(Json(PersistResponse { snapshot }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_size;
+
+    /// Values and answers of `transformers.utils.convert_file_size_to_int`
+    /// (transformers 5.24), computed with it.
+    #[test]
+    fn shard_size_reads_what_transformers_reads() {
+        for (text, bytes) in [
+            ("500KB", 500_000),
+            ("5GB", 5_000_000_000),
+            ("5GiB", 5 * (1 << 30)),
+            ("5gib", 5 * (1 << 30)),
+            ("5GIB", 5 * (1 << 30)),
+            ("1MiB", 1_048_576),
+            ("3KiB", 3072),
+            ("200MB", 200_000_000),
+            ("5Gb", 625_000_000),
+            ("5gb", 625_000_000),
+            ("5gB", 5_000_000_000),
+            ("1Kb", 125),
+            ("3kb", 375),
+            ("7Mb", 875_000),
+            ("1_000KB", 1_000_000),
+            (" 5 GB", 5_000_000_000),
+            ("+2MB", 2_000_000),
+            ("007KB", 7_000),
+            ("0GB", 0),
+            // A bare number (an int in transformers) is bytes.
+            ("500000", 500_000),
+            ("1_024", 1024),
+        ] {
+            assert_eq!(shard_size(text), Ok(bytes), "{text}");
+        }
+    }
+
+    /// Strings transformers refuses (ValueError), and sizes it would take
+    /// but no shard can have: negative, or past u64.
+    #[test]
+    fn shard_size_refuses_what_transformers_refuses() {
+        for text in [
+            "",
+            "GB",
+            "5 GB ",
+            "5GBs",
+            "5B",
+            "5b",
+            "five",
+            "5.5GB",
+            "1e3KB",
+            "_1KB",
+            "1_KB",
+            "1__0KB",
+            "5TB",
+            "0x10KB",
+            "-5GB",
+            "-1",
+            "99999999999999999999GB",
+        ] {
+            assert!(
+                shard_size(text).is_err(),
+                "{text} -> {:?}",
+                shard_size(text)
+            );
+        }
+        assert!(shard_size("abc").unwrap_err().starts_with("not a size"));
+        assert!(shard_size("-5GB").unwrap_err().contains("at least 0"));
+    }
 }

@@ -4,7 +4,9 @@
 //! crate: AWS S3, GCS's S3 interface, MinIO, SeaweedFS, Garage, Ceph).
 //!
 //! Writes are streamed: an [`Upload`] takes the bytes in pieces as they
-//! are produced, hashes them (sha256) on the way, and sends S3 parts of
+//! are produced, hashes them on the way (the sha256 of the whole object
+//! and a CRC-32 per [`blocks::BLOCK_BYTES`] block, in the same pass), and
+//! sends S3 parts of
 //! [`PART_BYTES`] with at most [`PARTS_IN_FLIGHT`] uploading at once, so
 //! memory stays at a few part buffers whatever the object's size. An S3
 //! upload has an id from its first request on: callers record it (the
@@ -30,8 +32,10 @@ use object_store::{ClientOptions, PutPayload, RetryConfig};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
+pub mod blocks;
 pub mod metrics;
 
+pub use blocks::{BlockHasher, BlockSums, BLOCK_BYTES};
 pub use metrics::StoreMetrics;
 
 /// Size of one S3 part (S3 wants at least 5 MiB for all but the last).
@@ -49,6 +53,8 @@ pub enum StoreError {
     Io(#[from] std::io::Error),
     #[error("object `{0}` not found")]
     NotFound(String),
+    #[error("object store: no answer to `{op}` within {secs:.1} s")]
+    TimedOut { op: &'static str, secs: f64 },
 }
 
 impl StoreError {
@@ -59,7 +65,8 @@ impl StoreError {
             StoreError::Backend(object_store::Error::NotFound { .. }) | StoreError::NotFound(_) => {
                 false
             }
-            StoreError::Backend(object_store::Error::Generic { .. }) => true,
+            StoreError::Backend(object_store::Error::Generic { .. })
+            | StoreError::TimedOut { .. } => true,
             StoreError::Io(e) => e.kind() != std::io::ErrorKind::NotFound,
             _ => false,
         }
@@ -82,12 +89,21 @@ enum Backend {
     },
 }
 
+/// How long one object-store request may take, its retries included,
+/// unless the server says otherwise (`--store-timeout-secs`).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A snapshot store (cheap to clone).
 #[derive(Clone)]
 pub struct ObjectStore {
     backend: Arc<Backend>,
     metrics: StoreMetrics,
     describe: Arc<str>,
+    /// The most one request to S3 may take, its retries included (`None`
+    /// for files): a service that stops answering (a gateway paused,
+    /// a network that drops packets) fails the request instead of holding
+    /// a snapshot write, a `persist` or a shutdown forever.
+    deadline: Option<Duration>,
 }
 
 /// What a finished upload wrote.
@@ -96,6 +112,9 @@ pub struct Uploaded {
     pub key: String,
     pub bytes: u64,
     pub sha256: String,
+    /// The object's block checksums (`None`: a file renamed into a
+    /// directory store whose hashes the caller already had).
+    pub blocks: Option<BlockSums>,
 }
 
 impl ObjectStore {
@@ -104,6 +123,19 @@ impl ObjectStore {
     /// usual `AWS_*` environment variables; `s3_endpoint` names a
     /// non-AWS service (`http://` allowed, for a local one).
     pub fn open(url: &str, s3_endpoint: Option<&str>) -> Result<Self, StoreError> {
+        Self::open_with_timeout(url, s3_endpoint, DEFAULT_REQUEST_TIMEOUT)
+    }
+
+    /// [`ObjectStore::open`] whose S3 requests each end within `timeout`:
+    /// the HTTP client's timeout and its retries' budget are `timeout`,
+    /// and every single-request call is cut at twice that (one try
+    /// started at the end of the budget) with [`StoreError::TimedOut`].
+    pub fn open_with_timeout(
+        url: &str,
+        s3_endpoint: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let mut deadline = None;
         let backend = if let Some(dir) = url.strip_prefix("file://") {
             let root = PathBuf::from(dir);
             std::fs::create_dir_all(&root)?;
@@ -118,14 +150,15 @@ impl ObjectStore {
                 .with_bucket_name(bucket)
                 .with_retry(RetryConfig {
                     max_retries: 3,
-                    retry_timeout: Duration::from_secs(30),
+                    retry_timeout: timeout,
                     ..RetryConfig::default()
                 })
                 .with_client_options(
                     ClientOptions::new()
-                        .with_connect_timeout(Duration::from_secs(5))
-                        .with_timeout(Duration::from_secs(120)),
+                        .with_connect_timeout(timeout.min(Duration::from_secs(5)))
+                        .with_timeout(timeout),
                 );
+            deadline = Some(timeout * 2);
             if let Some(endpoint) = s3_endpoint {
                 builder = builder
                     .with_endpoint(endpoint)
@@ -157,6 +190,7 @@ impl ObjectStore {
             backend: Arc::new(backend),
             metrics: StoreMetrics::new(),
             describe: url.into(),
+            deadline,
         })
     }
 
@@ -202,6 +236,17 @@ impl ObjectStore {
         out
     }
 
+    /// [`ObjectStore::timed`] for a call that is one request: cut at the
+    /// store's deadline.
+    async fn timed_request<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let deadline = self.deadline;
+        self.timed(op, within(deadline, op, fut)).await
+    }
+
     /// Starts writing `key`; nothing is visible under it until
     /// [`Upload::finish`].
     pub async fn begin_upload(&self, key: &str) -> Result<Upload, StoreError> {
@@ -218,7 +263,7 @@ impl ObjectStore {
             Backend::S3 { s3, .. } => {
                 let path = self.path(key);
                 let id = self
-                    .timed("create_upload", async {
+                    .timed_request("create_upload", async {
                         Ok(s3.create_multipart(&path).await?)
                     })
                     .await?;
@@ -237,6 +282,7 @@ impl ObjectStore {
             sink,
             buffer: BytesMut::new(),
             hasher: Sha256::new(),
+            blocks: BlockHasher::default(),
             bytes: 0,
         })
     }
@@ -248,7 +294,7 @@ impl ObjectStore {
             let path = self.path(key);
             let id = upload_id.to_string();
             let out = self
-                .timed("abort_upload", async {
+                .timed_request("abort_upload", async {
                     Ok(s3.abort_multipart(&path, &id).await?)
                 })
                 .await;
@@ -268,7 +314,7 @@ impl ObjectStore {
         let path = self.path(key);
         let len = range.end - range.start;
         let out = self
-            .timed("get", async {
+            .timed_request("get", async {
                 let store = self.dyn_store();
                 store
                     .get_range(&path, range)
@@ -283,7 +329,7 @@ impl ObjectStore {
     /// The size of `key` in bytes.
     pub async fn size(&self, key: &str) -> Result<u64, StoreError> {
         let path = self.path(key);
-        self.timed("head", async {
+        self.timed_request("head", async {
             let meta = self
                 .dyn_store()
                 .head(&path)
@@ -297,7 +343,7 @@ impl ObjectStore {
     /// Deletes `key` (a missing one is not an error).
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
         let path = self.path(key);
-        self.timed("delete", async {
+        self.timed_request("delete", async {
             match self.dyn_store().delete(&path).await {
                 Err(object_store::Error::NotFound { .. }) | Ok(()) => Ok(()),
                 Err(e) => Err(e.into()),
@@ -374,13 +420,14 @@ impl ObjectStore {
             }
             if tokio::fs::rename(src, &dest).await.is_ok() {
                 let bytes = tokio::fs::metadata(&dest).await?.len();
-                let sha256 = match known_sha256 {
-                    Some(sha) => sha.to_string(),
+                let (sha256, blocks) = match known_sha256 {
+                    Some(sha) => (sha.to_string(), None),
                     None => {
                         let path = dest.clone();
-                        tokio::task::spawn_blocking(move || sha256_of(&path))
+                        let (sha, blocks) = tokio::task::spawn_blocking(move || hashes_of(&path))
                             .await
-                            .map_err(|e| StoreError::Io(std::io::Error::other(e)))??
+                            .map_err(|e| StoreError::Io(std::io::Error::other(e)))??;
+                        (sha, Some(blocks))
                     }
                 };
                 if let Some(dir) = dest.parent() {
@@ -391,6 +438,7 @@ impl ObjectStore {
                     key: key.to_string(),
                     bytes,
                     sha256,
+                    blocks,
                 });
             }
         }
@@ -510,7 +558,7 @@ impl ObjectStore {
     /// A cheap request that needs the service: listing one key.
     pub async fn ping(&self) -> Result<(), StoreError> {
         let base = self.path("");
-        self.timed("ping", async {
+        self.timed_request("ping", async {
             let mut listing = self.dyn_store().list(Some(&base));
             if let Some(item) = listing.next().await {
                 item?;
@@ -562,11 +610,22 @@ fn xml_text(xml: &str, tag: &str) -> Option<String> {
     )
 }
 
-fn sha256_of(path: &FsPath) -> std::io::Result<String> {
+/// The sha256 and block checksums of a file, in one pass.
+fn hashes_of(path: &FsPath) -> std::io::Result<(String, BlockSums)> {
+    use std::io::Read;
     let mut file = std::fs::File::open(path)?;
     let mut hasher = Sha256::new();
-    std::io::copy(&mut file, &mut hasher)?;
-    Ok(hex::encode(hasher.finalize()))
+    let mut blocks = BlockHasher::default();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        blocks.update(&buf[..n]);
+    }
+    Ok((hex::encode(hasher.finalize()), blocks.finish()))
 }
 
 /// Marks a file being written by an upload (removed at start when left).
@@ -578,7 +637,26 @@ fn tmp_name(dest: &FsPath) -> PathBuf {
     dest.with_file_name(name)
 }
 
-type PartFuture = futures::future::BoxFuture<'static, Result<PartId, object_store::Error>>;
+type PartFuture = futures::future::BoxFuture<'static, Result<PartId, StoreError>>;
+
+/// `fut`, failed with [`StoreError::TimedOut`] when `deadline` passes first
+/// (no deadline: as it is).
+async fn within<T>(
+    deadline: Option<Duration>,
+    op: &'static str,
+    fut: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let Some(deadline) = deadline else {
+        return fut.await;
+    };
+    match tokio::time::timeout(deadline, fut).await {
+        Ok(out) => out,
+        Err(_) => Err(StoreError::TimedOut {
+            op,
+            secs: deadline.as_secs_f64(),
+        }),
+    }
+}
 
 enum Sink {
     File {
@@ -604,6 +682,7 @@ pub struct Upload {
     sink: Sink,
     buffer: BytesMut,
     hasher: Sha256,
+    blocks: BlockHasher,
     bytes: u64,
 }
 
@@ -624,6 +703,7 @@ impl Upload {
     /// while [`PARTS_IN_FLIGHT`] are uploading.
     pub async fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
         self.hasher.update(data);
+        self.blocks.update(data);
         self.bytes += data.len() as u64;
         match &mut self.sink {
             Sink::File { file, .. } => {
@@ -666,10 +746,16 @@ impl Upload {
         let index = parts.len() + in_flight.len();
         let (s3, path, id) = (s3.clone(), path.clone(), id.clone());
         let metrics = self.store.metrics.clone();
+        let deadline = self.store.deadline;
         let len = part.len() as u64;
         in_flight.push_back(Box::pin(async move {
             let started = Instant::now();
-            let out = s3.put_part(&path, &id, index, PutPayload::from(part)).await;
+            let put = async {
+                Ok(s3
+                    .put_part(&path, &id, index, PutPayload::from(part))
+                    .await?)
+            };
+            let out = within(deadline, "put_part", put).await;
             metrics.observe("put_part", started.elapsed(), out.is_ok());
             if out.is_ok() {
                 metrics.written_bytes.inc_by(len);
@@ -679,14 +765,15 @@ impl Upload {
         Ok(())
     }
 
-    /// Completes the object; returns its size and sha256. On an error the
-    /// upload is aborted before the error is returned.
+    /// Completes the object; returns its size, sha256 and block checksums.
+    /// On an error the upload is aborted before the error is returned.
     pub async fn finish(mut self) -> Result<Uploaded, StoreError> {
         match self.complete().await {
             Ok(()) => Ok(Uploaded {
                 key: self.key.clone(),
                 bytes: self.bytes,
                 sha256: hex::encode(self.hasher.clone().finalize()),
+                blocks: Some(self.blocks.clone().finish()),
             }),
             Err(e) => {
                 let _ = self.abort_inner().await;
@@ -725,7 +812,7 @@ impl Upload {
                 }
                 let parts = std::mem::take(parts);
                 store
-                    .timed("complete_upload", async {
+                    .timed_request("complete_upload", async {
                         Ok(s3.complete_multipart(path, id, parts).await?)
                     })
                     .await?;
@@ -752,5 +839,22 @@ impl Upload {
                 self.store.abort_upload(&self.key, &id).await
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_request_past_its_deadline_fails_as_an_outage() {
+        let hung = std::future::pending::<Result<(), StoreError>>();
+        let err = within(Some(Duration::from_millis(20)), "put_part", hung)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::TimedOut { op: "put_part", .. }));
+        assert!(err.is_unavailable(), "{err}");
+        let quick = async { Ok::<_, StoreError>(7) };
+        assert_eq!(within(None, "get", quick).await.unwrap(), 7);
     }
 }

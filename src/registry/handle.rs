@@ -47,6 +47,9 @@ pub struct RunHandle {
     pub meta: Mutex<crate::store::meta::RunMeta>,
     /// Alerts firing now (kept by `alerts`).
     pub alerts_firing: std::sync::atomic::AtomicUsize,
+    /// `steps_lost` alerts firing and not yet acknowledged (kept by
+    /// `alerts`): the run's health is `degraded` while there are any.
+    pub losses_unacknowledged: std::sync::atomic::AtomicUsize,
     /// Set once the run is finished (`POST .../finish`).
     pub finished: Mutex<Option<RunFinish>>,
     /// Set when the run leaves the registry (deleted): a request or job

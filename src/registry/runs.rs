@@ -62,6 +62,7 @@ impl Registry {
             ingest: Mutex::new(IngestWindow::default()),
             meta: Mutex::new(crate::store::meta::RunMeta::default()),
             alerts_firing: Default::default(),
+            losses_unacknowledged: Default::default(),
             finished: Mutex::new(None),
             deleted: Default::default(),
         });

@@ -172,6 +172,7 @@ mod tests {
     fn a_failover_counts_the_update_steps_between_restore_and_resume() {
         let taken = |restored| Failover {
             from_node: "b".into(),
+            restart: false,
             epoch: 2,
             at_ms: 0,
             snapshot: None,

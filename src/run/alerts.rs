@@ -133,7 +133,7 @@ impl AlertRules {
 }
 
 /// Every alert kind.
-pub const KINDS: [&str; 8] = [
+pub const KINDS: [&str; 9] = [
     "stale_rank",
     "nonfinite",
     "metric_above",
@@ -142,6 +142,7 @@ pub const KINDS: [&str; 8] = [
     "disk_full",
     "snapshot_failed",
     "snapshot_corrupt",
+    "steps_lost",
 ];
 
 /// Whether the server may send to `url` under `--webhook-allow`: any host

@@ -199,6 +199,34 @@ pub enum ProfileSpec {
         #[serde(default)]
         start_step: u64,
     },
+    /// TRL `BEMACallback`: the bias-corrected EMA of Block and Zhang
+    /// (arXiv 2508.00180), `served = ema + alpha * (w - w0)`, with `w0` and
+    /// the plain EMA kept by the server beside the served weights. The
+    /// fields are TRL's, with its defaults.
+    Bema {
+        name: String,
+        /// Update every N steps after `update_after` (TRL `update_freq`).
+        #[serde(default = "defaults::bema_update_freq")]
+        update_freq: u64,
+        /// `kappa`: `beta = (lag + multiplier * step)^(-ema_power)`.
+        #[serde(default = "defaults::bema_ema_power")]
+        ema_power: f64,
+        /// `eta`: `alpha = (lag + multiplier * step)^(-bias_power)`.
+        #[serde(default = "defaults::bema_bias_power")]
+        bias_power: f64,
+        /// `rho`, the schedules' virtual starting age.
+        #[serde(default = "defaults::bema_lag")]
+        lag: f64,
+        /// `tau`: `w0` and the EMA restart from the weights at this step.
+        #[serde(default)]
+        update_after: u64,
+        /// `gamma`, the schedules' step multiplier.
+        #[serde(default = "defaults::one")]
+        multiplier: f64,
+        /// The floor of the EMA's `beta`.
+        #[serde(default)]
+        min_ema_multiplier: f64,
+    },
 }
 
 mod defaults {
@@ -217,11 +245,29 @@ mod defaults {
     pub fn update_every() -> u64 {
         1
     }
+    pub fn one() -> f64 {
+        1.0
+    }
+    pub fn bema_update_freq() -> u64 {
+        400
+    }
+    pub fn bema_ema_power() -> f64 {
+        0.5
+    }
+    pub fn bema_bias_power() -> f64 {
+        0.2
+    }
+    pub fn bema_lag() -> f64 {
+        10.0
+    }
     pub fn snapshot_timeout() -> u64 {
         600
     }
+    /// Seconds between the end of one `state` write and the next: a crash
+    /// loses a few seconds of pushes (see `persist::PERSIST_BUSY_SHARE`
+    /// for long writes).
     pub fn persist_every() -> u64 {
-        300
+        5
     }
     pub fn drift_every() -> u64 {
         10
@@ -241,7 +287,8 @@ impl ProfileSpec {
             | ProfileSpec::HalfLife { name, .. }
             | ProfileSpec::Diffusers { name, .. }
             | ProfileSpec::Timm { name, .. }
-            | ProfileSpec::Swa { name, .. } => name,
+            | ProfileSpec::Swa { name, .. }
+            | ProfileSpec::Bema { name, .. } => name,
         }
     }
 
@@ -255,6 +302,7 @@ impl ProfileSpec {
             ProfileSpec::Diffusers { .. } => "diffusers",
             ProfileSpec::Timm { .. } => "timm",
             ProfileSpec::Swa { .. } => "swa",
+            ProfileSpec::Bema { .. } => "bema",
         }
     }
 
@@ -334,9 +382,73 @@ impl ProfileSpec {
                 ],
             )?,
             ProfileSpec::Swa { start_step, .. } => at_most_max_step(at, "start_step", *start_step)?,
+            ProfileSpec::Bema {
+                update_freq,
+                ema_power,
+                bias_power,
+                lag,
+                update_after,
+                multiplier,
+                min_ema_multiplier,
+                ..
+            } => {
+                if !(1..=MAX_STEP).contains(update_freq) {
+                    return Err(field_err(
+                        format!("{at}.update_freq"),
+                        "must be between 1 and 2^53",
+                    ));
+                }
+                at_most_max_step(at, "update_after", *update_after)?;
+                check_bema(
+                    at,
+                    [
+                        ("ema_power", *ema_power),
+                        ("bias_power", *bias_power),
+                        ("lag", *lag),
+                        ("multiplier", *multiplier),
+                    ],
+                    *min_ema_multiplier,
+                )?;
+            }
         }
         Ok(())
     }
+
+    /// Whether the profile keeps hidden buffers beside its served weights
+    /// (BEMA's `w0` and plain EMA).
+    pub fn is_bema(&self) -> bool {
+        matches!(self, ProfileSpec::Bema { .. })
+    }
+}
+
+/// A BEMA profile's reals: the powers, `lag` and `multiplier` finite and
+/// non-negative with `lag + multiplier > 0` (so `lag + multiplier * step`,
+/// the base of both powers, is positive at every step an update happens,
+/// all at least 1), and `min_ema_multiplier` in [0, 1].
+fn check_bema(
+    at: &str,
+    non_negative: [(&str, f64); 4],
+    min_ema_multiplier: f64,
+) -> Result<(), FieldError> {
+    for (field, v) in non_negative {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(field_err(format!("{at}.{field}"), "must be >= 0"));
+        }
+    }
+    let (lag, multiplier) = (non_negative[2].1, non_negative[3].1);
+    if lag + multiplier <= 0.0 {
+        return Err(field_err(
+            format!("{at}.lag"),
+            "lag + multiplier must be > 0 (the base of the powers at step 1)",
+        ));
+    }
+    if !(min_ema_multiplier.is_finite() && (0.0..=1.0).contains(&min_ema_multiplier)) {
+        return Err(field_err(
+            format!("{at}.min_ema_multiplier"),
+            "must be in [0, 1]",
+        ));
+    }
+    Ok(())
 }
 
 /// A profile's name: valid, and not the mirror's.
@@ -829,6 +941,66 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// TRL `BEMACallback`'s defaults, and a 422 naming the field for each
+    /// bad value.
+    #[test]
+    fn bema_profile_defaults_and_errors() {
+        let cfg = spec(serde_json::json!({"name": "r", "world_size": 1,
+            "profiles": [{"name": "b", "kind": "bema"}]}))
+        .validate("cpu", ok_device)
+        .unwrap();
+        assert_eq!(
+            cfg.profiles[0],
+            ProfileSpec::Bema {
+                name: "b".into(),
+                update_freq: 400,
+                ema_power: 0.5,
+                bias_power: 0.2,
+                lag: 10.0,
+                update_after: 0,
+                multiplier: 1.0,
+                min_ema_multiplier: 0.0,
+            }
+        );
+        assert!(cfg.profiles[0].is_bema() && cfg.profiles[0].kind_name() == "bema");
+        let bad = [
+            (serde_json::json!({"update_freq": 0}), "update_freq"),
+            (
+                serde_json::json!({"update_after": MAX_STEP + 1}),
+                "update_after",
+            ),
+            (serde_json::json!({"ema_power": -0.5}), "ema_power"),
+            (serde_json::json!({"bias_power": -1.0}), "bias_power"),
+            (serde_json::json!({"lag": -1.0}), "lag"),
+            (serde_json::json!({"lag": 0.0, "multiplier": 0.0}), "lag"),
+            (serde_json::json!({"multiplier": -2.0}), "multiplier"),
+            (
+                serde_json::json!({"min_ema_multiplier": 1.5}),
+                "min_ema_multiplier",
+            ),
+            (
+                serde_json::json!({"min_ema_multiplier": -0.1}),
+                "min_ema_multiplier",
+            ),
+        ];
+        for (fields, field) in bad {
+            let mut profile = serde_json::json!({"name": "b", "kind": "bema"});
+            for (k, v) in fields.as_object().unwrap() {
+                profile[k] = v.clone();
+            }
+            let err =
+                spec(serde_json::json!({"name": "r", "world_size": 1, "profiles": [profile]}))
+                    .validate("cpu", ok_device)
+                    .unwrap_err();
+            assert_eq!(err.field, format!("profiles[0].{field}"), "{fields}: {err}");
+        }
+        // TRL's `lag` is an int; 0 with a multiplier is fine (base >= 1 at step 1).
+        spec(serde_json::json!({"name": "r", "world_size": 1,
+            "profiles": [{"name": "b", "kind": "bema", "lag": 0, "update_freq": 1}]}))
+        .validate("cpu", ok_device)
+        .unwrap();
     }
 
     #[test]

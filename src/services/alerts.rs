@@ -40,7 +40,8 @@ pub struct Alert {
     pub node: String,
     /// The condition: `stale_rank:R`, `nonfinite:R`, `metric_above:NAME`,
     /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`,
-    /// `snapshot_corrupt:SNAPSHOT`.
+    /// `snapshot_corrupt:SNAPSHOT`, `steps_lost:RANK:STEP` (the step its
+    /// trainer resumed at).
     pub key: String,
     pub kind: AlertKind,
     pub rank: Option<u32>,
@@ -127,11 +128,32 @@ impl Alerts {
     }
 
     /// Marks an alert acknowledged; `None` when the run has no such alert.
+    /// A `steps_lost` alert has no condition that clears: acknowledging it
+    /// resolves it (someone has read what the EMA lost).
     pub fn acknowledge(&self, run: &str, id: u64) -> Option<Alert> {
         let mut books = self.books.lock().expect("alerts lock");
         let alert = books.get_mut(run)?.alerts.iter_mut().find(|a| a.id == id)?;
         alert.acknowledged = true;
+        if alert.kind == AlertKind::StepsLost && alert.state == AlertState::Firing {
+            alert.state = AlertState::Resolved;
+            alert.resolved_at_ms = Some(now_ms());
+        }
         Some(alert.clone())
+    }
+
+    /// `steps_lost` alerts of `run` firing and not acknowledged.
+    fn losses_unacknowledged(&self, run: &str) -> usize {
+        let books = self.books.lock().expect("alerts lock");
+        books.get(run).map_or(0, |b| {
+            b.alerts
+                .iter()
+                .filter(|a| {
+                    a.kind == AlertKind::StepsLost
+                        && a.state == AlertState::Firing
+                        && !a.acknowledged
+                })
+                .count()
+        })
     }
 
     /// Forgets a deleted run.
@@ -395,6 +417,31 @@ impl AlertService {
         self.registry.run(name)
     }
 
+    /// Acknowledges alert `id` of `run` (see [`Alerts::acknowledge`]) and
+    /// brings the run's counts and the gauge up to date.
+    pub fn acknowledge(&self, run: &str, id: u64) -> Option<Alert> {
+        let alert = self.alerts.acknowledge(run, id)?;
+        self.recount(run, alert.kind);
+        Some(alert)
+    }
+
+    /// The firing gauge of `kind` and the run's own counts, from its book.
+    fn recount(&self, run: &str, kind: AlertKind) {
+        let by_kind = self.alerts.firing_by_kind(run);
+        self.metrics
+            .alerts_firing
+            .with_label_values(&[run, kind.as_str()])
+            .set(by_kind.get(&kind).copied().unwrap_or(0));
+        if let Some(handle) = self.run(run) {
+            handle
+                .alerts_firing
+                .store(by_kind.values().sum::<i64>() as usize, Ordering::Relaxed);
+            handle
+                .losses_unacknowledged
+                .store(self.alerts.losses_unacknowledged(run), Ordering::Relaxed);
+        }
+    }
+
     fn all_runs(&self) -> Vec<Arc<RunHandle>> {
         self.registry.all_runs()
     }
@@ -529,6 +576,45 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 ),
             );
         }
+        EventKind::Failover => {
+            // The first push after a restart or a failover made the loss
+            // known: said until acknowledged.
+            let lost = event.detail["lost_steps"].as_u64().unwrap_or(0);
+            if let (Some(rank), true) = (event.rank, lost > 0) {
+                let f = &event.detail;
+                let resumed = f["resumed_step"].as_u64().unwrap_or(0);
+                let cause = if f["restart"] == true {
+                    "its node restarted".to_string()
+                } else {
+                    format!(
+                        "it was taken over from node {}",
+                        f["from_node"].as_str().unwrap_or("?")
+                    )
+                };
+                let restored = match f["restored_step"].as_u64() {
+                    Some(step) => format!(
+                        "restored at step {step} (snapshot {})",
+                        f["snapshot"].as_str().unwrap_or("?")
+                    ),
+                    None => "no stored state of it read back".to_string(),
+                };
+                alerts.fire(
+                    out,
+                    name,
+                    format!("steps_lost:{rank}:{resumed}"),
+                    AlertKind::StepsLost,
+                    Some(rank),
+                    None,
+                    Some(resumed),
+                    format!(
+                        "rank {rank} lost {lost} update step{} of its EMA: {cause}, {restored}; \
+                         its trainer resumed at step {resumed} and the EMA bridged the gap with \
+                         one interval of decay",
+                        if lost == 1 { "" } else { "s" }
+                    ),
+                );
+            }
+        }
         EventKind::Metrics => {
             if let (Some(step), Some(values)) = (event.step, event.detail["values"].as_object()) {
                 alerts.on_metric(out, name, &rules, event.rank, step, values);
@@ -637,17 +723,8 @@ fn announce(state: &AlertsSvc, out: Vec<Transition>) {
             alert.resolved_step.or(alert.fired_step),
             Event::Alert(detail.clone()),
         );
-        let by_kind = state.alerts.firing_by_kind(&t.run);
-        state
-            .metrics
-            .alerts_firing
-            .with_label_values(&[t.run.as_str(), alert.kind.as_str()])
-            .set(by_kind.get(&alert.kind).copied().unwrap_or(0));
+        state.recount(&t.run, alert.kind);
         let run = state.run(&t.run);
-        if let Some(run) = &run {
-            run.alerts_firing
-                .store(by_kind.values().sum::<i64>() as usize, Ordering::Relaxed);
-        }
         let webhook = run.and_then(|r| rules_of(&r).webhook);
         // A webhook set before `--webhook-allow` narrowed the list is not
         // sent to either.
@@ -671,8 +748,20 @@ fn announce(state: &AlertsSvc, out: Vec<Transition>) {
     }
 }
 
+/// The HTTP client of webhooks. It never follows a redirect: the allow
+/// list (`--webhook-allow`) is checked against the URL the admin set, and
+/// a `302` or `307` from an allowed host would otherwise make the server
+/// GET, or re-POST the alert to, a host the list forbids. A `3xx` answer
+/// is a failed delivery, like any other that is not `2xx`.
+fn webhook_client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .timeout(WEBHOOK_TIMEOUT)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+}
+
 async fn send_webhooks(mut rx: mpsc::Receiver<Delivery>) {
-    let client = match reqwest::Client::builder().timeout(WEBHOOK_TIMEOUT).build() {
+    let client = match webhook_client() {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "no HTTP client for webhooks");
@@ -683,6 +772,12 @@ async fn send_webhooks(mut rx: mpsc::Receiver<Delivery>) {
         for attempt in 0..WEBHOOK_ATTEMPTS {
             match client.post(&d.url).json(&d.body).send().await {
                 Ok(r) if r.status().is_success() => break,
+                Ok(r) if r.status().is_redirection() => tracing::warn!(
+                    url = %d.url,
+                    status = %r.status(),
+                    attempt,
+                    "webhook answered a redirect; redirects are not followed"
+                ),
                 Ok(r) => {
                     tracing::warn!(url = %d.url, status = %r.status(), attempt, "webhook refused")
                 }

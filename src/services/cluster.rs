@@ -362,13 +362,20 @@ async fn install_taken(
 ) -> Result<(), ServiceError> {
     let name = &run.config.name;
     let wanted: Vec<u32> = ranks.iter().map(|(r, _)| *r).collect();
-    let newest = crate::services::snapshots::verify::noted(
-        &ctx.events,
-        &ctx.metrics,
-        "failover",
-        crate::services::snapshots::newest_states(&ctx.store, &ctx.objects, &run.config, &wanted)
-            .await,
-    )?;
+    let (events, metrics) = (ctx.events.clone(), ctx.metrics.clone());
+    let report = move |e: &crate::services::snapshots::SnapshotError| {
+        if let Some(m) = e.mismatch() {
+            crate::services::snapshots::verify::report_mismatch(&events, &metrics, m, "failover");
+        }
+    };
+    let newest = crate::services::snapshots::newest_states(
+        &ctx.store,
+        &ctx.objects,
+        &run.config,
+        &wanted,
+        &report,
+    )
+    .await?;
     let history = ctx.store.placement_log(name).await?;
     let seen: std::collections::HashMap<u32, Option<u64>> = ctx
         .store
@@ -396,6 +403,7 @@ async fn install_taken(
             rank,
             Failover {
                 from_node,
+                restart: false,
                 epoch,
                 at_ms,
                 snapshot,
@@ -416,17 +424,7 @@ async fn install_taken(
             s.failover = Some(failover.clone());
         });
         ctx.record_rank(run, rank, &summary, None);
-        if let Err(e) = ctx
-            .store
-            .set_rank_failover(
-                name,
-                rank,
-                &serde_json::to_value(&failover).unwrap_or_default(),
-            )
-            .await
-        {
-            tracing::warn!(run = %name, rank, error = %e, "recording a failover failed");
-        }
+        ctx.store.note_rank_failover(name, rank, &failover).await;
         ctx.metrics.failover_ranks.with_label_values(&[name]).inc();
         tracing::warn!(run = %name, rank, from = %failover.from_node, epoch = failover.epoch,
             snapshot = ?failover.snapshot, restored_step = ?failover.restored_step,

@@ -288,6 +288,20 @@ impl From<StoreError> for ServiceError {
             StoreError::RunExists(name) => {
                 Self::conflict("run_exists", format!("run `{name}` already exists"))
             }
+            // A row that references one deleted meanwhile (a snapshot, a
+            // run): the caller's race with a delete, not a server fault.
+            // PostgreSQL checks the key after the statement's own existence
+            // test and names the constraint; SQLite serialises writes and
+            // names none.
+            StoreError::Sql(sqlx::Error::Database(db)) if db.is_foreign_key_violation() => match db
+                .constraint()
+            {
+                Some(c) if c.ends_with("_snapshot_fkey") => Self::not_found(
+                    "snapshot_not_found",
+                    "the snapshot was deleted while the request ran",
+                ),
+                _ => Self::not_found("run_not_found", "the run was deleted while the request ran"),
+            },
             StoreError::Json(_) | StoreError::Value(_) => Self::fault(
                 ErrorKind::Internal,
                 "catalog_corrupt",

@@ -27,6 +27,51 @@ pub const MAX_NAME_CHARS: usize = 128;
 /// The profile name of a snapshot's online weights (its mirror).
 pub const ONLINE: &str = "online";
 
+/// Evaluations in one page of a listing by default, and at most.
+pub const DEFAULT_PAGE: u32 = 1000;
+pub const MAX_PAGE: u32 = 10_000;
+
+/// Where a page of a listing starts: after the evaluation at this
+/// candidate step and id. Clients see it as an opaque string (`next`,
+/// given back as `after=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalCursor {
+    pub step: u64,
+    pub id: i64,
+}
+
+impl std::fmt::Display for EvalCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.step, self.id)
+    }
+}
+
+impl std::str::FromStr for EvalCursor {
+    type Err = ServiceError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || {
+            ServiceError::bad_request(
+                "invalid_cursor",
+                format!("after: `{s}` is not a cursor this listing gave (its `next`)"),
+            )
+        };
+        let (step, id) = s.split_once('.').ok_or_else(bad)?;
+        Ok(EvalCursor {
+            step: step.parse().map_err(|_| bad())?,
+            id: id.parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// One page of a listing.
+#[derive(Debug)]
+pub struct EvalPage {
+    pub evals: Vec<Evaluation>,
+    /// Where the next page starts; `None` on the last.
+    pub next: Option<EvalCursor>,
+}
+
 /// An evaluation as posted.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -141,6 +186,22 @@ impl Evals {
             ));
         }
         self.check_profile(&snap, &new.profile).await?;
+        // A repost of a stored evaluation is answered as before; a new one
+        // needs room under the run's bound. (Posts racing for the last
+        // places may pass it by a few.)
+        let stored = store
+            .eval_of(name, &snap.id, &new.profile, &evaluator)
+            .await?;
+        let max = self.ctx.args.max_evals_per_run;
+        if stored.is_none() && store.eval_count(name).await? >= max {
+            return Err(ServiceError::conflict(
+                "too_many_evaluations",
+                format!(
+                    "run `{name}` holds {max} evaluations, the most a run may hold \
+                     (--max-evals-per-run); delete snapshots to drop theirs"
+                ),
+            ));
+        }
         let row = EvalRow {
             snapshot: snap.id.clone(),
             profile: new.profile,
@@ -212,8 +273,50 @@ impl Evals {
         ))
     }
 
-    /// A run's evaluations that pass `filter`, by step.
+    /// One page of a run's evaluations that pass `filter`, by step: at
+    /// most `limit`, starting after `after`, with where the next starts.
     pub async fn list(
+        &self,
+        run: &RunHandle,
+        filter: &EvalFilter,
+        after: Option<EvalCursor>,
+        limit: u32,
+    ) -> Result<EvalPage, ServiceError> {
+        // Read in batches until one more than the page passed the filter
+        // (it says there is a next page) or the run has no more.
+        let batch = limit.saturating_add(1).max(256);
+        let mut at = after.map(|c| (c.step, c.id));
+        let mut evals = Vec::new();
+        loop {
+            let rows = self
+                .ctx
+                .store
+                .evals_page(&run.config.name, at, batch)
+                .await?;
+            let done = (rows.len() as u64) < u64::from(batch);
+            for row in rows {
+                at = Some((row.step, row.id));
+                let e = evaluation(&run.config, row);
+                if filter.admits(&e) {
+                    evals.push(e);
+                    if evals.len() > limit as usize {
+                        evals.truncate(limit as usize);
+                        let last = evals.last().map(|e| EvalCursor {
+                            step: e.step,
+                            id: e.id,
+                        });
+                        return Ok(EvalPage { evals, next: last });
+                    }
+                }
+            }
+            if done {
+                return Ok(EvalPage { evals, next: None });
+            }
+        }
+    }
+
+    /// Every evaluation of a run that passes `filter`, by step.
+    async fn all(
         &self,
         run: &RunHandle,
         filter: &EvalFilter,
@@ -240,7 +343,7 @@ impl Evals {
             metric: Some(metric.to_string()),
             ..filter.clone()
         };
-        let evals = self.list(run, &filter).await?;
+        let evals = self.all(run, &filter).await?;
         let best = pick_best(evals, metric, mode).ok_or_else(|| {
             ServiceError::not_found(
                 "no_evaluations",
@@ -455,6 +558,16 @@ mod tests {
             sigma_rel: None,
             residual: None,
             sources: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn cursors_read_back_what_they_write() {
+        let c = EvalCursor { step: 9, id: 42 };
+        assert_eq!(c.to_string().parse::<EvalCursor>().unwrap(), c);
+        for bad in ["", "9", "9.", ".4", "x.4", "9.4.1", "-1.4"] {
+            let err = bad.parse::<EvalCursor>().unwrap_err();
+            assert_eq!((err.status(), err.code), (400, "invalid_cursor"), "{bad}");
         }
     }
 

@@ -331,7 +331,7 @@ pub fn effective_window(
     step: u64,
     update_every: u64,
 ) -> (f64, Option<f64>) {
-    use crate::engine::schedule::{decide, Action};
+    use crate::engine::schedule::{decide, Action, BemaStep};
     use crate::run::ProfileSpec;
     let u = update_every.max(1);
     let prev = step.checked_sub(u);
@@ -345,6 +345,9 @@ pub fn effective_window(
         Action::Copy => 0.0,
         Action::Lerp { weight } => 1.0 - weight,
         Action::Hold => 1.0,
+        // BEMA's plain EMA: a restart copies, an update keeps 1 - beta.
+        Action::Bema(BemaStep::Start | BemaStep::Restart) => 0.0,
+        Action::Bema(BemaStep::Update { beta, .. }) => 1.0 - beta,
     };
     let half_life = if beta <= 0.0 {
         Some(0.0)

@@ -8,6 +8,12 @@ use std::time::Duration;
 use super::snapshots::{self, verify, Snaps};
 use super::{Context, ServiceError};
 
+/// Whether the data dir's disk counts as full: less free than the
+/// reserve, or nothing free at all (a reserve of 0).
+fn below_reserve(free: u64, reserve: u64) -> bool {
+    free < reserve || free == 0
+}
+
 /// How long readiness waits for the object store.
 const OBJECTS_PING: Duration = Duration::from_secs(5);
 
@@ -38,8 +44,9 @@ pub enum Readiness {
     Ready,
     /// The catalog cannot be reached or an engine stopped: nothing works.
     Unavailable(String),
-    /// The object store cannot be reached: pushes and reads of live EMA
-    /// go on, snapshots wait or fail.
+    /// The object store cannot be reached, or the data dir's disk is below
+    /// `--disk-reserve`: pushes and reads of live EMA go on, snapshots
+    /// wait or fail.
     Degraded(String),
 }
 
@@ -65,7 +72,8 @@ impl Ops {
 
     /// Asks the catalog (within `--catalog-timeout-secs`: a probe sees a
     /// quick answer, never a hang, while the catalog is away or holds every
-    /// connection), then every engine, then the object store.
+    /// connection), then every engine, then the object store, then the data
+    /// dir's free space.
     pub async fn readiness(&self) -> Readiness {
         let ctx = &self.ctx;
         let wait = Duration::from_secs_f64(ctx.args.catalog_timeout_secs);
@@ -85,9 +93,16 @@ impl Ops {
             Ok(Err(e)) => Some(e.to_string()),
             Err(_) => Some("no answer within 5 s".to_string()),
         };
-        match failed {
-            Some(e) => Readiness::Degraded(format!("store ({}): {e}", ctx.objects.kind())),
-            None => Readiness::Ready,
+        if let Some(e) = failed {
+            return Readiness::Degraded(format!("store ({}): {e}", ctx.objects.kind()));
+        }
+        let reserve = ctx.args.disk_reserve.0;
+        match snapshots::disk::refresh_gauge(&self.snaps) {
+            Some(free) if below_reserve(free, reserve) => Readiness::Degraded(format!(
+                "disk: {free} bytes free on the data dir's filesystem, under --disk-reserve \
+                 ({reserve} bytes): snapshots and state writes are refused"
+            )),
+            _ => Readiness::Ready,
         }
     }
 
@@ -146,5 +161,18 @@ impl Ops {
             },
         );
         metrics.render()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::below_reserve;
+
+    #[test]
+    fn a_disk_under_its_reserve_or_full_is_degraded() {
+        assert!(below_reserve(10, 11));
+        assert!(!below_reserve(11, 11));
+        assert!(below_reserve(0, 0));
+        assert!(!below_reserve(1, 0));
     }
 }

@@ -99,11 +99,18 @@ impl Runs {
         ctx.store
             .insert_run(&config, created, hashes.clone(), &owner_ids)
             .await?;
-        let config = Arc::new(config);
-        let run = ctx
+        // A create that fails past the catalog row leaves nothing behind
+        // (its answer, and with auth on its tokens, would be lost): the
+        // annotations are stored before the run is installed, and the row
+        // is removed again on a failure.
+        if let Err(e) = ctx.store.put_run_meta(&config.name, &meta, created).await {
+            self.forget_failed_create(&config.name).await;
+            return Err(e.into());
+        }
+        let installed = ctx
             .registry
             .install_run(
-                config.clone(),
+                Arc::new(config.clone()),
                 created,
                 hashes.map(|(write_hash, read_hash)| RunTokens {
                     write_hash,
@@ -112,9 +119,17 @@ impl Runs {
                 Vec::new(),
                 owners,
             )
-            .await?;
+            .await;
+        let run = match installed {
+            Ok(run) => run,
+            Err(e) => {
+                self.forget_failed_create(&config.name).await;
+                return Err(e.into());
+            }
+        };
+        let config = run.config.clone();
         ctx.registry.record_engines(&ctx.store, &run).await;
-        self.store_meta(&run, meta).await?;
+        *run.meta.lock().expect("meta lock") = meta;
         cluster::tell_peers(ctx).await;
         ctx.events.emit(
             &config.name,
@@ -127,6 +142,14 @@ impl Runs {
         );
         tracing::info!(run = %config.name, world_size = config.world_size, device = %config.device, "run created");
         Ok(Created::New { run, tokens })
+    }
+
+    /// Removes the catalog row of a run whose create failed after it was
+    /// written (its cascades take what else was stored with it).
+    async fn forget_failed_create(&self, name: &str) {
+        if let Err(e) = self.ctx.store.delete_run(name).await {
+            tracing::warn!(run = %name, error = %e, "removing a run whose create failed");
+        }
     }
 
     /// Stores a run's annotations and installs them on its handle.

@@ -3,8 +3,10 @@
 //!
 //! - `full`: one safetensors file of whole tensors. Chunks of a tensor must
 //!   tile its global shape exactly; row blocks (FSDP `Shard(0)`) are
-//!   streamed straight from the rank files, other tilings are assembled one
-//!   tensor at a time.
+//!   streamed straight from the rank files, other tilings (`Shard(1)`,
+//!   tensor parallel) are gathered a block of rows at a time as they
+//!   stream (each rank's slice of those rows, interleaved), never a whole
+//!   tensor at once.
 //! - `hf`: the same tensors as HF-style shards (`model-0000k-of-0000n`
 //!   plus `model.safetensors.index.json`) in a tar.
 //! - `sharded`: a tar of one safetensors file per rank whose

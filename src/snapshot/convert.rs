@@ -193,5 +193,31 @@ pub fn restore_rank(
         ema,
         copied,
         mirror,
+        bema: Vec::new(),
     })
+}
+
+/// A `bema` profile's hidden buffers from their parts' bytes (`w0`, then
+/// the plain EMA): the averaged tensors of each, as one flat host tensor of
+/// the EMA dtype.
+pub fn restore_bema(
+    layout: &RankLayout,
+    start: &[u8],
+    ema: &[u8],
+    ema_kind: Kind,
+) -> Result<(Tensor, Tensor), FormatError> {
+    let ema_dtype = DType::from_kind(ema_kind).unwrap_or(DType::F32);
+    let averaged: Vec<&str> = averaged_members(layout)
+        .into_iter()
+        .map(|i| layout.tensors[i].name.as_str())
+        .collect();
+    let mut flat = [start, ema].into_iter().map(|file| {
+        let (_, header) = safetensors::SafeTensors::read_metadata(file)
+            .map_err(|e| FormatError::Parse(e.to_string()))?;
+        check_part_format(header.metadata().as_ref())?;
+        gather(file, &averaged, ema_dtype, layout.ema_numel)
+    });
+    let start = flat.next().expect("two parts")?;
+    let ema = flat.next().expect("two parts")?;
+    Ok((start, ema))
 }

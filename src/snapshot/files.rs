@@ -21,6 +21,8 @@ pub struct WrittenFile {
     pub path: String,
     pub sha256: String,
     pub bytes: u64,
+    /// Its block checksums, computed in the same pass as the sha256.
+    pub blocks: crate::objstore::BlockSums,
 }
 
 /// `runs/<run>`: everything a run keeps on disk (relative to the data dir).
@@ -41,6 +43,7 @@ pub fn part_file_name(rank: u32, part: &str) -> String {
 struct HashingWriter<W> {
     inner: W,
     hasher: Sha256,
+    blocks: crate::objstore::BlockHasher,
     bytes: u64,
 }
 
@@ -48,6 +51,7 @@ impl<W: Write> Write for HashingWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
         self.hasher.update(&buf[..n]);
+        self.blocks.update(&buf[..n]);
         self.bytes += n as u64;
         Ok(n)
     }
@@ -57,8 +61,14 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
+/// Writes of at least this many bytes are hashed beside the write (see
+/// [`PartWriter::write_all`]); smaller ones, where starting a thread would
+/// cost more than it saves, on the writing thread.
+const PARALLEL_HASH_BYTES: usize = 1 << 20;
+
 /// A part file being written under its temporary name: bytes go through a
-/// sha256 on their way; [`PartWriter::finish`] fsyncs and renames it.
+/// sha256 and block checksums on their way; [`PartWriter::finish`] fsyncs
+/// and renames it.
 pub struct PartWriter {
     path: PathBuf,
     rel: PathBuf,
@@ -87,13 +97,40 @@ impl PartWriter {
             w: HashingWriter {
                 inner: io::BufWriter::with_capacity(capacity, file),
                 hasher: Sha256::new(),
+                blocks: Default::default(),
                 bytes: 0,
             },
         })
     }
 
+    /// Writes `buf`. A large one is hashed (sha256 and the block
+    /// checksums) on a second thread while this one writes it: the
+    /// identity hash then costs a capture no time where a core is free
+    /// (`benches/verify.rs` measures it), where hashing on the writing
+    /// thread took as long as the write itself.
     pub fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        self.w.write_all(buf)
+        if buf.len() < PARALLEL_HASH_BYTES {
+            return self.w.write_all(buf);
+        }
+        let HashingWriter {
+            inner,
+            hasher,
+            blocks,
+            bytes,
+        } = &mut self.w;
+        std::thread::scope(|s| {
+            let hashing = s.spawn(|| {
+                hasher.update(buf);
+                blocks.update(buf);
+            });
+            let written = inner.write_all(buf);
+            hashing
+                .join()
+                .map_err(|_| io::Error::other("the hashing thread panicked"))?;
+            written
+        })?;
+        *bytes += buf.len() as u64;
+        Ok(())
     }
 
     /// Flushes, fsyncs and renames the file into place (the directory is
@@ -103,6 +140,7 @@ impl PartWriter {
         let HashingWriter {
             inner,
             hasher,
+            blocks,
             bytes,
         } = self.w;
         let file = inner.into_inner().map_err(|e| e.into_error())?;
@@ -113,6 +151,7 @@ impl PartWriter {
             path: self.rel.to_string_lossy().into_owned(),
             sha256: hex::encode(hasher.finalize()),
             bytes,
+            blocks: blocks.finish(),
         })
     }
 }

@@ -69,6 +69,14 @@ pub struct StoredRankMeta {
     pub swa_n: BTreeMap<String, u64>,
     /// Whether the mirror holds a keyframe (deltas apply to it).
     pub has_keyframe: bool,
+    /// The rank's lineage, raised by each `resume` (absent: 0, as every
+    /// part written before it existed).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The tensors of a rank and the flat buffers they live in, format 1.
@@ -158,6 +166,20 @@ pub fn decode_rank_meta(json: &str) -> Result<RankMeta, MetaError> {
     stored.into_engine()
 }
 
+/// The rank's lineage recorded in a part's metadata (`generation`), read
+/// without decoding its layout: 0 when absent (every format before it) or
+/// unreadable (the full decode reports that).
+pub fn generation_of(json: &str) -> u64 {
+    #[derive(Deserialize)]
+    struct Lineage {
+        #[serde(default)]
+        generation: u64,
+    }
+    serde_json::from_str::<Lineage>(json)
+        .map(|l| l.generation)
+        .unwrap_or(0)
+}
+
 /// Writes a rank's layout alone in the current format, as the catalog's
 /// rank rows keep it: `{"format": 1, "layout": {...}}`.
 pub fn encode_layout(layout: &RankLayout) -> String {
@@ -221,6 +243,7 @@ impl StoredRankMeta {
             last_digest: meta.last_digest.clone(),
             swa_n: meta.swa_n.clone(),
             has_keyframe: meta.has_keyframe,
+            generation: meta.generation,
         }
     }
 
@@ -231,6 +254,7 @@ impl StoredRankMeta {
             last_digest: self.last_digest,
             swa_n: self.swa_n,
             has_keyframe: self.has_keyframe,
+            generation: self.generation,
         })
     }
 }
@@ -471,6 +495,7 @@ mod legacy {
                 last_digest: self.last_digest,
                 swa_n: self.swa_n,
                 has_keyframe: self.has_keyframe,
+                generation: 0,
             })
         }
     }

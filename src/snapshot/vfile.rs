@@ -1,38 +1,34 @@
 //! A file that exists only as a recipe: a list of pieces (literal bytes,
 //! byte ranges of files on disk, ranges converted to another dtype, tensors
-//! assembled from chunks), each with a known length. Downloads are served
-//! from it piece by piece, so the server never holds a whole checkpoint; any
-//! byte range can be produced without producing what comes before it
-//! (HTTP `Range`).
+//! gathered from chunks a block of rows at a time), each with a known
+//! length. Downloads are served from it piece by piece, so the server never
+//! holds a whole checkpoint, nor a whole tensor; any byte range can be
+//! produced without producing what comes before it (HTTP `Range`).
 //!
 //! [`VirtualFile::stream_verified`] holds what it streams to the parts'
-//! records: the sizes are checked before the first byte, and every part a
-//! range touches is hashed while the bytes go out (the bytes themselves
-//! when the file is one whole part, else a second read of each part beside
-//! the stream). The last chunk waits for the verdict: a part that does not
-//! match ends the stream with an error instead of a clean end.
+//! records: every stored byte comes through the parts' [`PartReader`]s,
+//! which fetch each block once and check it before handing it on. A block
+//! that does not match ends the stream with an error before any of its
+//! bytes, never a clean end; nothing rereads a part beside the stream.
 
 use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::Stream;
-use sha2::{Digest, Sha256};
 
 use super::source::{PartLoc, PartMismatch, PartReader};
 use crate::wire::DType;
 
-/// Bytes produced at a time from stored bytes (mapped: page cache, not
-/// the server's memory).
-const CHUNK: u64 = 4 << 20;
 /// Bytes produced at a time where they are computed (casts, gathers'
 /// slices): these live in the server's memory until the socket takes them.
+/// (Stored bytes go out as the readers hand them on: a block at a time,
+/// mapped from the page cache or as the GET brought them.)
 const CAST_CHUNK: u64 = 1 << 20;
 /// Chunks queued between the producing thread and the socket.
-const QUEUED: usize = 2;
+const QUEUED: usize = 8;
 
 /// One chunk of a tensor stored in a file.
 #[derive(Debug, Clone)]
@@ -44,7 +40,8 @@ pub struct ChunkSource {
     pub offsets: Vec<i64>,
 }
 
-/// A whole tensor built from chunks that are not row blocks.
+/// A whole tensor built from chunks that are not row blocks, produced a
+/// window of rows at a time (see `produce_gather`).
 #[derive(Debug, Clone)]
 pub struct GatherSpec {
     pub dtype: DType,
@@ -167,14 +164,24 @@ impl VirtualFile {
         self.len == 0
     }
 
-    /// Produces the bytes of `range` in order, at most [`CHUNK`] at a time;
-    /// stops early when `sink` returns false.
-    pub fn produce(
+    /// Produces the bytes of `range` in order, a block (or a computed
+    /// chunk) at a time, every stored byte checked against its part's
+    /// record; stops early when `sink` returns false.
+    pub fn produce(&self, range: Range<u64>, sink: impl FnMut(Bytes) -> bool) -> io::Result<()> {
+        self.produce_as(range, true, sink)
+    }
+
+    /// [`VirtualFile::produce`] with the stored bytes checked or not.
+    fn produce_as(
         &self,
         range: Range<u64>,
+        checked: bool,
         mut sink: impl FnMut(Bytes) -> bool,
     ) -> io::Result<()> {
-        let mut files: HashMap<String, PartReader> = HashMap::new();
+        let mut files = Readers {
+            open: HashMap::new(),
+            checked,
+        };
         let end = range.end.min(self.len);
         let first = self
             .starts
@@ -196,11 +203,12 @@ impl VirtualFile {
         Ok(())
     }
 
-    /// Streams `range` from a blocking thread, with back-pressure.
+    /// Streams `range` from a blocking thread, with back-pressure, with
+    /// nothing checked (what the checks cost is measured against this).
     pub fn stream(self: Arc<Self>, range: Range<u64>) -> impl Stream<Item = io::Result<Bytes>> {
         let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(QUEUED);
         tokio::task::spawn_blocking(move || {
-            let result = self.produce(range, |b| tx.blocking_send(Ok(b)).is_ok());
+            let result = self.produce_as(range, false, |b| tx.blocking_send(Ok(b)).is_ok());
             if let Err(e) = result {
                 let _ = tx.blocking_send(Err(e));
             }
@@ -230,18 +238,6 @@ impl VirtualFile {
         out
     }
 
-    /// The one recorded part this file is, byte for byte, if it is one.
-    fn whole_part(&self) -> Option<&Arc<PartLoc>> {
-        match self.pieces.as_slice() {
-            [Piece::File {
-                path,
-                offset: 0,
-                len,
-            }] if path.record().is_some_and(|r| r.bytes == *len) => Some(path),
-            _ => None,
-        }
-    }
-
     /// Checks the recorded size of every part `range` reads (before the
     /// first byte is sent).
     pub fn check_sizes(&self, range: Range<u64>) -> io::Result<()> {
@@ -251,19 +247,18 @@ impl VirtualFile {
         Ok(())
     }
 
-    /// Streams `range` as [`VirtualFile::stream`] does, holding it to the
-    /// parts' recorded sha256: a part that does not match ends the stream
-    /// with an error before its last byte (the client sees a cut body,
-    /// never a clean end), after `on_mismatch` heard of it.
+    /// Streams `range` as [`VirtualFile::stream`] does, every stored byte
+    /// checked before it is sent: a block that does not match ends the
+    /// stream with an error before any byte of it (the client sees a cut
+    /// body, never a clean end), after `on_mismatch` heard of it.
     pub fn stream_verified(
         self: Arc<Self>,
         range: Range<u64>,
         on_mismatch: impl Fn(&PartMismatch) + Send + 'static,
     ) -> impl Stream<Item = io::Result<Bytes>> {
         let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(QUEUED);
-        let handle = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
-            let out = self.produce_verified(range, &handle, |b| tx.blocking_send(Ok(b)).is_ok());
+            let out = self.produce_as(range, true, |b| tx.blocking_send(Ok(b)).is_ok());
             if let Err(e) = out {
                 if let Some(m) = PartMismatch::of(&e) {
                     tracing::error!(part = %m.key, "{m}; the download was cut");
@@ -274,188 +269,51 @@ impl VirtualFile {
         });
         tokio_stream::wrappers::ReceiverStream::new(rx)
     }
-
-    /// Rereads and hashes the parts under `range` on a blocking thread
-    /// beside the stream, until `cancel`; the first mismatch is left in
-    /// `verdict`.
-    fn spawn_side_check(
-        &self,
-        range: Range<u64>,
-        handle: &tokio::runtime::Handle,
-        cancel: &Arc<AtomicBool>,
-        verdict: &Arc<Mutex<Option<io::Error>>>,
-    ) -> tokio::task::JoinHandle<()> {
-        let parts = self.parts_in(range);
-        let (cancel, verdict) = (cancel.clone(), verdict.clone());
-        handle.spawn_blocking(move || {
-            for part in parts {
-                if let Err(e) = part.verify(&cancel) {
-                    *verdict.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                    return;
-                }
-            }
-        })
-    }
-
-    fn produce_verified(
-        &self,
-        range: Range<u64>,
-        handle: &tokio::runtime::Handle,
-        mut send: impl FnMut(Bytes) -> bool,
-    ) -> io::Result<()> {
-        // A whole part sent as is is hashed as it goes out; anything else
-        // has its parts reread and hashed beside the stream.
-        let inline = self
-            .whole_part()
-            .filter(|_| range == (0..self.len))
-            .cloned();
-        let cancel = Arc::new(AtomicBool::new(false));
-        let verdict: Arc<Mutex<Option<io::Error>>> = Arc::new(Mutex::new(None));
-        let side = match &inline {
-            Some(_) => None,
-            None => Some(self.spawn_side_check(range.clone(), handle, &cancel, &verdict)),
-        };
-        // Stops the side reader whatever way this returns.
-        let _cancel = CancelOnDrop(cancel);
-        let failed = |verdict: &Mutex<Option<io::Error>>| {
-            verdict.lock().unwrap_or_else(|e| e.into_inner()).take()
-        };
-        let mut hasher = inline.as_ref().map(|_| Sha256::new());
-        let mut seen = 0u64;
-        let mut held: Option<Bytes> = None;
-        let mut early: Option<io::Error> = None;
-        let mut gone = false;
-        self.produce(range, |b| {
-            if let Some(h) = &mut hasher {
-                h.update(&b);
-                seen += b.len() as u64;
-            }
-            if let Some(e) = failed(&verdict) {
-                early = Some(e);
-                return false;
-            }
-            match held.replace(b) {
-                Some(prev) => {
-                    gone = !send(prev);
-                    !gone
-                }
-                None => true,
-            }
-        })?;
-        if let Some(e) = early {
-            return Err(e);
-        }
-        if gone {
-            return Ok(());
-        }
-        if let (Some(part), Some(h)) = (&inline, hasher) {
-            part.compare(seen, h)?;
-        }
-        if let Some(side) = side {
-            handle
-                .block_on(side)
-                .map_err(|e| io::Error::other(format!("verifying a part: {e}")))?;
-            if let Some(e) = failed(&verdict) {
-                return Err(e);
-            }
-        }
-        if let Some(last) = held {
-            send(last);
-        }
-        Ok(())
-    }
 }
 
-/// Sets its flag when dropped.
-struct CancelOnDrop(Arc<AtomicBool>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
+/// The readers a production has open, one per part.
+struct Readers {
+    open: HashMap<String, PartReader>,
+    checked: bool,
 }
 
-fn open<'a>(
-    files: &'a mut HashMap<String, PartReader>,
-    path: &PartLoc,
-) -> io::Result<&'a mut PartReader> {
-    if !files.contains_key(path.key()) {
-        files.insert(path.key().to_string(), path.open()?);
+impl Readers {
+    fn get(&mut self, path: &PartLoc) -> io::Result<&PartReader> {
+        if !self.open.contains_key(path.key()) {
+            let reader = if self.checked {
+                path.open()?
+            } else {
+                path.open_unchecked()?
+            };
+            self.open.insert(path.key().to_string(), reader);
+        }
+        Ok(self.open.get(path.key()).expect("just opened"))
     }
-    Ok(files.get_mut(path.key()).expect("just opened"))
-}
-
-fn read_at(
-    files: &mut HashMap<String, PartReader>,
-    path: &PartLoc,
-    offset: u64,
-    len: u64,
-) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; len as usize];
-    open(files, path)?.read_exact_at(&mut buf, offset)?;
-    Ok(buf)
-}
-
-/// A range of a stored file, mapped read-only: the socket write copies it
-/// straight from the page cache, with no read into a buffer first.
-struct Mapped(memmap2::Mmap);
-
-impl AsRef<[u8]> for Mapped {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-fn map_at(
-    files: &mut HashMap<String, PartReader>,
-    path: &PartLoc,
-    offset: u64,
-    len: u64,
-) -> io::Result<Bytes> {
-    if len == 0 {
-        return Ok(Bytes::new());
-    }
-    let reader = open(files, path)?;
-    if offset + len > reader.size()? {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("{path:?} is shorter than its recipe"),
-        ));
-    }
-    let Some(file) = reader.as_file() else {
-        // An object: its bytes arrive in a buffer of their own.
-        return reader.read_bytes_at(offset, len);
-    };
-    // SAFETY: the files a download reads are stored snapshot parts: written
-    // under a temporary name, fsynced and renamed into place before they are
-    // listed, and never written again (retention and delete unlink them,
-    // which leaves mapped pages valid). The length was checked just above.
-    let map = unsafe {
-        memmap2::MmapOptions::new()
-            .offset(offset)
-            .len(len as usize)
-            .populate()
-            .map(file)?
-    };
-    Ok(Bytes::from_owner(Mapped(map)))
 }
 
 fn produce_piece(
     piece: &Piece,
     local: Range<u64>,
-    files: &mut HashMap<String, PartReader>,
+    files: &mut Readers,
     sink: &mut impl FnMut(Bytes) -> bool,
 ) -> io::Result<bool> {
     match piece {
         Piece::Bytes(b) => Ok(sink(b.slice(local.start as usize..local.end as usize))),
         Piece::File { path, offset, .. } => {
-            let mut pos = local.start;
-            while pos < local.end {
-                let n = CHUNK.min(local.end - pos);
-                if !sink(map_at(files, path, offset + pos, n)?) {
+            let reader = files.get(path)?;
+            let (mut pos, end) = (offset + local.start, offset + local.end);
+            while pos < end {
+                let b = reader.slice(pos, end, end)?;
+                if b.is_empty() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("{path:?} is shorter than its recipe"),
+                    ));
+                }
+                pos += b.len() as u64;
+                if !sink(b) {
                     return Ok(false);
                 }
-                pos += n;
             }
             Ok(true)
         }
@@ -467,17 +325,19 @@ fn produce_piece(
             ..
         } => {
             let (fs, ts) = (from.size() as u64, to.size() as u64);
+            // Where this piece's reads end in the part.
+            let ahead = offset + local.end.div_ceil(ts) * fs;
+            let reader = files.get(path)?;
             let mut pos = local.start;
             while pos < local.end {
-                // Whole elements covering [pos, pos + CHUNK).
+                // Whole elements covering [pos, pos + CAST_CHUNK).
                 let want_end = (pos + CAST_CHUNK).min(local.end);
                 let first_el = pos / ts;
                 let last_el = want_end.div_ceil(ts);
-                let raw = read_at(
-                    files,
-                    path,
+                let raw = reader.read_bytes_ahead(
                     offset + first_el * fs,
                     (last_el - first_el) * fs,
+                    ahead,
                 )?;
                 let converted = convert(&raw, *from, *to);
                 let skip = (pos - first_el * ts) as usize;
@@ -489,59 +349,158 @@ fn produce_piece(
             }
             Ok(true)
         }
-        Piece::Gather(spec) => {
-            let whole = gather(spec, files)?;
-            let out = Bytes::from(convert(&whole, spec.dtype, spec.to));
-            Ok(sink(out.slice(local.start as usize..local.end as usize)))
-        }
+        Piece::Gather(spec) => produce_gather(spec, local, files, CAST_CHUNK, sink),
     }
 }
 
-/// Builds a whole tensor in memory from its chunks (any N-d tiling).
-fn gather(spec: &GatherSpec, files: &mut HashMap<String, PartReader>) -> io::Result<Vec<u8>> {
-    let es = spec.dtype.size();
-    let global = &spec.global_shape;
-    let numel: i64 = global.iter().product();
-    let mut out = vec![0u8; numel as usize * es];
-    let ndim = global.len();
+/// Where a chunk's innermost rows (its last dimension) land in the whole
+/// tensor, row-major; a scalar is one row of one element.
+struct ChunkRows<'a> {
+    source: &'a ChunkSource,
+    /// Elements per innermost row.
+    row: u64,
+    rows: u64,
+    /// The chunk's shape and offsets, and the whole tensor's strides (in
+    /// elements), without the last dimension.
+    shape: &'a [i64],
+    offsets: &'a [i64],
+    strides: &'a [i64],
+    /// Offset of the chunk in the last dimension.
+    column: u64,
+}
+
+impl ChunkRows<'_> {
+    /// The element of the whole tensor where row `r` of the chunk starts.
+    fn start(&self, mut r: u64) -> u64 {
+        let mut at = self.column;
+        for d in (0..self.shape.len()).rev() {
+            let n = self.shape[d] as u64;
+            at += (self.offsets[d] as u64 + r % n) * self.strides[d] as u64;
+            r /= n;
+        }
+        at
+    }
+
+    /// The rows that hold elements of `[from, to)` of the whole tensor
+    /// (they increase with the row), and the elements of the chunk, in its
+    /// stored order, from the first of them to the last: one contiguous
+    /// range of the stored chunk.
+    fn span(&self, from: u64, to: u64) -> Option<(Range<u64>, Range<u64>)> {
+        let first = partition(self.rows, |r| self.start(r) + self.row <= from);
+        let end = partition(self.rows, |r| self.start(r) < to);
+        if first >= end {
+            return None;
+        }
+        let a = first * self.row + from.saturating_sub(self.start(first));
+        let last = end - 1;
+        let b = last * self.row + (to - self.start(last)).min(self.row);
+        Some((first..end, a..b))
+    }
+}
+
+/// The first `r` in `0..n` for which `below(r)` is false (`below` holds on a
+/// prefix).
+fn partition(n: u64, below: impl Fn(u64) -> bool) -> u64 {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if below(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Bytes `local` of a tensor whose chunks are not row blocks (any N-d
+/// tiling), a window of about `window` bytes of whole-tensor elements at a
+/// time: for each window, each chunk's rows under it (one contiguous read
+/// of the stored chunk, through its part's reader) are placed where they
+/// belong, then the window is cast and handed on. Nothing holds more than
+/// a window (and the reader's blocks), however large the tensor.
+fn produce_gather(
+    spec: &GatherSpec,
+    local: Range<u64>,
+    files: &mut Readers,
+    window: u64,
+    sink: &mut impl FnMut(Bytes) -> bool,
+) -> io::Result<bool> {
+    let (es, ts) = (spec.dtype.size() as u64, spec.to.size() as u64);
+    let ndim = spec.global_shape.len();
     // Row-major strides of the whole tensor, in elements.
     let mut strides = vec![1i64; ndim];
     for d in (0..ndim.saturating_sub(1)).rev() {
-        strides[d] = strides[d + 1] * global[d + 1];
+        strides[d] = strides[d + 1] * spec.global_shape[d + 1];
     }
-    for chunk in &spec.chunks {
-        let cnumel: i64 = chunk.shape.iter().product();
-        if cnumel == 0 {
-            continue;
-        }
-        let data = read_at(files, &chunk.path, chunk.offset, cnumel as u64 * es as u64)?;
-        if ndim == 0 {
-            out.copy_from_slice(&data);
-            continue;
-        }
-        // Copy the chunk one innermost row at a time.
-        let row = chunk.shape[ndim - 1] as usize;
-        let rows = (cnumel as usize) / row.max(1);
-        let mut index = vec![0i64; ndim - 1];
-        for r in 0..rows {
-            let mut dst = chunk.offsets[ndim - 1];
-            for d in 0..ndim - 1 {
-                dst += (chunk.offsets[d] + index[d]) * strides[d];
+    let outer = ndim.saturating_sub(1);
+    let chunks: Vec<ChunkRows> = spec
+        .chunks
+        .iter()
+        .filter(|c| c.shape.iter().all(|&n| n > 0))
+        .map(|c| {
+            let row = c.shape.last().copied().unwrap_or(1) as u64;
+            let numel = c.shape.iter().product::<i64>() as u64;
+            ChunkRows {
+                source: c,
+                row,
+                rows: numel / row,
+                shape: &c.shape[..outer],
+                offsets: &c.offsets[..outer],
+                strides: &strides[..outer],
+                column: c.offsets.last().copied().unwrap_or(0) as u64,
             }
-            let src = r * row * es;
-            let dst = dst as usize * es;
-            out[dst..dst + row * es].copy_from_slice(&data[src..src + row * es]);
-            // Next row index, last dimension fastest.
-            for d in (0..ndim - 1).rev() {
-                index[d] += 1;
-                if index[d] < chunk.shape[d] {
-                    break;
-                }
-                index[d] = 0;
+        })
+        .collect();
+    let (first_el, end_el) = (local.start / ts, local.end.div_ceil(ts));
+    // Where each chunk's reads for the whole range end in its part.
+    let ahead: Vec<u64> = chunks
+        .iter()
+        .map(|c| {
+            let end = c.span(first_el, end_el).map_or(0, |(_, s)| s.end);
+            c.source.offset + end * es
+        })
+        .collect();
+    let step = (window / es.max(ts)).max(1);
+    let mut from = first_el;
+    while from < end_el {
+        let to = (from + step).min(end_el);
+        let mut buf = vec![0u8; ((to - from) * es) as usize];
+        for (c, &ahead) in chunks.iter().zip(&ahead) {
+            let Some((rows, stored)) = c.span(from, to) else {
+                continue;
+            };
+            let data = files.get(&c.source.path)?.read_bytes_ahead(
+                c.source.offset + stored.start * es,
+                (stored.end - stored.start) * es,
+                ahead,
+            )?;
+            for r in rows {
+                // This row's elements under the window, in the whole
+                // tensor and in the bytes just read.
+                let (start, end) = (c.start(r), c.start(r) + c.row);
+                let (lo, hi) = (start.max(from), end.min(to));
+                let src = (r * c.row + (lo - start) - stored.start) * es;
+                let dst = (lo - from) * es;
+                let n = (hi - lo) * es;
+                buf[dst as usize..(dst + n) as usize]
+                    .copy_from_slice(&data[src as usize..(src + n) as usize]);
             }
         }
+        let out = if spec.dtype == spec.to {
+            Bytes::from(buf)
+        } else {
+            Bytes::from(convert(&buf, spec.dtype, spec.to))
+        };
+        // The window in output bytes is [from * ts, to * ts).
+        let skip = local.start.saturating_sub(from * ts);
+        let take = local.end.min(to * ts) - from * ts;
+        if !sink(out.slice(skip as usize..take as usize)) {
+            return Ok(false);
+        }
+        from = to;
     }
-    Ok(out)
+    Ok(true)
 }
 
 /// Converts little-endian elements between float dtypes (round to nearest
@@ -589,6 +548,7 @@ fn to_f16(el: &[u8], from: DType, v: f64) -> half::f16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sha2::Digest;
 
     fn collect(vf: &VirtualFile, range: Range<u64>) -> Vec<u8> {
         let mut out = Vec::new();
@@ -651,6 +611,222 @@ mod tests {
                 whole[s as usize..e as usize],
                 "{s}..{e}"
             );
+        }
+    }
+
+    /// The whole tensor built in memory from its chunks, as gathers were
+    /// produced before they streamed (the reference they must equal).
+    fn gather_whole(spec: &GatherSpec) -> Vec<u8> {
+        let es = spec.dtype.size();
+        let global = &spec.global_shape;
+        let numel: i64 = global.iter().product();
+        let mut out = vec![0u8; numel as usize * es];
+        let ndim = global.len();
+        let mut strides = vec![1i64; ndim];
+        for d in (0..ndim.saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * global[d + 1];
+        }
+        for chunk in &spec.chunks {
+            let cnumel: i64 = chunk.shape.iter().product();
+            if cnumel == 0 {
+                continue;
+            }
+            let data = chunk
+                .path
+                .open()
+                .unwrap()
+                .read_bytes_at(chunk.offset, cnumel as u64 * es as u64)
+                .unwrap();
+            if ndim == 0 {
+                out.copy_from_slice(&data);
+                continue;
+            }
+            let row = chunk.shape[ndim - 1] as usize;
+            let rows = (cnumel as usize) / row.max(1);
+            let mut index = vec![0i64; ndim - 1];
+            for r in 0..rows {
+                let mut dst = chunk.offsets[ndim - 1];
+                for d in 0..ndim - 1 {
+                    dst += (chunk.offsets[d] + index[d]) * strides[d];
+                }
+                let (src, dst) = (r * row * es, dst as usize * es);
+                out[dst..dst + row * es].copy_from_slice(&data[src..src + row * es]);
+                for d in (0..ndim - 1).rev() {
+                    index[d] += 1;
+                    if index[d] < chunk.shape[d] {
+                        break;
+                    }
+                    index[d] = 0;
+                }
+            }
+        }
+        convert(&out, spec.dtype, spec.to)
+    }
+
+    /// `global` (f32) cut into the boxes `tiles` (offsets, shape), stored
+    /// in `files` part files after a 24-byte header, boxes dealt to the
+    /// files in turn.
+    fn tiled(
+        dir: &std::path::Path,
+        store: Option<&crate::objstore::ObjectStore>,
+        global: &[i64],
+        tiles: &[(Vec<i64>, Vec<i64>)],
+        files: usize,
+        to: DType,
+    ) -> (GatherSpec, Vec<f32>) {
+        let numel: i64 = global.iter().product();
+        let whole: Vec<f32> = (0..numel).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
+        let mut strides = vec![1i64; global.len()];
+        for d in (0..global.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * global[d + 1];
+        }
+        let mut bytes: Vec<Vec<u8>> = vec![vec![7u8; 24]; files];
+        let mut chunks = Vec::new();
+        for (k, (offsets, shape)) in tiles.iter().enumerate() {
+            let f = k % files;
+            let offset = bytes[f].len() as u64;
+            // The box's elements in row-major order of the box.
+            let n: i64 = shape.iter().product();
+            for mut i in 0..n {
+                let mut at = 0;
+                for d in (0..shape.len()).rev() {
+                    at += (offsets[d] + i % shape[d]) * strides[d];
+                    i /= shape[d];
+                }
+                bytes[f].extend_from_slice(&whole[at as usize].to_le_bytes());
+            }
+            chunks.push((f, offset, shape.clone(), offsets.clone()));
+        }
+        let mut locs = Vec::new();
+        for (f, b) in bytes.iter().enumerate() {
+            let name = format!("part{f}");
+            std::fs::write(dir.join(&name), b).unwrap();
+            locs.push(match store {
+                Some(store) => {
+                    let sha = hex::encode(sha2::Sha256::digest(b));
+                    let sums = crate::objstore::BlockSums::of(b, crate::objstore::BLOCK_BYTES);
+                    PartLoc::recorded_with(store, &name, b.len() as u64, &sha, Some(sums))
+                }
+                None => PartLoc::file(dir.join(&name)),
+            });
+        }
+        let spec = GatherSpec {
+            dtype: DType::F32,
+            to,
+            global_shape: global.to_vec(),
+            chunks: chunks
+                .into_iter()
+                .map(|(f, offset, shape, offsets)| ChunkSource {
+                    path: locs[f].clone(),
+                    offset,
+                    shape,
+                    offsets,
+                })
+                .collect(),
+        };
+        (spec, whole)
+    }
+
+    /// Bytes `range` of a gathered piece, produced `window` bytes of
+    /// elements at a time.
+    fn gathered(spec: &GatherSpec, range: Range<u64>, window: u64) -> Vec<u8> {
+        let mut files = Readers {
+            open: HashMap::new(),
+            checked: true,
+        };
+        let mut out = Vec::new();
+        let done = produce_gather(spec, range, &mut files, window, &mut |b: Bytes| {
+            assert!(b.len() as u64 <= window.max(8), "{} bytes at once", b.len());
+            out.extend_from_slice(&b);
+            true
+        })
+        .unwrap();
+        assert!(done);
+        out
+    }
+
+    #[test]
+    fn a_gathered_range_equals_the_whole_tensors_bytes() {
+        // A 5 x 6 x 7 tensor tiled unevenly along dims 1 and 2 (and one
+        // empty chunk), two chunks per part file.
+        let dir = tempfile::tempdir().unwrap();
+        let tiles = vec![
+            (vec![0, 0, 0], vec![5, 4, 3]),
+            (vec![0, 0, 3], vec![5, 4, 4]),
+            (vec![0, 4, 0], vec![5, 2, 7]),
+            (vec![0, 6, 0], vec![5, 0, 7]),
+        ];
+        for to in [DType::F32, DType::BF16, DType::F64] {
+            let (spec, _) = tiled(dir.path(), None, &[5, 6, 7], &tiles, 2, to);
+            let whole = gather_whole(&spec);
+            let len = whole.len() as u64;
+            assert_eq!(len, 5 * 6 * 7 * to.size() as u64);
+            for window in [1, 12, 40, 100, 1 << 20] {
+                for (s, e) in [
+                    (0, len),
+                    (1, len),
+                    (len / 2 + 1, len),
+                    (33, 91),
+                    (len - 3, len),
+                ] {
+                    assert_eq!(
+                        gathered(&spec, s..e, window),
+                        whole[s as usize..e as usize],
+                        "{to:?} window {window}: {s}..{e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_large_column_gather_streams_the_same_bytes_from_mid_tensor() {
+        // 300 x 2048 f32 (2.3 MiB) in two column chunks, in recorded parts
+        // of a store (read through the checked block reader), more than
+        // one window long; ranges that start mid-tensor and mid-element.
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            crate::objstore::ObjectStore::open(&format!("file://{}", dir.path().display()), None)
+                .unwrap();
+        let tiles = vec![
+            (vec![0, 0], vec![300, 1024]),
+            (vec![0, 1024], vec![300, 1024]),
+        ];
+        for to in [DType::F32, DType::BF16] {
+            let (spec, values) = tiled(dir.path(), Some(&store), &[300, 2048], &tiles, 2, to);
+            let whole = gather_whole(&spec);
+            if to == DType::F32 {
+                let want: Vec<u8> = values.iter().flat_map(|f| f.to_le_bytes()).collect();
+                assert_eq!(whole, want, "the reference is the tensor");
+            }
+            let spec = Arc::new(spec);
+            let vf = VirtualFile::new(vec![
+                Piece::Bytes(Bytes::from_static(b"head")),
+                Piece::Gather(spec.clone()),
+            ]);
+            let len = whole.len() as u64;
+            assert_eq!(vf.len(), 4 + len);
+            for (s, e) in [
+                (0, len),
+                (1_000_003, len),
+                (len / 2 + 1, len / 2 + 5000),
+                (CAST_CHUNK - 1, CAST_CHUNK + 3),
+                (len - 1, len),
+            ] {
+                assert_eq!(
+                    collect(&vf, 4 + s..4 + e),
+                    whole[s as usize..e as usize],
+                    "{to:?}: {s}..{e}"
+                );
+            }
+            // At most a window at a time, however large the tensor.
+            let mut most = 0;
+            vf.produce(4 + 17..vf.len(), |b| {
+                most = most.max(b.len());
+                true
+            })
+            .unwrap();
+            assert!(most as u64 <= CAST_CHUNK, "{most}");
         }
     }
 

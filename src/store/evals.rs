@@ -95,6 +95,40 @@ impl Store {
         row.map(stored_eval).transpose()
     }
 
+    /// How many evaluations `run` holds.
+    pub async fn eval_count(&self, run: &str) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(&self.sql("SELECT COUNT(*) FROM evals WHERE run = ?"))
+            .bind(run)
+            .fetch_one(self.pool())
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// At most `limit` evaluations of a run in the listing's order (the
+    /// candidate's step, then the order they were stored), starting after
+    /// the one at `after` (`(step, id)`; `None`: the first).
+    pub async fn evals_page(
+        &self,
+        run: &str,
+        after: Option<(u64, i64)>,
+        limit: u32,
+    ) -> Result<Vec<StoredEval>, StoreError> {
+        let (step, id) = after.map_or((-1, 0), |(s, id)| (s.min(i64::MAX as u64) as i64, id));
+        let rows = sqlx::query(&self.sql(&format!(
+            "SELECT {COLUMNS} FROM evals e JOIN snapshots s ON s.id = e.snapshot \
+             WHERE e.run = ? AND (s.step > ? OR (s.step = ? AND e.id > ?)) \
+             ORDER BY s.step, e.id LIMIT ?"
+        )))
+        .bind(run)
+        .bind(step)
+        .bind(step)
+        .bind(id)
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?;
+        rows.into_iter().map(stored_eval).collect()
+    }
+
     /// Every evaluation of a run, by the candidate's step, then in the
     /// order they were stored.
     pub async fn evals(&self, run: &str) -> Result<Vec<StoredEval>, StoreError> {
@@ -143,5 +177,64 @@ mod tests {
         assert!(!store.insert_eval("x", &row).await.unwrap());
         assert!(store.delete_snapshot("s1").await.unwrap());
         assert!(store.evals("r").await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn pages_follow_the_listing_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with_run(dir.path()).await;
+        // Stored out of step order: the listing is by step, then id.
+        for (id, step) in [("s9", 9), ("s2", 2), ("s5", 5)] {
+            let snap = SnapshotRow::pending(id, "r", step, SnapshotKind::Manual, vec!["a".into()]);
+            store.insert_snapshot(&snap).await.unwrap();
+            for evaluator in ["x", "y"] {
+                let row = EvalRow {
+                    snapshot: id.into(),
+                    profile: "a".into(),
+                    evaluator: evaluator.into(),
+                    metrics: BTreeMap::from([("loss".to_string(), 1.0)]),
+                    at_ms: 0,
+                };
+                assert!(store.insert_eval("r", &row).await.unwrap());
+            }
+        }
+        assert_eq!(store.eval_count("r").await.unwrap(), 6);
+        assert_eq!(store.eval_count("other").await.unwrap(), 0);
+        let all: Vec<_> = store.evals("r").await.unwrap();
+        let mut paged = Vec::new();
+        let mut after = None;
+        loop {
+            let page = store.evals_page("r", after, 4).await.unwrap();
+            let Some(last) = page.last() else { break };
+            after = Some((last.step, last.id));
+            paged.extend(page);
+        }
+        let key = |e: &StoredEval| (e.step, e.id);
+        assert_eq!(
+            paged.iter().map(key).collect::<Vec<_>>(),
+            all.iter().map(key).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            all.iter().map(|e| e.step).collect::<Vec<_>>(),
+            [2, 2, 5, 5, 9, 9]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_row_whose_snapshot_is_gone_is_a_404_not_a_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with_run(dir.path()).await;
+        // Past the insert's own existence check, the foreign key refuses it
+        // (as PostgreSQL's does when a delete commits under the insert).
+        let err = sqlx::query(&store.sql(
+            "INSERT INTO evals (run, snapshot, profile, evaluator, metrics, at_ms) \
+             VALUES ('r', 'gone', 'a', '', '{}', 0)",
+        ))
+        .execute(store.pool())
+        .await
+        .map_err(StoreError::from)
+        .unwrap_err();
+        let answer = crate::services::ServiceError::from(err);
+        assert_eq!(answer.status(), 404, "{answer}");
     }
 }

@@ -60,7 +60,7 @@ pub enum StoreError {
     #[error("run `{0}` already exists")]
     RunExists(String),
     #[error("catalog: {0}")]
-    Sql(#[from] sqlx::Error),
+    Sql(sqlx::Error),
     #[error("catalog migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("catalog holds invalid JSON: {0}")]
@@ -71,6 +71,71 @@ pub enum StoreError {
     Io(#[from] std::io::Error),
     #[error("catalog URL `{0}`: expected sqlite://PATH or postgres://...")]
     Url(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        sqlite_trouble::note(&e);
+        StoreError::Sql(e)
+    }
+}
+
+/// SQLite after a full disk or an I/O error: a statement that failed may
+/// leave its connection inside a transaction SQLite did or did not roll
+/// back (its docs: "the transaction may or may not be rolled back
+/// automatically"; a COMMIT that fails leaves it open), and such a
+/// connection, back in the pool, holds the write lock: every other writer
+/// then answers "database is locked" until a restart. So every connection
+/// that existed when such an error happened is closed the next time it
+/// would be handed out (closing rolls back and releases the lock), a new
+/// one takes its place, and once writes work again the WAL is
+/// checkpointed (see [`Store::recovered`]).
+mod sqlite_trouble {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    fn origin() -> Instant {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        *ORIGIN.get_or_init(Instant::now)
+    }
+
+    /// Microseconds after [`origin`] of the last such error, plus one (0:
+    /// none yet).
+    static LAST: AtomicU64 = AtomicU64::new(0);
+
+    /// SQLite's primary result codes of a full disk (SQLITE_FULL, 13) and
+    /// an I/O error (SQLITE_IOERR, 10), whatever their extended codes.
+    pub(super) fn is_trouble(code: &str) -> bool {
+        // SQLite's codes are numbers of at most four digits (PostgreSQL's
+        // SQLSTATEs have five characters).
+        code.len() < 5
+            && code
+                .parse::<u32>()
+                .is_ok_and(|n| matches!(n & 0xff, 10 | 13))
+    }
+
+    pub(super) fn note(e: &sqlx::Error) {
+        if let sqlx::Error::Database(db) = e {
+            if db.code().is_some_and(|c| is_trouble(&c)) {
+                let at = origin().elapsed().as_micros() as u64 + 1;
+                LAST.fetch_max(at, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Whether a connection `age` old existed at the last such error.
+    pub(super) fn outlived_by(age: Duration) -> bool {
+        match LAST.load(Ordering::Acquire) {
+            0 => false,
+            at => {
+                let since = origin()
+                    .elapsed()
+                    .saturating_sub(Duration::from_micros(at - 1));
+                age >= since
+            }
+        }
+    }
 }
 
 impl StoreError {
@@ -85,9 +150,9 @@ impl StoreError {
                 | sqlx::Error::Tls(_)
                 | sqlx::Error::WorkerCrashed,
             ) => true,
-            StoreError::Sql(sqlx::Error::Database(e)) => {
-                e.code().is_some_and(|code| unavailable_code(&code))
-            }
+            StoreError::Sql(sqlx::Error::Database(e)) => e
+                .code()
+                .is_some_and(|code| unavailable_code(&code) || sqlite_trouble::is_trouble(&code)),
             _ => false,
         }
     }
@@ -115,7 +180,10 @@ impl StoreError {
 /// BUSY and LOCKED, with their extended codes.
 fn unavailable_code(code: &str) -> bool {
     if code.len() == 5 {
-        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300");
+        // 53100: PostgreSQL's disk is full (it answers again once space is
+        // back).
+        return code.starts_with("08")
+            || matches!(code, "57P01" | "57P02" | "57P03" | "53300" | "53100");
     }
     code.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 5 | 6))
 }
@@ -296,6 +364,11 @@ impl Store {
             }
             let pool = AnyPoolOptions::new()
                 .max_connections(4)
+                // A connection that lived through a full disk or an I/O
+                // error is replaced (see `sqlite_trouble`).
+                .before_acquire(|_, meta| {
+                    Box::pin(async move { Ok(!sqlite_trouble::outlived_by(meta.age)) })
+                })
                 .after_connect(|conn, _| {
                     Box::pin(async move {
                         // WAL with NORMAL sync: a commit survives a process
@@ -346,6 +419,20 @@ impl Store {
     pub fn pool(&self) -> &AnyPool {
         count_query();
         &self.pool
+    }
+
+    /// Writes work again after failing (a full disk, an outage): SQLite's
+    /// WAL, which could not be checkpointed meanwhile, is checkpointed and
+    /// truncated so it does not keep the space it grew to.
+    pub async fn recovered(&self) {
+        if self.kind == CatalogKind::Sqlite {
+            if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+                .execute(self.pool())
+                .await
+            {
+                tracing::warn!(error = %e, "checkpointing the catalog's WAL failed");
+            }
+        }
     }
 
     /// A trivial query: the catalog answers.
@@ -483,20 +570,29 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
-    /// Records a rank's failover (JSON), for every node to show.
+    /// Records a rank's failover (or restart), for every node to show.
     pub async fn set_rank_failover(
         &self,
         run: &str,
         rank: u32,
-        failover: &serde_json::Value,
+        failover: &crate::node::Failover,
     ) -> Result<(), StoreError> {
+        let json = serde_json::to_string(failover)?;
         sqlx::query(&self.sql("UPDATE ranks SET failover = ? WHERE run = ? AND rank = ?"))
-            .bind(failover.to_string())
+            .bind(json)
             .bind(run)
             .bind(rank as i64)
             .execute(self.pool())
             .await?;
         Ok(())
+    }
+
+    /// [`Store::set_rank_failover`], a failure logged: the record is also
+    /// in the node's memory and its event, and the next one writes it.
+    pub async fn note_rank_failover(&self, run: &str, rank: u32, failover: &crate::node::Failover) {
+        if let Err(e) = self.set_rank_failover(run, rank, failover).await {
+            tracing::warn!(run = %run, rank, error = %e, "recording a rank's failover failed");
+        }
     }
 
     pub async fn list_ranks(&self, run: &str) -> Result<Vec<StoredRank>, StoreError> {

@@ -77,6 +77,11 @@ pub struct FileRow {
     /// before fencing existed).
     #[serde(skip)]
     pub fence: Option<Fence>,
+    /// The part's block checksums, which every read of it is checked
+    /// against (`None`: a part written before they were recorded; its
+    /// whole sha256 is checked instead).
+    #[serde(skip)]
+    pub blocks: Option<crate::objstore::BlockSums>,
 }
 
 /// A part's fencing token: the node that captured the rank and the
@@ -110,13 +115,18 @@ fn row_to_snapshot(row: sqlx::any::AnyRow) -> Result<SnapshotRow, StoreError> {
 }
 
 const FILE_COLUMNS: &str =
-    "rank, part, path, sha256, bytes, step, state, node_id, epoch, captured_at_ms";
+    "rank, part, path, sha256, bytes, step, state, node_id, epoch, captured_at_ms, blocks";
 
-fn row_to_file(row: sqlx::any::AnyRow) -> FileRow {
+fn row_to_file(row: sqlx::any::AnyRow) -> Result<FileRow, StoreError> {
     let node_id: Option<String> = row.get("node_id");
     let epoch: Option<i64> = row.get("epoch");
     let captured: Option<i64> = row.get("captured_at_ms");
-    FileRow {
+    let blocks = row
+        .get::<Option<String>, _>("blocks")
+        .map(|text| crate::objstore::BlockSums::decode(&text))
+        .transpose()
+        .map_err(|e| StoreError::Io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+    Ok(FileRow {
         rank: row.get::<i64, _>("rank") as u32,
         part: row.get("part"),
         path: row.get("path"),
@@ -132,7 +142,8 @@ fn row_to_file(row: sqlx::any::AnyRow) -> FileRow {
             }),
             _ => None,
         },
-    }
+        blocks,
+    })
 }
 
 const COLUMNS: &str = "id, run, step, kind, label, profiles, status, reason, created_at_ms, completed_at_ms, deadline_ms, bytes, detail";
@@ -316,7 +327,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         for f in files {
             sqlx::query(&self.sql("INSERT INTO snapshot_files (snapshot, rank, part, path, sha256, bytes, step, state, \
-                 node_id, epoch, captured_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"))
+                 node_id, epoch, captured_at_ms, blocks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"))
             .bind(id)
             .bind(f.rank as i64)
             .bind(&f.part)
@@ -328,6 +339,7 @@ impl Store {
             .bind(f.fence.as_ref().map(|x| x.node_id.clone()))
             .bind(f.fence.as_ref().map(|x| x.epoch as i64))
             .bind(f.fence.as_ref().map(|x| x.captured_at_ms))
+            .bind(f.blocks.as_ref().map(|b| b.encode()))
             .execute(&mut **tx)
             .await?;
         }
@@ -409,7 +421,7 @@ impl Store {
         .bind(id)
         .fetch_all(self.pool())
         .await?;
-        Ok(rows.into_iter().map(row_to_file).collect())
+        rows.into_iter().map(row_to_file).collect()
     }
 
     /// Every file of the complete snapshots of `run`, with its snapshot's
@@ -427,10 +439,9 @@ impl Store {
         .bind(run)
         .fetch_all(self.pool())
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|row| (row.get::<String, _>("snapshot"), row_to_file(row)))
-            .collect())
+        rows.into_iter()
+            .map(|row| Ok((row.get::<String, _>("snapshot"), row_to_file(row)?)))
+            .collect()
     }
 
     /// Deletes a snapshot row (its file rows go with it).
@@ -486,6 +497,7 @@ mod tests {
             step: 8,
             state: "{}".into(),
             fence: None,
+            blocks: None,
         }
     }
 

@@ -161,6 +161,7 @@ async fn write_loop(store: Store, node: String, mut rx: mpsc::UnboundedReceiver<
                         events = batch.events.len(),
                         "catalog writes work again; the held updates are stored"
                     );
+                    store.recovered().await;
                 }
                 batch = Batch::default();
                 backoff = GATHER;

@@ -265,7 +265,7 @@ export function render(root, { run, query }, ctx) {
       chart = createChart(card.body, 'compare', {
         series: [{ label: 'rel. diff', color: color(0), fill: fade(color(0), 0.55), bars: true, fmt: (v) => fmtNum(v) }],
         x: categoryAxis('tensor', names, { short }),
-        y: { fmt: (v) => fmtNum(v, 2), log, zero: true },
+        y: { legend: (v) => fmtNum(v), log, zero: true },
         height: 260,
       });
       const ys = list.map((t) => (log && !(t.rel_diff > 0) ? null : t.rel_diff));

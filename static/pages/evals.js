@@ -7,7 +7,7 @@
 // each run's best value per metric for the compare page.
 
 import { api, authUrl, isAbort, runPath, withQuery } from '../api.js';
-import { alignByX, chartCard, color, createChart, fade, registry } from '../charts.js';
+import { alignByX, chartCard, color, createChart, fade, fmtTick, registry } from '../charts.js';
 import { badge, emptyBox, errorBox, h, loadingBox, tableWrap } from '../dom.js';
 import { fmtNum, fmtStep } from '../format.js';
 
@@ -59,6 +59,35 @@ function family(e) {
   return e.evaluator ? `${base} · ${e.evaluator}` : base;
 }
 
+/** A candidate in a few words: its family, or `post-hoc σ_rel 0.07`. */
+export function candidateName(e) {
+  if (e.kind !== 'posthoc') return family(e);
+  const base = `post-hoc σ_rel ${e.sigma_rel === null || e.sigma_rel === undefined ? '?' : fmtNum(e.sigma_rel, 4)}`;
+  return e.evaluator ? `${base} · ${e.evaluator}` : base;
+}
+
+/** The server's best candidate of `metric` (`GET /v1/runs/{run}/best`), in the metric's mode. */
+export async function loadBest(run, metric, signal) {
+  return api(withQuery(runPath(run, '/best'), { metric, mode: modeOf(metric) }), { signal });
+}
+
+/**
+ * Line styles that keep every family readable where lines coincide (two
+ * profiles with the same value at every step): dashes sparser and markers
+ * smaller in drawing order, so a line drawn later leaves the earlier one
+ * showing between its dashes and as a ring around its markers.
+ */
+const DASHES = [undefined, [14, 4], [7, 7], [2, 7], [1, 10]];
+export function familyStyle(label, index) {
+  const online = label.startsWith('online');
+  return {
+    color: online ? '#495057' : color(index),
+    width: 2,
+    dash: online ? [6, 4] : DASHES[index % DASHES.length],
+    marker: { size: Math.max(5, 13 - 2 * index) },
+  };
+}
+
 /** Download URL of a candidate's weights (with the token for a browser link). */
 export function downloadUrl(run, e) {
   return authUrl(withQuery(runPath(run, `/snapshots/${encodeURIComponent(e.snapshot)}/download`), { profile: e.profile }));
@@ -101,7 +130,7 @@ export function evalsPanel(ctx, run, config) {
   const profileOrder = config.profiles.map((p) => p.name);
   const charts = new Map(); // metric -> {chart, card, key}
 
-  function draw(evals) {
+  function draw(evals, bests) {
     const metrics = metricNames(evals);
     if (!metrics.length) {
       for (const entry of charts.values()) entry.chart.destroy();
@@ -126,13 +155,15 @@ export function evalsPanel(ctx, run, config) {
           entry.card.el.remove();
         }
         const mode = modeOf(metric);
-        const card = chartCard(metric, `${mode === 'min' ? 'lower' : 'higher'} is better · one line per candidate family`);
+        const card = chartCard(metric, `${mode === 'min' ? 'lower' : 'higher'} is better · one line per candidate family · y range without outliers`);
         card.el.dataset.metric = metric;
         grid.append(card.el);
         const chart = createChart(card.body, `evals:${metric}`, {
-          series: series.map((s, i) => ({ label: s.label, color: s.label.startsWith('online') ? '#495057' : color(i), width: 2, dash: s.label.startsWith('online') ? [6, 4] : undefined })),
+          series: series.map((s, i) => ({ label: s.label, ...familyStyle(s.label, i) })),
           x: { label: 'step', fmt: fmtStep, integer: true },
-          y: { legend: (v) => fmtNum(v) },
+          // An evaluation of the initial weights (step 0) is far off the
+          // rest: the range leaves such outliers out (the button shows all).
+          y: { legend: (v) => fmtNum(v), robust: true },
         });
         const best = h('span', { class: 'latest mono small', dataset: { testid: 'evals-best' } });
         card.head.append(best);
@@ -140,8 +171,12 @@ export function evalsPanel(ctx, run, config) {
         charts.set(metric, entry);
       }
       entry.chart.update(series.length ? alignByX(series) : [[]]);
-      const b = bestOf(evals.filter((e) => e.kind === 'ema' || e.kind === 'online'), metric);
-      entry.best.textContent = b ? `best ${fmtNum(b.metrics[metric])}: ${family(b)} @ step ${fmtStep(b.step)}` : '';
+      // The run's best is the server's (`/best`): every candidate, post-hoc ones included.
+      const best = bests.get(metric);
+      const b = best ? best.evaluation : null;
+      entry.best.textContent = b ? `best ${fmtNum(best.value)}: ${candidateName(b)} @ step ${fmtStep(b.step)}` : '';
+      entry.best.title = b ? `snapshot ${b.snapshot} · profile ${b.profile} · evaluation ${b.id}` : '';
+      entry.best.dataset.evaluation = b ? String(b.id) : '';
     }
     for (const [metric, entry] of charts) {
       if (!metrics.includes(metric)) {
@@ -155,7 +190,9 @@ export function evalsPanel(ctx, run, config) {
   async function load() {
     try {
       const evals = await loadEvals(run, ctx.signal);
-      if (ctx.active) draw(evals);
+      const metrics = metricNames(evals);
+      const answers = await Promise.all(metrics.map((m) => loadBest(run, m, ctx.signal).catch((err) => (isAbort(err) ? Promise.reject(err) : null))));
+      if (ctx.active) draw(evals, new Map(metrics.map((m, i) => [m, answers[i]])));
     } catch (err) {
       if (!isAbort(err) && ctx.active && !charts.size) grid.replaceChildren(errorBox(err, load));
     }
@@ -340,7 +377,7 @@ export function sigmaPanel(ctx, run, { openUrl = (url) => window.open(url, '_bla
       scales: { x: { distr: 3, time: false }, y: { auto: true } },
       axes: [
         { label: 'σ_rel', labelSize: 18, stroke: '#5b6474', values: (u, splits) => splits.map((v) => (v === null ? '' : fmtNum(v, 3))) },
-        { label: metric, labelSize: 18, stroke: '#5b6474', size: 60, values: (u, splits) => splits.map((v) => (v === null ? '' : fmtNum(v, 4))) },
+        { label: metric, labelSize: 18, stroke: '#5b6474', size: 60, values: (u, splits, axisIdx, space, incr) => splits.map((v) => (v === null ? '' : fmtTick(v, incr))) },
       ],
       cursor: { drag: { x: false, y: false }, focus: { prox: 24 } },
       legend: { live: true },

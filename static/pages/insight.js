@@ -130,7 +130,7 @@ export function render(root, { run }, ctx) {
         ]),
         x: { label: 'step', integer: true, fmt: fmtStep },
         y: { legend: fmtNum, label: 'β' },
-        y2: { label: 'half-life (steps)', fmt: fmtNum },
+        y2: { label: 'half-life (steps)' },
       });
     }
     const xs = win.profiles.length ? win.profiles[0].points.map((p) => p[0]) : [];

@@ -182,7 +182,7 @@ export function render(root, { run, query }, ctx) {
       chart = createChart(card.body, 'posthoc', {
         series: names.map((n, i) => ({ label: n, color: color(i), fill: fade(color(i), 0.55), bars: true, fmt: (v) => fmtNum(v, 5) })),
         x: categoryAxis('source (profile@step)', labels, { slantAfter: 8 }),
-        y: { fmt: (v) => fmtNum(v, 3) },
+        y: { legend: (v) => fmtNum(v, 3) },
         height: 260,
       });
       chartShape = shape;

@@ -129,9 +129,11 @@ def test_evaluations_chart_is_the_apis(page: Page, dash_server, evals_run, conso
     expect(page.get_by_test_id("evals-summary")).to_contain_text(
         f"{len(api_evals(dash_server.url))} evaluations"
     )
-    expect(page.locator('[data-metric="val_loss"] [data-testid="evals-best"]')).to_contain_text(
-        "p05 @ step 20"
-    )
+    # The best named is the server's: the post-hoc EMA at the loss's minimum.
+    best = httpx.get(f"{dash_server.url}/v1/runs/{RUN}/best", params={"metric": "val_loss"}).json()
+    shown = page.locator('[data-metric="val_loss"] [data-testid="evals-best"]')
+    expect(shown).to_have_attribute("data-evaluation", str(best["evaluation"]["id"]))
+    expect(shown).to_contain_text("post-hoc σ_rel 0.07 @ step 20")
     page.get_by_test_id("evals").scroll_into_view_if_needed()
     screenshot(page, "evals-run")
     assert not console.unexpected(), console.errors

@@ -7,6 +7,8 @@ that never held it before), and the ranks summary counts the failover."""
 
 from __future__ import annotations
 
+import time
+
 import polyak
 import pytest
 import torch
@@ -84,3 +86,71 @@ def test_the_run_page_shows_a_rank_taken_over(page: Page, tmp_path, backends: Ba
         page.goto("about:blank")  # no polling of servers being stopped
         a.stop()
         b.stop()
+
+
+@pytest.mark.slow
+def test_the_run_page_shows_a_rank_restored_after_a_restart(page: Page, tmp_path):
+    """A server killed and started again: the rank's tile says it was
+    restored after a restart and the steps lost, the summary counts it, and
+    the run is `degraded` until the `steps_lost` alert is acknowledged."""
+    from polyak_testing import PolyakServer
+
+    srv = PolyakServer(tmp_path / "data")
+    srv.start()
+    try:
+        run_name = "restart-view"
+        with polyak.Client(srv.url) as client:
+            run = client.create_run(
+                run_name,
+                persist_every_secs=0,
+                profiles=[{"name": "e", "kind": "constant", "beta": 0.9}],
+            )
+            with run.pusher(policy="block") as pusher:
+                for step in range(4):
+                    pusher.push({"w": torch.full((8,), float(step))}, step)
+                pusher.flush(timeout=30)
+                client.request("POST", f"/v1/runs/{run_name}/persist")
+                for step in range(4, 7):
+                    pusher.push({"w": torch.full((8,), float(step))}, step)
+                pusher.flush(timeout=30)
+            wait_for(lambda: run.rank(0)["last_step"] == 6, 10, "step 6 applied")
+            time.sleep(1)  # the catalog's writer records step 6
+        srv.kill()
+        srv.start(same_port=True)
+        with polyak.Client(srv.url) as client:
+            run = client.run(run_name)
+            with run.pusher(policy="block") as pusher:
+                pusher.push({"w": torch.full((8,), 9.0)}, 9)
+                pusher.flush(timeout=30)
+            f = wait_for(
+                lambda: (
+                    (run.rank(0).get("failover") or {}).get("lost_steps") is not None
+                    and run.rank(0)["failover"]
+                ),
+                30,
+                "the restart's report",
+            )
+        assert (f["restart"], f["restored_step"], f["resumed_step"], f["lost_steps"]) == (
+            True,
+            3,
+            9,
+            5,
+        ), f
+
+        page.goto(f"{srv.url}/#/runs/{run_name}")
+        shown = page.locator('.rank-tile[data-rank="0"] [data-field="failover"]')
+        expect(shown).to_have_text("restarted @ 3 · 5 steps lost")
+        assert "restarted" in (shown.get_attribute("title") or "")
+        summary = page.locator('[data-testid="ranks"]').locator("xpath=..").locator(".card-head")
+        expect(summary).to_contain_text("1 restored after a restart · 5 steps lost")
+        expect(page.locator("[data-health]").first).to_have_attribute("data-health", "degraded")
+        again = polyak.Client(srv.url).run(run_name)
+        alert = next(a for a in again.alerts()["alerts"] if a["kind"] == "steps_lost")
+        acked = again.ack_alert(alert["id"])
+        assert acked["state"] == "resolved", acked
+        expect(page.locator("[data-health]").first).to_have_attribute(
+            "data-health", "healthy", timeout=15000
+        )
+    finally:
+        page.goto("about:blank")
+        srv.stop()

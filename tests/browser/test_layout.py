@@ -86,7 +86,9 @@ def large_run(dash_server):
                 assert r.status_code < 300, r.text
         deadline = time.monotonic() + 120
         while True:
-            snaps = c.get(f"/v1/runs/{RUN}/snapshots", params={"status": "complete"}).json()
+            snaps = c.get(
+                f"/v1/runs/{RUN}/snapshots", params={"status": "complete", "kind": "periodic"}
+            ).json()
             if len(snaps["snapshots"]) == STEPS or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -318,6 +318,31 @@ class Cluster:
         self.log(f"  timed out after {timeout:.0f}s waiting for {what} (last: {last!r}; {there})")
         return False
 
+    def serves_again(self, i: int, run: str, timeout: float) -> bool:
+        """Node ``i`` is ready, takes a catalog write and completes a
+        snapshot of ``run`` within ``timeout`` seconds."""
+        url = self.nodes[i].url
+        deadline = time.monotonic() + timeout
+
+        def serving() -> bool:
+            with httpx.Client(base_url=url, timeout=5) as c:
+                if c.get("/readyz").status_code != 200:
+                    return False
+                r = c.post(f"/v1/runs/{run}/snapshots", json={})
+                if r.status_code != 202:
+                    return False
+                sid = r.json()["id"]
+                while time.monotonic() < deadline:
+                    row = c.get(f"/v1/runs/{run}/snapshots/{sid}").json()
+                    if row["status"] == "complete":
+                        return True
+                    if row["status"] == "failed":
+                        return False
+                    time.sleep(0.1)
+                return False
+
+        return self.wait(serving, timeout, f"node {self.name(i)} serving after its disk was freed")
+
     def wait_lapsed(self, i: int, run: str) -> bool:
         """Node ``i`` seen expired by the others, and none of ``run``'s
         ranks placed on it any more (taken over)."""
@@ -394,6 +419,9 @@ class Cluster:
             time.sleep(fault.hold)
             filler.unlink()
             self.fillers.remove(filler)
+            # Space is back: the node serves pushes and snapshots again
+            # within 10 s, without a restart.
+            ok = self.serves_again(i, run, 10.0)
         else:
             raise ValueError(fault.kind)
         return ok
@@ -448,6 +476,9 @@ class RankLog:
     pushed: list[int] = field(default_factory=list)
     #: Steps the server refused (the pusher raised them), with the code.
     refused: dict[int, str] = field(default_factory=dict)
+    #: What ended the rank's training loop other than a stop: a server
+    #: fault must never reach the trainer (it would have exited non-zero).
+    crashed: str | None = None
 
 
 class Trainer:
@@ -461,7 +492,10 @@ class Trainer:
         self.logs = [RankLog(r) for r in range(world)]
         # Each rank holds tensors of its own (pipeline stages), pushed whole.
         self.pushers = [
-            run.pusher(rank=r, retry=retry, split_replicated=False) for r in range(world)
+            # `block`: the checker counts every queued step as applied or
+            # refused, so none may be dropped while a node is away.
+            run.pusher(rank=r, retry=retry, split_replicated=False, policy="block")
+            for r in range(world)
         ]
         self._stop = threading.Event()
         self._threads = [
@@ -473,6 +507,12 @@ class Trainer:
             t.start()
 
     def _loop(self, rank: int) -> None:
+        try:
+            self._train(rank)
+        except BaseException as e:  # the trainer process would have died
+            self.logs[rank].crashed = f"{type(e).__name__}: {e}"
+
+    def _train(self, rank: int) -> None:
         from polyak.errors import PolyakError
 
         pusher, log = self.pushers[rank], self.logs[rank]
@@ -538,6 +578,8 @@ class History:
     beta: float
     pushed: dict[int, list[int]]
     refused: dict[int, dict[int, str]]
+    #: Per rank, what ended its training loop (``None``: it ran to the stop).
+    crashed: dict[int, str | None]
     placement_log: list[dict]
     placements: list[dict]
     failovers: list[dict]
@@ -556,6 +598,7 @@ def read_history(catalog: Catalog, trainer: Trainer, run: str, seed: int, beta: 
         beta=beta,
         pushed={log.rank: list(log.pushed) for log in trainer.logs},
         refused={log.rank: dict(log.refused) for log in trainer.logs},
+        crashed={log.rank: log.crashed for log in trainer.logs},
         placement_log=catalog.rows(
             f"SELECT rank, epoch, node_id, at_ms FROM placement_log WHERE run = '{q}' "
             "ORDER BY rank, epoch"
@@ -610,6 +653,12 @@ def check(h: History, read_part, live_ema) -> list[Violation]:
         if row["status"] == "complete" and row["id"] not in complete_at:
             complete_at[row["id"]] = int(row["at_ms"])
     v = check_owners(h, epochs)
+    # Every trainer exited 0: nothing the servers did reached a training step.
+    v += [
+        Violation("trainer_exited_0", f"rank {rank}'s training loop died: {why}")
+        for rank, why in h.crashed.items()
+        if why is not None
+    ]
     v += check_stale_writes(h, epochs, reports, complete_at)
     applied: dict[int, list[int] | None] = {}
     for rank in range(h.world):

@@ -32,7 +32,11 @@ Invariants, per schedule (see ``nemesis.check``):
   ``bounded_captures``: no more ``state`` snapshots of the run pending at
   once than there are nodes (one capture in flight per node).
 - ``acknowledged`` / ``liveness``: no push refused, everything queued
-  acknowledged once the faults are lifted.
+  acknowledged once the faults are lifted; a node whose full disk was
+  freed is ready, records a catalog write and completes a snapshot within
+  10 s, with no restart.
+- ``trainer_exited_0``: no rank's training loop ended on an error: nothing
+  the servers did reached a training step.
 
 ``POLYAK_NEMESIS_SEED`` picks the seed (printed at the start and in a
 failure), ``POLYAK_NEMESIS_SCHEDULES`` how many schedules (seeds ``SEED``,
@@ -347,6 +351,7 @@ def test_the_checker_flags_each_invariant():
             beta=beta,
             pushed={0: list(range(10))},
             refused={0: {}},
+            crashed={0: None},
             placement_log=[
                 {"rank": 0, "epoch": 1, "node_id": "node-a", "at_ms": 1000},
                 {"rank": 0, "epoch": 2, "node_id": "node-b", "at_ms": 5000},
@@ -404,6 +409,9 @@ def test_the_checker_flags_each_invariant():
     # The placement row disagrees with the log.
     moved = history(placements=[{"rank": 0, "epoch": 2, "node_id": "node-c"}])
     only(run(moved), "one_owner_per_epoch", "node-c")
+    # A server fault that reached a training step (the trainer died).
+    died = history(crashed={0: "PolyakError: 409 predecessor_timeout"})
+    only(run(died), "trainer_exited_0", "rank 0", "predecessor_timeout")
     # A change of hands without its report.
     only(run(history(failovers=[])), "failover_reported", "epoch 2")
     # The live EMA holds the lost steps after all (or stops short).

@@ -1,8 +1,9 @@
 """Downloads nobody reads cannot hold the server: they count against their
 own budget (``--max-downloads``), so probes and control calls still get a
 connection under ``--max-connections``; a response left unread past
-``--send-timeout-secs`` is dropped; and a casting download holds about a
-chunk of converted bytes, not the whole output.
+``--send-timeout-secs`` is dropped; and every download layout (a casting
+one, one that gathers a column-sharded tensor) holds about a chunk of
+computed bytes, not the whole output.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import safetensors.torch
 import torch
+from shardsim import push_ranks
 
 STALLED = 8
 #: A 16M-element float32 tensor: 32 MB once cast to bf16.
@@ -63,6 +66,9 @@ def big_snapshots(c: httpx.Client, n: int) -> list[str]:
             "name": "slow",
             "world_size": 1,
             "profiles": [{"name": "ema", "kind": "constant", "beta": 0.9}],
+            # No periodic state snapshot: its capture of the EMA would land
+            # in the memory measured here.
+            "persist_every_secs": 0,
         },
     )
     assert r.status_code == 201, r.text
@@ -151,3 +157,100 @@ def test_an_unread_download_is_dropped_after_the_send_timeout(fresh_server):
         # A download that is read is whole.
         r = c.get(f"/v1/runs/slow/snapshots/{sid}/download", params={"dtype": "bf16"}, timeout=120)
         assert r.status_code == 200 and len(r.content) > OUTPUT
+
+
+#: A 4096 x 8192 float32 tensor (128 MiB) split along dim 1 over two ranks
+#: (FSDP ``Shard(1)``, tensor parallel): `full` and `hf` gather it.
+COLUMNS = (4096, 8192)
+GATHERED = 4
+GATHER_LAYOUTS = {
+    "full": "layout=full",
+    "hf": "layout=hf",
+    "sharded": "layout=sharded",
+    "rank": "layout=rank&rank=1",
+    "full-bf16": "layout=full&dtype=bfloat16",
+}
+
+
+def column_sharded_snapshot(c: httpx.Client) -> str:
+    r = c.post(
+        "/v1/runs",
+        json={
+            "name": "cols",
+            "world_size": 2,
+            "profiles": [{"name": "ema", "kind": "constant", "beta": 0.9}],
+            # No periodic state snapshot: its capture of the EMA would land
+            # in the memory measured here.
+            "persist_every_secs": 0,
+        },
+    )
+    assert r.status_code == 201, r.text
+    torch.manual_seed(3)
+    push_ranks(c, "cols", 0, {"w": torch.randn(*COLUMNS)}, 2, dims={"w": 1})
+    r = c.post("/v1/runs/cols/snapshots", json={})
+    assert r.status_code == 202, r.text
+    sid = r.json()["id"]
+    wait_for(
+        "the snapshot",
+        lambda: c.get(f"/v1/runs/cols/snapshots/{sid}").json()["status"] == "complete",
+        timeout=120,
+    )
+    return sid
+
+
+@pytest.mark.slow
+def test_unread_downloads_of_a_column_sharded_tensor_hold_a_chunk_each(fresh_server):
+    """Four unread downloads of a 128 MiB tensor chunked along dim 1, in
+    every layout: each grows the server's anonymous memory by about a chunk
+    (the gather assembles a block of rows at a time), never by the tensor."""
+    srv = fresh_server.start()
+    assert srv.proc is not None
+    pid = srv.proc.pid
+    tensor = COLUMNS[0] * COLUMNS[1] * 4
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        sid = column_sharded_snapshot(c)
+        # A download that is read is whole and holds the pushed tensor.
+        r = c.get(f"/v1/runs/cols/snapshots/{sid}/download")
+        assert r.status_code == 200
+        torch.manual_seed(3)
+        want = torch.randn(*COLUMNS)
+        got = safetensors.torch.load(r.content)["w"]
+        assert torch.equal(got, want)
+        del r, got
+        growth = {}
+        for name, query in GATHER_LAYOUTS.items():
+            wait_for("no download open", lambda: gauge(c, "polyak_downloads_open") == 0)
+            base = rss_anon(pid)
+            peak = [base]
+            done = threading.Event()
+
+            def sample(peak=peak, done=done):
+                while not done.is_set():
+                    peak[0] = max(peak[0], rss_anon(pid))
+                    time.sleep(0.02)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            path = f"/v1/runs/cols/snapshots/{sid}/download?{query}"
+            socks = []
+            try:
+                socks = [stalled_get(srv.url, path) for _ in range(GATHERED)]
+                wait_for(
+                    "every download counted",
+                    lambda: gauge(c, "polyak_downloads_open") == GATHERED,
+                )
+                # Let the producers fill what they may hold.
+                time.sleep(2)
+            finally:
+                done.set()
+                sampler.join()
+                for s in socks:
+                    s.close()
+            growth[name] = (peak[0] - base) / GATHERED
+        print(
+            f"\n{GATHERED} stalled downloads of a {tensor >> 20} MiB column-sharded tensor, "
+            "anonymous RSS growth per download: "
+            + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in growth.items())
+        )
+        # About a chunk each (1 MiB computed, a few queued), never the tensor.
+        assert all(v < 16 * 2**20 for v in growth.values()), growth

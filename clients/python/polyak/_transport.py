@@ -17,11 +17,13 @@ Two kinds of connection, each where it measured fastest:
   64 KiB ``bytes`` pieces, which measured about four times slower than the
   server streams.
 
-Retries (:func:`send_with_retries`): connection errors, timeouts, 408, 429
-and 5xx are retried with exponential backoff and "equal jitter", never
-sooner than ``Retry-After``; anything else is raised at once. Only
-idempotent requests go through it (a push PUT: a retried push the server
-already applied is answered ``duplicate: true``).
+Retries (:func:`send_with_retries`): connection errors (refused, reset,
+cut mid-body), timeouts, 408, 429 and every 5xx are retried with
+exponential backoff and "equal jitter", never sooner than ``Retry-After``,
+as is any other answer its caller says it recovers from (the sender: a
+pipelined push whose predecessor the server lost); anything else is raised
+at once. Only idempotent requests go through it (a push PUT: a retried
+push the server already applied is answered ``duplicate: true``).
 
 A sender that keeps several pushes of one rank in flight opens one
 :class:`Connection` per slot from :meth:`Transport.connection`; nothing
@@ -58,11 +60,20 @@ __all__ = [
     "Connection",
     "RetryPolicy",
     "Transport",
+    "retryable_status",
     "send_with_retries",
 ]
 
-#: Answers worth another attempt.
+#: Answers worth another attempt (with every other 5xx: a server fault).
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def retryable_status(status: int) -> bool:
+    """An answer that says "not now" or "the server failed", never "the
+    request is wrong": 408, 429 and every 5xx."""
+    return status in RETRY_STATUSES or 500 <= status <= 599
+
+
 #: Bytes read (and written) at a time by a download.
 CHUNK = 8 << 20
 #: Pipe size asked for when splicing (Linux caps it at
@@ -257,9 +268,12 @@ class RetryPolicy:
 
     #: First backoff delay; doubles per attempt up to ``max_delay``.
     base_delay: float = 0.05
-    max_delay: float = 10.0
-    #: Seconds of failed delivery after which the failure is raised from
-    #: ``push``/``flush`` (the push stays queued and is still retried).
+    #: Kept short: a server back from a restart is found within it, and
+    #: what is pushed meanwhile is dropped (one small request per rank).
+    max_delay: float = 2.0
+    #: Seconds of failed delivery after which it is reported again as a
+    #: warning (the push stays queued and is still retried), and after
+    #: which a ``flush`` given a ``timeout`` raises ``unavailable``.
     report_after: float = 60.0
     #: Socket timeout of one request (connect, send, answer).
     request_timeout: float = 300.0
@@ -286,6 +300,23 @@ class FailedAttempt:
     #: ``failing_for`` reached ``RetryPolicy.report_after``: report it (the
     #: clock then starts again).
     overdue: bool
+    #: The answer's status (``None``: no answer, the connection failed).
+    status: int | None = None
+    #: The answer's error code (``None`` without an answer).
+    code: str | None = None
+    #: The connection was closed or reset under the request: also what a
+    #: keep-alive connection the server closed while idle does once.
+    broken: bool = False
+
+    @property
+    def server_lost(self) -> bool:
+        """The server failed or is away (no connection, a 5xx, or an answer
+        the caller recovers from), rather than asking to slow down (429),
+        or a first attempt on a keep-alive connection the server had
+        closed (the retry opens a new one)."""
+        if self.status is None:
+            return not (self.broken and self.attempt == 0)
+        return self.status not in (408, 429)
 
 
 def send_with_retries(
@@ -294,10 +325,12 @@ def send_with_retries(
     policy: RetryPolicy,
     abort: threading.Event,
     on_retry: Callable[[FailedAttempt], None],
+    recover: Callable[[PolyakError], bool] | None = None,
 ) -> bytes:
     """Calls ``send`` (status, body, ``Retry-After``) until it answers 200,
-    and returns that body. Retryable failures are passed to ``on_retry``,
-    then waited out (``abort`` cuts the wait short and ends the loop with
+    and returns that body. Retryable failures, and answers ``recover``
+    says are worth another attempt, are passed to ``on_retry``, then
+    waited out (``abort`` cuts the wait short and ends the loop with
     ``aborted``); any other answer raises its :class:`PolyakError`."""
     attempt = 0
     failing_since: float | None = None
@@ -305,23 +338,31 @@ def send_with_retries(
         if abort.is_set():
             raise PolyakError("closed before this request was delivered", code="aborted")
         retry_after: float | None = None
+        status: int | None = None
+        code: str | None = None
+        broken = False
         try:
             status, data, retry_header = send()
         except (OSError, http.client.HTTPException) as e:
             problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            status = None
+            broken = isinstance(e, (ConnectionResetError, BrokenPipeError))
         else:
             if status == 200:
                 return data
             retry_after = parse_retry_after(retry_header)
             err = error_from_response(status, data, retry_after)
-            if status not in RETRY_STATUSES:
+            if not retryable_status(status) and not (recover is not None and recover(err)):
                 raise err
             problem = f"{status} {err.code}: {err.message}"
+            code = err.code
         now = time.monotonic()
         if failing_since is None:
             failing_since = now
         overdue = now - failing_since >= policy.report_after
-        on_retry(FailedAttempt(problem, attempt, now - failing_since, overdue))
+        on_retry(
+            FailedAttempt(problem, attempt, now - failing_since, overdue, status, code, broken)
+        )
         if overdue:
             failing_since = now
         abort.wait(policy.delay(attempt, retry_after))

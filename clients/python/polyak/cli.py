@@ -543,7 +543,7 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> None:
     if args.tensorboard is not None:
         log_to = _summary_writer("eval", args.tensorboard)
     worker = EvalWorker(
-        client.run(args.run),
+        _run_when_reachable(client, args.run, None if args.follow else 60.0),
         script["build_model"],
         script["evaluate"],
         profiles=args.profiles.split(",") if args.profiles else None,
@@ -562,6 +562,33 @@ def cmd_eval(client: Client, args: argparse.Namespace) -> None:
         _print_json({"evaluated": done})
     else:
         print(f"{done} evaluation(s) posted", file=sys.stderr)
+
+
+def _run_when_reachable(client: Client, name: str, patience: float | None):
+    """``client.run(name)``, tried again with backoff while the server is
+    away (restarting, say) — ``patience`` seconds at most, ``None``: until
+    it answers; what it refuses (an unknown run, a bad token) raises."""
+    from .errors import PolyakError
+    from .evals import _server_away
+
+    delay, since, warned = 0.5, time.monotonic(), False
+    while True:
+        try:
+            run = client.run(name)
+        except PolyakError as e:
+            if not _server_away(e) or (
+                patience is not None and time.monotonic() - since >= patience
+            ):
+                raise
+            if not warned:
+                warned = True
+                print(f"polyak eval: the server is away ({e}); trying again", file=sys.stderr)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+            continue
+        if warned:
+            print("polyak eval: the server answers again", file=sys.stderr)
+        return run
 
 
 def _eval_command(command: Command) -> None:

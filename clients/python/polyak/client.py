@@ -862,16 +862,32 @@ class Run:
         profile: str | None = None,
         kind: str | None = None,
         evaluator: str | None = None,
+        page_size: int | None = None,
     ) -> list[Evaluation]:
         """The run's evaluations by step, each with its candidate's ``step``,
-        ``kind``, ``sigma_rel``, ``residual`` and ``sources``."""
-        data = self.client.request(
-            "GET",
-            f"{self.path}/evals",
-            params={"metric": metric, "profile": profile, "kind": kind, "evaluator": evaluator},
-            token=self.read_token,
-        ).json()
-        return [Evaluation.from_json(e) for e in data["evals"]]
+        ``kind``, ``sigma_rel``, ``residual`` and ``sources``. The server
+        answers in pages (``page_size`` each, its default when ``None``);
+        this follows their ``next`` cursors and returns them all."""
+        params = {
+            "metric": metric,
+            "profile": profile,
+            "kind": kind,
+            "evaluator": evaluator,
+            "limit": page_size,
+        }
+        out: list[Evaluation] = []
+        after: str | None = None
+        while True:
+            data = self.client.request(
+                "GET",
+                f"{self.path}/evals",
+                params={**params, "after": after},
+                token=self.read_token,
+            ).json()
+            out.extend(Evaluation.from_json(e) for e in data["evals"])
+            after = data.get("next")
+            if after is None:
+                return out
 
     def best(
         self,

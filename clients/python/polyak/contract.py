@@ -200,6 +200,7 @@ class AlertKind(str, Enum):
     DISK_FULL = "disk_full"
     SNAPSHOT_FAILED = "snapshot_failed"
     SNAPSHOT_CORRUPT = "snapshot_corrupt"
+    STEPS_LOST = "steps_lost"
 
 
 class AlertState(str, Enum):

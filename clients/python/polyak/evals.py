@@ -14,15 +14,18 @@ numbers are accepted, other numbers refused (``eval_conflict``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import queue
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 
 import httpx
 import torch
@@ -51,6 +54,9 @@ POORLY_FITTED = 0.05
 ONLINE = "online"
 
 Metrics = Mapping[str, float]
+T = TypeVar("T")
+
+log = logging.getLogger("polyak")
 
 
 class Run(Protocol):
@@ -185,6 +191,12 @@ class EvalWorker:
     Restarting it, or running two, repeats nothing: what this evaluator
     has posted is skipped.
 
+    A server that goes away (a restart, a crash) does not end it: a read
+    that finds no server or a server fault (a 5xx) is logged once as a
+    warning and tried again with backoff (up to 10 s apart), for as long as
+    it follows the run, or ``retry_for`` seconds in a single pass (default
+    60); an evaluation cut off half way is done again.
+
     ``log_to``: a ``torch.utils.tensorboard.SummaryWriter``, a wandb run
     (or a list of them) that each posted evaluation is written to as well,
     tagged by candidate (see :mod:`polyak.trackers`).
@@ -202,9 +214,11 @@ class EvalWorker:
         evaluator: str | None = None,
         progress: bool | IO[str] | None = None,
         log_to: Any = None,
+        retry_for: float = 60.0,
     ) -> None:
         from .trackers import trackers_for
 
+        self.retry_for = float(retry_for)
         self.run_ = run
         self.trackers = trackers_for(log_to)
         self.build_model = build_model
@@ -329,11 +343,14 @@ class EvalWorker:
                 # Nothing to replay: a first pass catches up from the lists.
                 params["tail"] = 1
             try:
-                with self.run_.transport.stream(
-                    f"{self.run_.path}/events",
-                    params=params,
-                    token=self.run_.read_token,
-                    headers=headers,
+                # A streamed httpx.Response is closed, not entered.
+                with contextlib.closing(
+                    self.run_.transport.stream(
+                        f"{self.run_.path}/events",
+                        params=params,
+                        token=self.run_.read_token,
+                        headers=headers,
+                    )
                 ) as r:
                     self._wake.put("connected")
                     block: dict[str, str] = {}
@@ -350,10 +367,38 @@ class EvalWorker:
                         if block.get("event") in ("snapshot", "finished"):
                             self._wake.put(block["event"])
                         block = {}
-            except (httpx.HTTPError, PolyakError, ValueError):
+            except (httpx.HTTPError, PolyakError, OSError, ValueError):
                 pass  # a break in the stream: reconnect after the last id seen
             self._wake.put("reconnect")
             self._stop.wait(1.0)
+
+    def _patiently(self, fn: Callable[[], T], retry_for: float | None) -> T | None:
+        """``fn()``, tried again with backoff while the server is away
+        (``retry_for`` seconds at most; ``None``: until stopped); ``None``
+        when stopped meanwhile."""
+        delay, since, warned = 0.5, time.monotonic(), False
+        while True:
+            try:
+                result = fn()
+            except PolyakError as e:
+                if not _server_away(e):
+                    raise
+                if retry_for is not None and time.monotonic() - since >= retry_for:
+                    raise
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "polyak: evaluating run %s: the server is away (%s); trying again",
+                        self.run_.name,
+                        e,
+                    )
+                if self._stop.wait(delay):
+                    return None
+                delay = min(delay * 2, 10.0)
+                continue
+            if warned:
+                log.warning("polyak: evaluating run %s: the server answers again", self.run_.name)
+            return result
 
     def run(self, follow: bool = True, *, until_finished: bool = False) -> int:
         """Evaluates what is pending; with ``follow``, keeps following the
@@ -374,18 +419,19 @@ class EvalWorker:
             file=None if isinstance(show, bool) else show,
         )
         reader = None
+        patience = None if follow else self.retry_for
         try:
             if follow:
                 reader = threading.Thread(target=self._follow_events, daemon=True)
                 reader.start()
             while not self._stop.is_set():
-                writing = self.catch_up(bar)
+                writing = self._patiently(lambda: self.catch_up(bar), patience)
                 if not follow or self._stop.is_set():
                     break
-                if until_finished and not writing and self._finished():
+                if until_finished and not writing and self._patiently(self._finished, patience):
                     # Snapshots completed while the last pass ran are in
                     # the next one.
-                    if not self.pending()[0]:
+                    if not self._patiently(lambda: self.pending()[0], patience):
                         break
                     continue
                 # Something changed (or a minute passed: a missed wake-up
@@ -402,6 +448,12 @@ class EvalWorker:
             if restore is not None:
                 signal.signal(signal.SIGTERM, restore)
         return self.evaluated
+
+
+def _server_away(e: PolyakError) -> bool:
+    """No server answered, or it failed (a 5xx, 408, 429): worth another
+    try, unlike a refusal of what was asked."""
+    return e.status is None or e.status >= 500 or e.status in (408, 429)
 
 
 def posthoc_search(

@@ -9,8 +9,10 @@ wires together:
 
 - the bounded queue of bodies and their pool (:class:`~polyak._push.queue.PushQueue`:
   ``max_queue`` bodies may wait while ``pipeline`` are in flight; when it is full,
-  policy ``block`` waits for room and ``drop_oldest`` takes the buffer of
-  the oldest waiting push and counts it in :attr:`PushStats.dropped`);
+  policy ``drop_oldest`` (the default) takes the buffer of the oldest
+  waiting push and counts it in :attr:`PushStats.dropped`, at once while
+  the server is away and after ``max_wait`` seconds otherwise, and policy
+  ``block`` waits for room);
 - the copy thread (:class:`~polyak._push.copier.CopyThread`) for deferred
   parameter copies;
 - the sender (:class:`~polyak._push.sender.Sender`), which encodes each
@@ -36,10 +38,16 @@ it returns unless asked ``defer=True`` (the caller then calls
 is not the sender: a slow server delays sending, never the copy the next
 step waits for.
 
-Nothing fails silently: a push the server refuses (4xx) is reported, and a
-push that could not be delivered for ``RetryPolicy.report_after`` seconds
-is reported (and kept, and retried); either error is raised from the next
-:meth:`Pusher.push` or :meth:`Pusher.flush`.
+The server's failures never reach the training thread: whatever says
+the server failed or lost what it was sent (no answer, a 5xx, a lost
+predecessor, a lost mirror) is retried and recovered by the sender, and
+logged as a warning when an outage begins, while it lasts and when it ends.
+What the trainer got wrong (a push the server refuses with a 4xx: a layout
+that does not match, NaN in a run that refuses it) is raised from the
+next :meth:`Pusher.push` or :meth:`Pusher.flush`. ``flush()`` and
+``close()`` wait at most ``flush_timeout`` seconds and then warn about what
+is still not acknowledged; ``flush(timeout)`` raises instead (a read of the
+EMA, which must not go on without it).
 """
 
 from __future__ import annotations
@@ -139,9 +147,19 @@ class Pusher:
       previous one; 1 sends one at a time). The server applies them in step
       order and answers each after its own apply; while a push waits for a
       retry, later ones are held back and sent after it.
-    - ``policy``: ``"block"`` (``push`` waits for room; nothing is ever
-      dropped) or ``"drop_oldest"`` (``push`` never waits; the oldest queued
-      push is dropped and counted).
+    - ``policy``: what ``push`` does when the queue is full.
+      ``"drop_oldest"`` (default): the oldest queued push is dropped and
+      counted (:attr:`PushStats.dropped`; the first drop of an outage and
+      its end are logged as warnings), at once while the server is away
+      (delivery failing, or nothing acknowledged for ``max_wait``) and
+      after waiting up to ``max_wait`` seconds for room otherwise, so a
+      server slower than the trainer for a moment costs no push and an
+      outage never holds the training step. ``"block"``: ``push`` waits
+      for room as long as it takes; nothing is ever dropped.
+    - ``max_wait``: seconds ``drop_oldest`` waits for room before it drops
+      (default 10; 0: never wait).
+    - ``flush_timeout``: seconds ``flush()`` and ``close()`` wait for the
+      pushes to be acknowledged before they warn and return (default 60).
     - ``dtype``: cast floating point tensors (e.g. ``torch.bfloat16``) while
       copying; names in ``copy_only`` and the run's ``copy_patterns`` keep
       their dtype.
@@ -177,7 +195,9 @@ class Pusher:
         rank: int,
         *,
         max_queue: int = 2,
-        policy: Literal["block", "drop_oldest"] = "block",
+        policy: Literal["block", "drop_oldest"] = "drop_oldest",
+        max_wait: float = 10.0,
+        flush_timeout: float = 60.0,
         dtype: torch.dtype | None = None,
         skip: Sequence[str] = (),
         copy_only: Sequence[str] = (),
@@ -192,6 +212,8 @@ class Pusher:
         keyframe_every: int | None = None,
     ) -> None:
         _check_options(run, rank, max_queue, policy, dtype)
+        if max_wait < 0 or flush_timeout < 0:
+            raise ValueError("max_wait and flush_timeout must be >= 0")
         if pipeline < 1:
             raise ValueError("pipeline must be >= 1")
         encoding = encoding_for(
@@ -209,6 +231,8 @@ class Pusher:
         self.update_every = run.update_every
         self.max_queue = int(max_queue)
         self.policy = policy
+        self.max_wait = float(max_wait)
+        self.flush_timeout = float(flush_timeout)
         self.dtype = dtype
         self.skip = tuple(skip)
         self.copy_only = tuple(copy_only)
@@ -223,6 +247,7 @@ class Pusher:
             in_flight=self.pipeline,
             counters=self._counters,
             who=f"run {run.name} rank {self.rank}",
+            max_wait=self.max_wait,
         )
         self._copier = CopyThread(
             self._queue, name=f"polyak-copy-{run.name}-{self.rank}", rank=self.rank
@@ -412,26 +437,49 @@ class Pusher:
 
     # -- waiting, errors, stats -------------------------------------------
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Waits until every queued push is acknowledged; raises the first
-        failure, or ``flush_timeout`` naming what is still pending."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every queued push is acknowledged; true when they
+        are. Raises the first push the server refused for the trainer's
+        sake (a 4xx).
+
+        Without ``timeout`` it waits at most ``flush_timeout`` seconds and
+        then logs a warning naming what is still not acknowledged (the
+        server away) and returns false: the end of training never fails
+        because the server did. With ``timeout`` it raises instead:
+        ``flush_timeout`` naming what is still pending, or ``unavailable``
+        once delivery has failed for ``RetryPolicy.report_after`` seconds
+        (for a read of the EMA, which must not go on without them)."""
+        strict = timeout is not None
+        wait = timeout if timeout is not None else self.flush_timeout
+        deadline = time.monotonic() + wait
         queue = self._queue
         with queue.cond:
             while queue.busy() and not queue.has_failure():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if strict and queue.overdue is not None:
+                    overdue, queue.overdue = queue.overdue, None
+                    raise overdue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     steps = queue.pending_steps()
-                    raise PolyakError(
-                        f"{len(steps)} push(es) not acknowledged after {timeout:g}s "
+                    message = (
+                        f"{len(steps)} push(es) not acknowledged after {wait:g}s "
                         f"(steps {_steps_text(steps)}); last attempt: "
-                        f"{self._sender.last_transient or 'in progress'}",
-                        code="flush_timeout",
-                        rank=self.rank,
-                        step=steps[0],
+                        f"{self._sender.last_transient or 'in progress'}"
                     )
-                queue.cond.wait(remaining if remaining is not None else 1.0)
+                    if strict:
+                        raise PolyakError(
+                            message, code="flush_timeout", rank=self.rank, step=steps[0]
+                        )
+                    log.warning(
+                        "polyak: %s: %s; they are still retried while the pusher is open",
+                        queue.who,
+                        message,
+                    )
+                    break
+                queue.cond.wait(min(remaining, 1.0))
+            done = not queue.busy()
         queue.raise_failure()
+        return done
 
     def stats(self) -> PushStats:
         with self._queue.cond:
@@ -448,8 +496,10 @@ class Pusher:
             return self._counters.last_response
 
     def close(self, timeout: float | None = None) -> None:
-        """Flushes, then stops the sender. If the flush fails, what is still
-        queued is abandoned and the error raised."""
+        """Flushes (``flush(timeout)``: without one, waits at most
+        ``flush_timeout`` and warns), then stops the sender; what is still
+        queued then is abandoned. A push the server refused, or with a
+        ``timeout`` a flush that ran out of it, is raised after stopping."""
         if self._closed:
             return
         try:
@@ -512,7 +562,7 @@ class Pusher:
         ``update_model_with_ema_every``) is ``load_ema_into`` every N steps.
         """
         if flush:
-            self.flush()
+            self.flush(self.flush_timeout)  # raises rather than load a stale EMA
         _wait_all_copies()  # other pushers may still be copying these parameters
         parts, commit = self._targets(model)
         files: dict[int, tuple[dict[str, torch.Tensor], dict[str, Chunk]]] = {}
@@ -555,7 +605,7 @@ class Pusher:
         ``torch.optim.swa_utils.update_bn(bn_loader, model)`` (the SWA
         recipe: averaged weights need their own statistics); the online
         statistics come back on exit with the rest."""
-        self.flush()
+        self.flush(self.flush_timeout)
         parts, _ = self._targets(model)
         # A host copy: the point of polyak is not to hold extra weights on the device.
         saved = [p.tensor.detach().to("cpu", copy=True) for p in parts]
@@ -601,7 +651,7 @@ class Pusher:
         evaluation (its ``snapshot`` and ``step`` included)."""
         if self.rank != 0:
             return None
-        self.flush()
+        self.flush(self.flush_timeout)
         if self._last_queued is None:
             raise PolyakError(
                 "nothing was pushed yet: no live EMA to evaluate",

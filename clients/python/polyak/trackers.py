@@ -77,22 +77,17 @@ class Tracker(Protocol):
 
 
 class TensorBoardLog:
-    """Writes to a ``SummaryWriter``. torch's writer stores each value as a
-    double (``double_precision``), so what TensorBoard shows is the number
-    polyak holds, not its float32 rounding."""
+    """Writes to a ``SummaryWriter``: each value a ``simple_value`` scalar,
+    as ``add_scalar`` writes it by default, which every TensorBoard reader
+    sees (``EventAccumulator.Scalars``, the scalars dashboard, tbparse).
+    A ``simple_value`` is a float32: the value is rounded to it."""
 
     def __init__(self, writer: Any, *, with_evaluator: bool = False) -> None:
         self.writer = writer
         self.with_evaluator = with_evaluator
-        self._exact = type(writer).__module__.startswith("torch.utils.tensorboard")
 
     def scalar(self, tag: str, value: float, step: int, wall_time: float | None = None) -> None:
-        if self._exact:
-            self.writer.add_scalar(
-                tag, value, step, wall_time, new_style=True, double_precision=True
-            )
-        else:
-            self.writer.add_scalar(tag, value, step, wall_time)
+        self.writer.add_scalar(tag, value, step, wall_time)
 
     def evaluation(self, evaluation: Mapping[str, Any]) -> None:
         axis, x, values = evaluation_scalars(evaluation, with_evaluator=self.with_evaluator)

@@ -10,9 +10,10 @@ update, trainer scalars logged run-level and per rank). Then:
   with wandb's own protobuf classes) hold every posted evaluation, value
   for value, at the tags and x axes :mod:`polyak.trackers` documents;
 - ``python -m polyak export RUN --tensorboard DIR``: the event file read
-  back with TensorBoard's reader equals the API's series, per-tensor drift
-  and evaluations,
-  value for value (doubles, not float32), at the API's steps and times;
+  back with TensorBoard's reader (``EventAccumulator.Scalars``, which sees
+  only ``simple_value`` scalars) equals the API's series, per-tensor drift
+  and evaluations, value for value (rounded to float32, as a
+  ``simple_value`` holds them), at the API's steps and times;
   its progress is a bar on a terminal and nothing in a pipe;
 - ``Pusher.post_ema_eval``: the metric a trainer computes under
   ``ema_weights`` is posted as the evaluation of the live EMA, equal to
@@ -65,22 +66,27 @@ def evaluate(model: torch.nn.Module) -> dict[str, float]:
 
 def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float, float]]]:
     """``{tag: [(step, value, wall_time), ...]}`` as TensorBoard's own event
-    reader loads them (every point: no sampling)."""
+    reader loads its scalars (every point: no sampling). Every value is a
+    ``simple_value`` scalar, which every reader sees: nothing is written as
+    a tensor event, which ``Scalars()`` would not see."""
     from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
         TENSORS,
         EventAccumulator,
     )
-    from tensorboard.util import tensor_util
 
-    acc = EventAccumulator(str(directory), size_guidance={TENSORS: 0})
+    acc = EventAccumulator(str(directory), size_guidance={SCALARS: 0, TENSORS: 0})
     acc.Reload()
-    out = {}
-    for tag in acc.Tags()[TENSORS]:
-        out[tag] = [
-            (e.step, tensor_util.make_ndarray(e.tensor_proto).item(), e.wall_time)
-            for e in acc.Tensors(tag)
-        ]
-    return out
+    assert acc.Tags()[TENSORS] == []
+    return {
+        tag: [(e.step, e.value, e.wall_time) for e in acc.Scalars(tag)]
+        for tag in acc.Tags()[SCALARS]
+    }
+
+
+def f32(value: float) -> float:
+    """``value`` as a ``simple_value`` holds it (a float32)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def wandb_records(run_dir: Path) -> list:
@@ -137,11 +143,11 @@ def expected_tensorboard(
             x = round(e["sigma_rel"] * 10_000)
             sweep = f"step_{e['step']}{by}"
             for m, v in e["metrics"].items():
-                out.setdefault(f"posthoc/{m}/{sweep}", []).append((x, v))
-            out.setdefault(f"posthoc/residual/{sweep}", []).append((x, e["residual"]))
+                out.setdefault(f"posthoc/{m}/{sweep}", []).append((x, f32(v)))
+            out.setdefault(f"posthoc/residual/{sweep}", []).append((x, f32(e["residual"])))
         else:
             for m, v in e["metrics"].items():
-                out.setdefault(f"eval/{m}/{e['profile']}{by}", []).append((e["step"], v))
+                out.setdefault(f"eval/{m}/{e['profile']}{by}", []).append((e["step"], f32(v)))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -326,14 +332,16 @@ def test_export_to_tensorboard_equals_the_api(trained, logged, tmp_path, capsys)
     want: dict[str, list[tuple[int, float, float]]] = {}
     for s in series:
         tag = s["name"] if s["rank"] is None else f"{s['name']}/rank{s['rank']}"
-        want[tag] = [(step, value, at_ms / 1000.0) for step, value, at_ms in s["points"]]
+        want[tag] = [(step, f32(value), at_ms / 1000.0) for step, value, at_ms in s["points"]]
     evals = run.evals()
     want.update(expected_tensorboard(evals, with_evaluator=True))
     for p in PROFILES:
         drift = run.tensor_drift(p["name"], limit=2000)
         assert len(drift["steps"]) == STEPS  # sampled at every update
         for tensor, row in zip(drift["tensors"], drift["values"], strict=True):
-            points = [(s, v) for s, v in zip(drift["steps"], row, strict=True) if v is not None]
+            points = [
+                (s, f32(v)) for s, v in zip(drift["steps"], row, strict=True) if v is not None
+            ]
             want[f"tensor_drift/{p['name']}/{tensor}"] = points
     assert want["eval/val_loss/c@judge"] == [(final["step"], 1.5)]
 

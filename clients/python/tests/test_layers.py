@@ -33,8 +33,9 @@ LAYERS: list[tuple[str, set[str]]] = [
             "trackers",
         },
     ),
-    # The contract's values and the safetensors format.
-    ("formats", {"contract", "wire"}),
+    # The contract's values and the safetensors format; how a front end
+    # calls the server without letting its faults stop the training.
+    ("formats", {"contract", "wire", "integrations._server"}),
     # Typed views of the server's answers (over the contract's enums).
     ("views", {"views"}),
     # What a rank holds (torch); the way to the server (HTTP).
@@ -65,11 +66,19 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     # The drop-ins' run: a pusher and the read-back (over the client).
-    ("drop-in core", {"compat", "compat._remote"}),
+    ("drop-in core", {"compat._remote"}),
     # One drop-in per original class.
     (
         "drop-ins",
-        {"compat.swa_utils", "compat.ema_pytorch", "compat.timm", "compat.diffusers"},
+        {
+            # The package offers `run_of` (over the core).
+            "compat",
+            "compat.swa_utils",
+            "compat.ema_pytorch",
+            "compat.timm",
+            "compat.diffusers",
+            "compat.trl",
+        },
     ),
     # Lightning's callbacks over the AveragedModel drop-in.
     ("drop-in callbacks", {"compat.lightning"}),

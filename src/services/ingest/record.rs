@@ -243,10 +243,5 @@ fn report_resumed(ctx: &Context, run: &str, rank: u32, failover: Failover) {
         Event::Failover(failover.clone()),
     );
     let (ctx, run) = (ctx.clone(), run.to_string());
-    tokio::spawn(async move {
-        let json = serde_json::to_value(&failover).unwrap_or_default();
-        if let Err(e) = ctx.store.set_rank_failover(&run, rank, &json).await {
-            tracing::warn!(run = %run, rank, error = %e, "recording a failover failed");
-        }
-    });
+    tokio::spawn(async move { ctx.store.note_rank_failover(&run, rank, &failover).await });
 }

@@ -231,6 +231,7 @@ pub(super) async fn write_rank(
             step: capture.step,
             state: meta_json.clone(),
             fence: Some(fence.clone()),
+            blocks: uploaded.blocks,
         });
     }
     Ok(rows)
@@ -262,6 +263,7 @@ pub(super) async fn upload_part(
             key: w.path,
             bytes: w.bytes,
             sha256: w.sha256,
+            blocks: Some(w.blocks),
         });
     }
     let mut upload = state.objects.begin_upload(key).await?;

@@ -9,15 +9,16 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 
-use super::{parts_of, verify, Snaps, SnapshotStatus};
+use super::{verify, Snaps, SnapshotError, SnapshotStatus};
 use crate::contract::DownloadLayout;
 use crate::registry::RunHandle;
 use crate::services::ServiceError;
 use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::format::MIRROR_PART;
-use crate::snapshot::source::PartMismatch;
+use crate::snapshot::meta;
+use crate::snapshot::source::{PartLoc, PartMismatch};
 use crate::snapshot::vfile::VirtualFile;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -121,6 +122,28 @@ pub async fn files(snaps: &Snaps, id: &str) -> Result<Vec<FileRow>, ServiceError
     Ok(snaps.store.snapshot_files(id).await?)
 }
 
+/// The stored files of `part` of a complete snapshot, by rank, each held
+/// to everything its row recorded (its block checksums included).
+async fn stored_parts(
+    snaps: &Snaps,
+    row: &SnapshotRow,
+    part: &str,
+) -> Result<Vec<assemble::StoredPart>, SnapshotError> {
+    let mut out = Vec::new();
+    for f in snaps.store.snapshot_files(&row.id).await? {
+        if f.part != part {
+            continue;
+        }
+        out.push(assemble::StoredPart {
+            rank: f.rank,
+            path: PartLoc::of_file(&snaps.objects, &f),
+            meta: Arc::new(meta::decode_rank_meta(&f.state)?),
+            sha256: f.sha256,
+        });
+    }
+    Ok(out)
+}
+
 /// Assembles the download of snapshot `id` that `asked` names: the
 /// snapshot must be complete; its parts' metadata is read, the recipe
 /// built off the runtime (a part whose stored size already disagrees is
@@ -149,7 +172,7 @@ pub async fn prepare(
     let part = part_name(&row, asked.profile)?;
     let cast = cast_of(asked.dtype)?;
     let layout = layout_of(asked)?;
-    let parts = parts_of(snaps, &row, &part).await?;
+    let parts = stored_parts(snaps, &row, &part).await?;
     if parts.is_empty() {
         return Err(ServiceError::not_found(
             "not_in_snapshot",
@@ -189,46 +212,69 @@ pub async fn prepare(
 #[derive(Debug, PartialEq, Eq)]
 pub struct Unsatisfiable;
 
-/// `bytes=a-b`, `bytes=a-`, `bytes=-n` of a `len`-byte file (one range;
-/// several are answered whole, which RFC 9110 allows; another unit is
-/// ignored).
+/// `bytes=a-b`, `bytes=a-`, `bytes=-n` of a `len`-byte file, read as RFC
+/// 9110 §14.1 says: one range (several are answered whole, which §14.2
+/// allows); a field that does not parse as a range of bytes (another unit,
+/// `bytes=abc`, a last byte before the first) is ignored, so the whole file
+/// is sent; a last byte past the end, however large (past u64 too), is
+/// clamped to it, as is a suffix longer than the file. Only a first byte at
+/// or past the end, or an empty suffix, is unsatisfiable.
 pub fn byte_range(spec: &str, len: u64) -> Result<Option<Range<u64>>, Unsatisfiable> {
-    let Some(ranges) = spec.trim().strip_prefix("bytes=") else {
+    let spec = spec.trim();
+    let Some((unit, ranges)) = spec.split_once('=') else {
         return Ok(None);
     };
-    if ranges.contains(',') {
+    if !unit.trim().eq_ignore_ascii_case("bytes") || ranges.contains(',') {
         return Ok(None);
     }
-    let (a, b) = ranges.split_once('-').ok_or(Unsatisfiable)?;
+    let Some((a, b)) = ranges.trim().split_once('-') else {
+        return Ok(None);
+    };
     let (a, b) = (a.trim(), b.trim());
-    let range = if a.is_empty() {
-        let n: u64 = b.parse().map_err(|_| Unsatisfiable)?;
+    if !digits(b) && !b.is_empty() {
+        return Ok(None);
+    }
+    if a.is_empty() {
+        // suffix-range: the last `b` bytes.
+        if b.is_empty() {
+            return Ok(None);
+        }
+        let n = decimal(b);
         if n == 0 {
             return Err(Unsatisfiable);
         }
-        len.saturating_sub(n)..len
-    } else {
-        let start: u64 = a.parse().map_err(|_| Unsatisfiable)?;
-        let end = if b.is_empty() {
-            len
-        } else {
-            b.parse::<u64>()
-                .map_err(|_| Unsatisfiable)?
-                .saturating_add(1)
-                .min(len)
-        };
-        if start >= len || start >= end {
-            return Err(Unsatisfiable);
-        }
-        start..end
-    };
-    Ok(Some(range))
+        return Ok(Some(len.saturating_sub(n)..len));
+    }
+    if !digits(a) {
+        return Ok(None);
+    }
+    let (start, last) = (decimal(a), (!b.is_empty()).then(|| decimal(b)));
+    if last.is_some_and(|last| last < start) {
+        return Ok(None);
+    }
+    if start >= len {
+        return Err(Unsatisfiable);
+    }
+    let end = last.map_or(len, |last| last.saturating_add(1).min(len));
+    Ok(Some(start..end))
+}
+
+/// Whether `s` is one or more ASCII digits (RFC 9110's `1*DIGIT`).
+fn digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit())
+}
+
+/// The value of a string of digits, `u64::MAX` when it is larger: every
+/// such position is past the end of any file.
+fn decimal(s: &str) -> u64 {
+    s.parse().unwrap_or(u64::MAX)
 }
 
 /// The bytes `span` of a prepared download, held to the parts' records:
-/// their sizes before the first byte, their sha256 while the bytes
-/// stream, the last chunk held until every part read has matched (a
-/// mismatch is reported, and cuts the stream).
+/// their sizes before the first byte, each block checked before any byte
+/// of it is sent. A mismatch in the first chunk refuses the response
+/// (`500 snapshot_corrupt`, nothing sent); a later one cuts the stream
+/// before the bad block. Either is reported.
 pub async fn open(
     snaps: &Snaps,
     file: Arc<VirtualFile>,
@@ -239,12 +285,19 @@ pub async fn open(
         .await?
         .map_err(|e| {
             report(snaps, &e);
-            ServiceError::from(super::SnapshotError::Io(e))
+            ServiceError::from(SnapshotError::Io(e))
         })?;
     let (events, metrics) = (snaps.events.clone(), snaps.metrics.clone());
-    Ok(file.stream_verified(span, move |m| {
+    let mut body = Box::pin(file.stream_verified(span, move |m| {
         verify::report_mismatch(&events, &metrics, m, "download")
-    }))
+    }));
+    // The first chunk before the answer: a part whose first block read
+    // does not match is refused rather than sent as a cut body.
+    let first = match futures::StreamExt::next(&mut body).await {
+        Some(Err(e)) => return Err(ServiceError::from(SnapshotError::Io(e))),
+        first => first,
+    };
+    Ok(futures::stream::iter(first).chain(body))
 }
 
 /// Reports a part a download found other than recorded.
@@ -267,9 +320,45 @@ mod tests {
         assert_eq!(byte_range("bytes=95-200", 100), Ok(Some(95..100)));
         assert_eq!(byte_range("bytes=0-1,5-6", 100), Ok(None));
         assert_eq!(byte_range("items=0-1", 100), Ok(None));
+        assert_eq!(byte_range("Bytes=0-9", 100), Ok(Some(0..10)));
         assert_eq!(byte_range("bytes=100-", 100), Err(Unsatisfiable));
         assert_eq!(byte_range("bytes=-0", 100), Err(Unsatisfiable));
-        assert_eq!(byte_range("bytes=5-4", 100), Err(Unsatisfiable));
-        assert_eq!(byte_range("bytes=x-", 100), Err(Unsatisfiable));
+        assert_eq!(
+            byte_range("bytes=18446744073709551616-", 100),
+            Err(Unsatisfiable)
+        );
+    }
+
+    #[test]
+    fn ranges_that_do_not_parse_are_ignored() {
+        for spec in [
+            "bytes=abc",
+            "bytes=x-",
+            "bytes=1-x",
+            "bytes=5-4",
+            "bytes=--1",
+            "bytes=1",
+            "bytes=-",
+            "bytes=+1-2",
+            "bytes=1-+2",
+            "bytes",
+        ] {
+            assert_eq!(byte_range(spec, 100), Ok(None), "{spec}");
+        }
+    }
+
+    #[test]
+    fn a_last_byte_past_the_end_is_clamped_however_large() {
+        for spec in [
+            "bytes=0-18446744073709551615",
+            "bytes=0-18446744073709551616",
+            "bytes=0-99999999999999999999999",
+        ] {
+            assert_eq!(byte_range(spec, 100), Ok(Some(0..100)), "{spec}");
+        }
+        assert_eq!(
+            byte_range("bytes=-99999999999999999999999", 100),
+            Ok(Some(0..100))
+        );
     }
 }

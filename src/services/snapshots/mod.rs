@@ -42,7 +42,7 @@ pub use cuts::{accept, create, cut_now, finish, next_step, profile_choice, withd
 pub use pending::Snapshots;
 use pending::*;
 use persist::*;
-pub use persist::{persist_all, persist_state};
+pub use persist::{persist_all, persist_all_until, persist_bounded, persist_state};
 pub use restore::{newest_states, parts_of, recover, restore_from, resume, NewestState, Resumed};
 use retention::*;
 pub use retention::{delete, remove_run_files};

@@ -30,6 +30,29 @@ pub async fn persist_state(
     persist_held(state, run, force, (one, room)).await
 }
 
+/// `POST .../persist`: [`persist_state`], answered within
+/// `--store-timeout-secs` whatever the object store does. A write that
+/// takes longer goes on in the background (it completes, or fails with its
+/// reason, as any snapshot does) and the caller hears `503
+/// store_unavailable` saying so, never silence.
+pub async fn persist_bounded(
+    state: &Snaps,
+    run: &Arc<RunHandle>,
+) -> Result<Option<String>, SnapshotError> {
+    let secs = state.args.store_timeout_secs;
+    let (snaps, run) = (state.clone(), run.clone());
+    let write = tokio::spawn(async move { persist_state(&snaps, &run, true).await });
+    match tokio::time::timeout(Duration::from_secs_f64(secs), write).await {
+        Ok(done) => done.map_err(|e| SnapshotError::Worker(e.to_string()))?,
+        Err(_) => Err(SnapshotError::Objects(
+            crate::objstore::StoreError::TimedOut {
+                op: "persist",
+                secs,
+            },
+        )),
+    }
+}
+
 /// A state capture's share of the capture backlog (its run's bytes, never
 /// more than the whole backlog: one is always allowed).
 fn capture_permits(state: &Snaps, run: &RunHandle) -> u32 {
@@ -53,9 +76,8 @@ async fn persist_held(
 ) -> Result<Option<String>, SnapshotError> {
     // Counted as an attempt even when refused, so a full disk is reported
     // once per interval, not on every tick.
-    state
-        .pending
-        .set_state_attempt(&run.config.name, Instant::now());
+    let started = Instant::now();
+    state.pending.set_state_attempt(&run.config.name, started);
     check_lease(state, run)?;
     disk::check(state, run.resident_bytes())?;
     let epochs = held_epochs(state, run);
@@ -102,6 +124,16 @@ async fn persist_held(
             run.engines
                 .mark_persisted(&run.config.name, covered)
                 .await?;
+            let took = started.elapsed();
+            state.pending.set_state_attempt(
+                &run.config.name,
+                next_clock(Instant::now(), took, run.config.persist_every_secs),
+            );
+            state
+                .metrics
+                .state_write_seconds
+                .with_label_values(&[run.config.name.as_str()])
+                .set(took.as_secs_f64());
             Ok(Some(id))
         }
         Ok(Finished::Failed(reason)) => Err(SnapshotError::WriteFailed(reason)),
@@ -180,6 +212,21 @@ fn held_epochs(state: &Snaps, run: &RunHandle) -> BTreeMap<u32, u64> {
         .filter(|(rank, owner)| owner.node_id == me && run.holds(*rank as u32))
         .map(|(rank, owner)| (rank as u32, owner.epoch))
         .collect()
+}
+
+/// The most of its time the server spends writing a run's state: the next
+/// state write is due `persist_every_secs` after the last one *finished*,
+/// or later when that write was long, so that writing stays under this
+/// share of the time (a 10 MB state is persisted every interval; one whose
+/// write takes 8 s, every 80 s).
+pub const PERSIST_BUSY_SHARE: f64 = 0.1;
+
+/// The instant `state_due` counts the interval from, after a state write
+/// that finished at `now` and took `took`: `now`, pushed later so the next
+/// one starts no sooner than `took × (1/share − 1)` from now.
+fn next_clock(now: Instant, took: Duration, every_secs: u64) -> Instant {
+    let rest = took.mul_f64(1.0 / PERSIST_BUSY_SHARE - 1.0);
+    now + rest.saturating_sub(Duration::from_secs(every_secs))
 }
 
 /// How soon a failed state snapshot is tried again (never later than the
@@ -265,6 +312,22 @@ fn retry_state_soon(state: &Snaps, run: &str, every_secs: u64) {
 
 /// Attempts at persisting a run's state on shutdown before giving up.
 const SHUTDOWN_ATTEMPTS: u32 = 3;
+
+/// On graceful shutdown: [`persist_all`] until `deadline`; what is not
+/// written by then (an object store that hangs) is logged and left: the
+/// next start restores the newest state that did complete and reports
+/// what that cost.
+pub async fn persist_all_until(state: &Snaps, deadline: tokio::time::Instant) {
+    if tokio::time::timeout_at(deadline, persist_all(state))
+        .await
+        .is_err()
+    {
+        tracing::error!(
+            "the final state write did not finish within the shutdown timeout; stopping \
+             without it (the restart restores the newest complete state and reports the steps lost)"
+        );
+    }
+}
 
 /// On graceful shutdown: a state snapshot of every run that changed (or
 /// whose last state write failed), each tried a few times.

@@ -4,6 +4,7 @@
 #[allow(unused_imports)]
 use super::*;
 use crate::contract::NodeStatus;
+use crate::node::Failover;
 use crate::objstore::ObjectStore;
 use crate::snapshot::source::PartLoc;
 
@@ -19,7 +20,7 @@ pub async fn parts_of(
         let meta = meta::decode_rank_meta(&f.state)?;
         out.push(assemble::StoredPart {
             rank: f.rank,
-            path: PartLoc::recorded(&state.objects, &f.path, f.bytes, &f.sha256),
+            path: PartLoc::of_file(&state.objects, &f),
             sha256: f.sha256,
             meta: Arc::new(meta),
         });
@@ -42,11 +43,11 @@ pub(super) fn load_restorable(
         let meta = meta::decode_rank_meta(&files[0].state)?;
         let read = |part: &str| -> Result<Option<Vec<u8>>, SnapshotError> {
             match files.iter().find(|f| f.part == part) {
-                // Held to the recorded size and sha256: a part that does
+                // Through the one verified reader (each block checked
+                // against its recorded checksum, or the whole part against
+                // its sha256 where none were recorded): a part that does
                 // not match refuses the restore (500 snapshot_corrupt).
-                Some(f) => Ok(Some(
-                    PartLoc::recorded(objects, &f.path, f.bytes, &f.sha256).read_verified()?,
-                )),
+                Some(f) => Ok(Some(PartLoc::of_file(objects, f).read_verified()?)),
                 None => Ok(None),
             }
         };
@@ -64,14 +65,29 @@ pub(super) fn load_restorable(
         } else {
             None
         };
-        let restored =
-            convert::restore_rank(meta, &profiles, mirror.as_deref(), config.ema_dtype.kind())
-                .map_err(|e| match e {
-                    format::FormatError::Meta(m @ MetaError::Newer { .. }) => {
-                        SnapshotError::Meta(m)
-                    }
-                    e => SnapshotError::Corrupt(format!("rank {rank}: {e}")),
-                })?;
+        let kind = config.ema_dtype.kind();
+        let bad = |e| match e {
+            format::FormatError::Meta(m @ MetaError::Newer { .. }) => SnapshotError::Meta(m),
+            e => SnapshotError::Corrupt(format!("rank {rank}: {e}")),
+        };
+        let mut restored =
+            convert::restore_rank(meta, &profiles, mirror.as_deref(), kind).map_err(bad)?;
+        // A bema profile's w0 and plain EMA, held to their records too.
+        for p in &config.profiles {
+            let hidden = p.is_bema().then(|| {
+                let [start, ema] = [format::BemaBuffer::Start, format::BemaBuffer::Ema]
+                    .map(|b| read(&format::bema_part(p.name(), b)));
+                let missing = || {
+                    SnapshotError::Corrupt(format!(
+                        "rank {rank} has no BEMA buffers for `{}`",
+                        p.name()
+                    ))
+                };
+                let (start, ema) = (start?.ok_or_else(missing)?, ema?.ok_or_else(missing)?);
+                convert::restore_bema(&restored.meta.layout, &start, &ema, kind).map_err(bad)
+            });
+            restored.bema.push(hidden.transpose()?);
+        }
         out.push((rank, restored));
     }
     Ok(out)
@@ -88,8 +104,9 @@ pub(super) fn restorable(config: &RunConfig, row: &SnapshotRow) -> bool {
             .all(|p| row.profiles.iter().any(|n| n == p.name()))
 }
 
-/// Restores every rank of `run` from `row`; ranks absent from it are
-/// emptied. Updates the rank summaries; returns per-rank steps.
+/// Restores every rank of `run` from `row` (a `resume`: each rank starts
+/// a new lineage); ranks absent from it are emptied. Updates the rank
+/// summaries; returns per-rank steps.
 pub async fn restore_from(
     state: &Snaps,
     run: &RunHandle,
@@ -103,11 +120,26 @@ pub async fn restore_from(
         .into_iter()
         .filter(|f| run.holds(f.rank))
         .collect();
+    // A resume goes back to an older step on purpose: the states it
+    // restores start a new lineage, newer than every stored one (so a
+    // crash after it restores what followed it, never what preceded it).
+    let generation = state
+        .store
+        .complete_files(&run.config.name)
+        .await?
+        .iter()
+        .map(|(_, f)| meta::generation_of(&f.state))
+        .max()
+        .unwrap_or(0)
+        + 1;
     let config = run.config.clone();
     let objects = state.objects.clone();
-    let ranks = tokio::task::spawn_blocking(move || load_restorable(&objects, &config, files))
+    let mut ranks = tokio::task::spawn_blocking(move || load_restorable(&objects, &config, files))
         .await
         .map_err(|e| SnapshotError::Worker(e.to_string()))??;
+    for (_, rank) in &mut ranks {
+        rank.meta.generation = generation;
+    }
     let steps: BTreeMap<u32, u64> = ranks
         .iter()
         .map(|(r, rr)| (*r, rr.meta.last_step.unwrap_or(0)))
@@ -144,21 +176,45 @@ pub struct NewestState {
 /// latest placement epoch (the catalog records a part only while its
 /// epoch is the rank's placement, so a later epoch's owner took over from
 /// whatever the earlier one had; a part of an older epoch that completed
-/// later never wins), then the latest capture of that owner (its captures
-/// follow its steps, except across a `resume`, which goes back on purpose;
-/// a cut that took long to write does not pass a later state snapshot),
-/// then the furthest step. Parts recorded before fencing existed count
-/// as epoch 0, captured when their snapshot completed.
-fn restore_key(file: &FileRow, completed_at_ms: Option<i64>) -> (u64, i64, u64) {
+/// later never wins), then the rank's lineage (`generation`, raised by
+/// each `resume`, which goes back to an older step on purpose), then the
+/// furthest step. Every one of these is an order the server keeps; the
+/// wall clock (the capture time) only breaks a tie between two parts
+/// alike in all three. Parts recorded before fencing existed count as
+/// epoch 0, ordered by when their snapshot completed, as they were then.
+fn restore_key(file: &FileRow, completed_at_ms: Option<i64>) -> (u64, u64, u64, i64) {
+    let generation = meta::generation_of(&file.state);
     match &file.fence {
-        Some(f) => (f.epoch, f.captured_at_ms, file.step),
-        None => (0, completed_at_ms.unwrap_or(0), file.step),
+        Some(f) => (f.epoch, generation, file.step, f.captured_at_ms),
+        None => (
+            0,
+            generation,
+            completed_at_ms.unwrap_or(0).max(0) as u64,
+            file.step as i64,
+        ),
+    }
+}
+
+/// Whether a restore that failed with `e` may try an older state: the
+/// part is bad (does not match its record, cannot be parsed, is missing),
+/// not the store or the catalog out of reach (then nothing older is taken:
+/// the newest state may be fine once they are back).
+fn part_unusable(e: &SnapshotError) -> bool {
+    match e {
+        SnapshotError::Corrupt(_) | SnapshotError::Io(_) => true,
+        SnapshotError::Meta(m) => !matches!(m, MetaError::Newer { .. }),
+        SnapshotError::Objects(o) => !o.is_unavailable(),
+        _ => false,
     }
 }
 
 /// Per rank of `ranks`: its state from the complete restorable snapshot
-/// that holds the newest state of it ([`restore_key`]), or `None` when
-/// none does. The ranks of a run spread over nodes may come from different
+/// that holds the newest state of it ([`restore_key`]) and reads back
+/// whole; a snapshot whose part does not (one flipped bit, a part cut
+/// short) is reported to `found_bad` and the next newest is taken, so a
+/// bad part costs the steps between the two, said in the rank's record,
+/// never the whole EMA. `None` when no snapshot holds a readable state of
+/// the rank. The ranks of a run spread over nodes may come from different
 /// snapshots: each node's `state` snapshots hold only its own ranks, a cut
 /// holds them all.
 pub async fn newest_states(
@@ -166,6 +222,7 @@ pub async fn newest_states(
     objects: &ObjectStore,
     config: &Arc<RunConfig>,
     ranks: &[u32],
+    found_bad: &(dyn Fn(&SnapshotError) + Send + Sync),
 ) -> Result<BTreeMap<u32, Option<NewestState>>, SnapshotError> {
     let rows: HashMap<String, SnapshotRow> = store
         .snapshots(&config.name)
@@ -181,75 +238,198 @@ pub async fn newest_states(
         .into_iter()
         .filter(|(id, f)| wanted.contains(&f.rank) && rows.contains_key(id))
         .collect();
-    let snapshot_of = choose_newest(&candidates, |id| {
+    let ranked = rank_newest(&candidates, |id| {
         rows.get(id).and_then(|r| r.completed_at_ms)
     });
-    let files: Vec<FileRow> = candidates
-        .into_iter()
-        .filter(|(id, f)| snapshot_of.get(&f.rank) == Some(id))
-        .map(|(_, f)| f)
-        .collect();
-    let (objects, for_load) = (objects.clone(), config.clone());
-    let loaded = tokio::task::spawn_blocking(move || load_restorable(&objects, &for_load, files))
-        .await
-        .map_err(|e| SnapshotError::Worker(e.to_string()))??;
     let mut out: BTreeMap<u32, Option<NewestState>> = ranks.iter().map(|&r| (r, None)).collect();
-    for (rank, state) in loaded {
-        out.insert(
-            rank,
-            Some(NewestState {
-                snapshot: snapshot_of.get(&rank).cloned().unwrap_or_default(),
-                step: state.meta.last_step.unwrap_or(0),
-                state,
-            }),
-        );
+    for (rank, ids) in ranked {
+        for id in ids {
+            let files: Vec<FileRow> = candidates
+                .iter()
+                .filter(|(i, f)| *i == id && f.rank == rank)
+                .map(|(_, f)| f.clone())
+                .collect();
+            let (objects, for_load) = (objects.clone(), config.clone());
+            let loaded =
+                tokio::task::spawn_blocking(move || load_restorable(&objects, &for_load, files))
+                    .await
+                    .map_err(|e| SnapshotError::Worker(e.to_string()))?;
+            match loaded {
+                Ok(mut states) => {
+                    if let Some((_, state)) = states.pop() {
+                        out.insert(
+                            rank,
+                            Some(NewestState {
+                                snapshot: id.clone(),
+                                step: state.meta.last_step.unwrap_or(0),
+                                state,
+                            }),
+                        );
+                    }
+                    break;
+                }
+                Err(e) if part_unusable(&e) => {
+                    found_bad(&e);
+                    tracing::error!(run = %config.name, rank, snapshot = %id, error = %e,
+                        "a stored state of the rank does not read back; trying the next newest");
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
     Ok(out)
 }
 
-/// Per rank: the snapshot (of `candidates`, `(snapshot id, file)`) whose
-/// file holds its newest state by [`restore_key`]; `completed` gives a
-/// snapshot's completion time.
+/// Per rank: the snapshots (of `candidates`, `(snapshot id, file)`) that
+/// hold a state of it, newest first by [`restore_key`]; `completed` gives
+/// a snapshot's completion time.
+fn rank_newest(
+    candidates: &[(String, FileRow)],
+    completed: impl Fn(&str) -> Option<i64>,
+) -> BTreeMap<u32, Vec<String>> {
+    type Key = (u64, u64, u64, i64);
+    let mut by_rank: BTreeMap<u32, Vec<(Key, &str)>> = BTreeMap::new();
+    for (id, f) in candidates {
+        let key = restore_key(f, completed(id));
+        let seen = by_rank.entry(f.rank).or_default();
+        // A snapshot holds several parts of a rank (profiles, mirror):
+        // it is ranked once, by the best of them.
+        match seen.iter_mut().find(|(_, s)| *s == id.as_str()) {
+            Some(entry) => entry.0 = entry.0.max(key),
+            None => seen.push((key, id)),
+        }
+    }
+    by_rank
+        .into_iter()
+        .map(|(rank, mut ids)| {
+            ids.sort_by(|a, b| b.cmp(a));
+            (
+                rank,
+                ids.into_iter().map(|(_, id)| id.to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// Per rank: the snapshot holding its newest state ([`rank_newest`]'s first).
+#[cfg(test)]
 fn choose_newest(
     candidates: &[(String, FileRow)],
     completed: impl Fn(&str) -> Option<i64>,
 ) -> BTreeMap<u32, String> {
-    let mut best: BTreeMap<u32, ((u64, i64, u64), &str)> = BTreeMap::new();
-    for (id, f) in candidates {
-        let key = restore_key(f, completed(id));
-        let better = best
-            .get(&f.rank)
-            .is_none_or(|(k, b)| key > *k || (key == *k && id.as_str() > *b));
-        if better {
-            best.insert(f.rank, (key, id));
-        }
-    }
-    best.into_iter()
-        .map(|(rank, (_, id))| (rank, id.to_string()))
+    rank_newest(candidates, completed)
+        .into_iter()
+        .filter_map(|(rank, ids)| ids.into_iter().next().map(|id| (rank, id)))
         .collect()
 }
 
-/// Restores the ranks this node holds of a run spread over nodes, each
-/// from the newest snapshot holding it ([`newest_states`]); per rank, the
-/// snapshot and step restored.
+/// Restores the ranks this node holds of `run`, each from the newest
+/// snapshot holding a readable state of it ([`newest_states`]); per rank,
+/// the snapshot and step restored (`None`: no snapshot held one).
 async fn restore_held(
     state: &Snaps,
     run: &RunHandle,
-) -> Result<BTreeMap<u32, (String, u64)>, SnapshotError> {
+) -> Result<BTreeMap<u32, Option<(String, u64)>>, SnapshotError> {
     let held = run.held_ranks();
-    let newest = newest_states(&state.store, &state.objects, &run.config, &held).await?;
+    let (events, metrics) = (state.events.clone(), state.metrics.clone());
+    let report = move |e: &SnapshotError| {
+        if let Some(m) = e.mismatch() {
+            super::verify::report_mismatch(&events, &metrics, m, "restore");
+        }
+    };
+    let newest = newest_states(&state.store, &state.objects, &run.config, &held, &report).await?;
     let mut restored = BTreeMap::new();
     let mut ranks = Vec::new();
     for (rank, found) in newest {
-        if let Some(found) = found {
-            restored.insert(rank, (found.snapshot, found.step));
-            ranks.push((rank, found.state));
+        match found {
+            Some(found) => {
+                restored.insert(rank, Some((found.snapshot, found.step)));
+                ranks.push((rank, found.state));
+            }
+            None => {
+                restored.insert(rank, None);
+            }
         }
     }
     run.engines.restore(&run.config.name, ranks).await?;
-    let steps = restored.iter().map(|(r, (_, step))| (*r, *step)).collect();
+    let steps = restored
+        .iter()
+        .filter_map(|(r, found)| found.as_ref().map(|(_, step)| (*r, *step)))
+        .collect();
     note_restored(state, run, &steps);
     Ok(restored)
+}
+
+/// After a restart, each rank of `run` this node restored (or could not)
+/// gets the record a failover gives ([`Failover`], `restart: true`): the
+/// step restored, the last step the catalog saw applied before the stop
+/// (`last_seen`, read before the restore; never below the restored one),
+/// and at the first push after it, the steps lost. A rank that never
+/// pushed (no step in the catalog, nothing stored) gets none. Reported like
+/// a failover: the rank view, a `failover` event, the metric; the loss
+/// itself (an alert, the run's health) once the next push makes it known.
+async fn note_restart(
+    state: &Snaps,
+    run: &RunHandle,
+    last_seen: &BTreeMap<u32, Option<u64>>,
+    restored: &BTreeMap<u32, Option<(String, u64)>>,
+) {
+    let name = &run.config.name;
+    let owners = run.owners();
+    let finished = run.finished().map(|f| f.step);
+    let at_ms = now_ms();
+    for (&rank, found) in restored {
+        let (snapshot, restored_step) = match found {
+            Some((id, step)) => (Some(id.clone()), Some(*step)),
+            None => (None, None),
+        };
+        // The catalog's record trails the pushes by its writer's batching
+        // interval: a stored state it has not caught up with is seen too.
+        let Some(seen) = last_seen.get(&rank).copied().flatten().max(restored_step) else {
+            continue; // the rank never pushed
+        };
+        let mut failover = Failover {
+            from_node: state.registry.node_id().to_string(),
+            restart: true,
+            epoch: owners.get(rank as usize).map_or(0, |o| o.epoch),
+            at_ms,
+            snapshot,
+            restored_step,
+            last_seen_step: Some(seen),
+            resumed_step: None,
+            lost_steps: None,
+        };
+        if let Some(finished_at) = finished {
+            // A finished run takes no more pushes: what it lost is known
+            // now (the steps up to its finish), and nothing if it has all.
+            if restored_step.is_some_and(|r| r >= seen) {
+                continue;
+            }
+            failover.resumed_at(finished_at.unwrap_or(seen) + 1, run.config.update_every);
+        }
+        let summary = run.update_rank(rank, |s| s.failover = Some(failover.clone()));
+        state.record_rank(run, rank, &summary, None);
+        state.store.note_rank_failover(name, rank, &failover).await;
+        state
+            .metrics
+            .failover_ranks
+            .with_label_values(&[name])
+            .inc();
+        if failover.lost_steps.is_some() {
+            state
+                .metrics
+                .failover_steps_lost
+                .with_label_values(&[name])
+                .inc_by(failover.lost_steps.unwrap_or(0));
+        }
+        tracing::warn!(run = %name, rank, snapshot = ?failover.snapshot,
+            restored_step = ?failover.restored_step, last_seen_step = seen,
+            "rank restored after a restart; the steps lost are known at its next push");
+        let step = failover.restored_step;
+        state
+            .events
+            .emit(name, Some(rank), step, Event::Failover(failover));
+    }
 }
 
 /// The lowest step any rank of a restorable snapshot sits at: a cut's
@@ -447,16 +627,27 @@ pub async fn recover(state: &Snaps) -> Result<(), SnapshotError> {
         if run.held_ranks().is_empty() {
             continue;
         }
+        // The last step the catalog saw each rank apply before the stop:
+        // what a restore short of it lost (read before the restore moves
+        // the summaries to the restored steps).
+        let last_seen: BTreeMap<u32, Option<u64>> = run
+            .held_ranks()
+            .into_iter()
+            .map(|r| (r, run.rank(r).and_then(|s| s.last_step)))
+            .collect();
         // Each rank from the snapshot holding its newest state (a spread
         // run's nodes each write their own ranks' `state` snapshots).
         let restored = restore_held(state, &run).await;
-        match super::verify::noted(&state.events, &state.metrics, "restore", restored) {
+        match restored {
             Ok(restored) => {
-                for (rank, (snapshot, step)) in &restored {
-                    tracing::info!(run = %run.config.name, rank, step, snapshot = %snapshot, "rank resumed from snapshot");
-                }
+                note_restart(state, &run, &last_seen, &restored).await;
                 let mut by_snapshot: BTreeMap<&str, BTreeMap<u32, u64>> = BTreeMap::new();
-                for (rank, (snapshot, step)) in &restored {
+                for (rank, found) in &restored {
+                    let Some((snapshot, step)) = found else {
+                        tracing::warn!(run = %run.config.name, rank, "no stored state of the rank reads back: its EMA starts again at its next push");
+                        continue;
+                    };
+                    tracing::info!(run = %run.config.name, rank, step, snapshot = %snapshot, "rank resumed from snapshot");
                     by_snapshot
                         .entry(snapshot)
                         .or_default()
@@ -489,6 +680,10 @@ mod tests {
     use crate::store::snapshots::Fence;
 
     fn part(rank: u32, step: u64, fence: Option<(&str, u64, i64)>) -> FileRow {
+        part_of(rank, step, fence, 0)
+    }
+
+    fn part_of(rank: u32, step: u64, fence: Option<(&str, u64, i64)>, generation: u64) -> FileRow {
         FileRow {
             rank,
             part: "c".into(),
@@ -496,17 +691,35 @@ mod tests {
             sha256: String::new(),
             bytes: 0,
             step,
-            state: String::new(),
+            state: format!("{{\"format\": 1, \"generation\": {generation}}}"),
             fence: fence.map(|(node, epoch, at)| Fence {
                 node_id: node.into(),
                 epoch,
                 captured_at_ms: at,
             }),
+            blocks: None,
         }
     }
 
+    /// The wall clock stepped back between two captures of one owner (an
+    /// NTP correction, a VM restored): the furthest step of the lineage is
+    /// still the newest state, whatever the capture times say.
+    #[test]
+    fn a_restore_never_follows_the_wall_clock() {
+        let candidates: Vec<(String, FileRow)> = [
+            ("early", part(0, 9, Some(("a", 1, 1_000_000)))),
+            ("after-the-step-back", part(0, 19, Some(("a", 1, 400_000)))),
+        ]
+        .into_iter()
+        .map(|(id, f)| (id.to_string(), f))
+        .collect();
+        let chosen = rank_newest(&candidates, |_| None);
+        assert_eq!(chosen[&0], ["after-the-step-back", "early"]);
+    }
+
     /// Each rank's state comes from the newest epoch, then the newest
-    /// capture, never from the order snapshots completed in.
+    /// lineage, then the furthest step, never from the order snapshots
+    /// completed in.
     #[test]
     fn a_restore_takes_the_newest_epoch_then_the_newest_capture() {
         let completed: HashMap<&str, i64> = [
@@ -531,9 +744,9 @@ mod tests {
             ("cut", part(1, 50, Some(("a", 1, 400)))),
             ("state", part(1, 60, Some(("a", 1, 450)))),
             // Rank 2: resumed from step 5 after step 80 was stored: the
-            // capture after the resume is the newest state.
+            // capture after the resume (a new lineage) is the newest state.
             ("before-resume", part(2, 80, Some(("a", 1, 40)))),
-            ("after-resume", part(2, 7, Some(("a", 1, 55)))),
+            ("after-resume", part_of(2, 7, Some(("a", 1, 55)), 1)),
             // Rank 3: a part from before fencing loses to any fenced one.
             ("legacy", part(3, 99, None)),
             ("state", part(3, 60, Some(("a", 1, 450)))),

@@ -77,8 +77,8 @@ pub struct BadPart {
     pub part: String,
     /// The part's key in the store.
     pub key: String,
-    /// `mismatch` (size or sha256 not the recorded ones), `missing`, or
-    /// `unreadable`.
+    /// `mismatch` (size, a block or sha256 not the recorded ones),
+    /// `missing`, or `unreadable`.
     pub problem: String,
     pub detail: String,
 }
@@ -97,8 +97,10 @@ pub struct VerifyReport {
 }
 
 /// Rereads every part of every complete snapshot (of `run`, or of every
-/// run) and reports those whose size or sha256 is not the recorded one.
-/// Parts are read one at a time, on a blocking thread.
+/// run) and reports those whose size, blocks or sha256 are not the
+/// recorded ones (each part read once, its blocks checked and its sha256
+/// computed in the same pass). Parts are read one at a time, on a
+/// blocking thread.
 pub async fn verify_store(
     store: &Store,
     objects: &ObjectStore,
@@ -121,7 +123,7 @@ pub async fn verify_store(
             }
             report.snapshots += 1;
             for f in store.snapshot_files(&row.id).await? {
-                let loc = PartLoc::recorded(objects, &f.path, f.bytes, &f.sha256);
+                let loc = PartLoc::of_file(objects, &f);
                 let checked =
                     tokio::task::spawn_blocking(move || loc.verify(&AtomicBool::new(false)))
                         .await

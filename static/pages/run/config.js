@@ -3,12 +3,14 @@
 import { badge, h, tableWrap } from '../../dom.js';
 import { fmtInt, fmtNum, fmtSeconds, fmtTime } from '../../format.js';
 
+/** A profile's parameters, one unbreakable `name value` each: the cell wraps between them, never cuts one. */
 function profileParams(p) {
   const skip = new Set(['name', 'kind']);
   const parts = Object.entries(p)
     .filter(([k, v]) => !skip.has(k) && v !== null && v !== undefined)
-    .map(([k, v]) => `${k} ${typeof v === 'number' ? fmtNum(v, 6) : v}`);
-  return parts.join(' · ') || '—';
+    .map(([k, v]) => `${k} ${typeof v === 'number' ? fmtNum(v, 6) : typeof v === 'object' ? JSON.stringify(v) : v}`);
+  if (!parts.length) return ['—'];
+  return parts.flatMap((part, i) => [i ? ' · ' : '', h('span', { class: 'param' }, part)]);
 }
 
 /** The configuration card of the run view `view`. */
@@ -38,12 +40,12 @@ export function configPanel(view) {
     tableWrap(
       h(
         'table',
-        { class: 'table compact' },
+        { class: 'table compact profiles-table' },
         h('thead', {}, h('tr', {}, h('th', {}, 'name'), h('th', {}, 'kind'), h('th', {}, 'parameters'))),
         h(
           'tbody',
           {},
-          c.profiles.map((p) => h('tr', { dataset: { profile: p.name } }, h('td', { class: 'mono' }, p.name), h('td', {}, badge(p.kind, 'info')), h('td', { class: 'mono small' }, profileParams(p)))),
+          c.profiles.map((p) => h('tr', { dataset: { profile: p.name } }, h('td', { class: 'mono profile-name' }, p.name), h('td', {}, badge(p.kind, 'info')), h('td', { class: 'mono small params', dataset: { field: 'parameters' } }, ...profileParams(p)))),
         ),
       ),
     ),

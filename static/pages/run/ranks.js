@@ -9,12 +9,13 @@ const COMPACT_RANKS = 32; // above this many ranks, tiles become squares
 /** A rank's failover in a few words: where from, and what was lost. */
 function failoverText(f) {
   const lost = f.lost_steps === null || f.lost_steps === undefined ? 'loss known at next push' : `${fmtInt(f.lost_steps)} step${f.lost_steps === 1 ? '' : 's'} lost`;
-  return `from ${f.from_node || '?'} @ ${f.restored_step === null ? 'empty' : fmtStep(f.restored_step)} · ${lost}`;
+  const at = f.restored_step === null ? 'empty' : fmtStep(f.restored_step);
+  return f.restart ? `restarted @ ${at} · ${lost}` : `from ${f.from_node || '?'} @ ${at} · ${lost}`;
 }
 
 function failoverTitle(f) {
   return [
-    `taken over from ${f.from_node || 'a lost node'} (epoch ${f.epoch})`,
+    f.restart ? `restored after its node restarted (epoch ${f.epoch})` : `taken over from ${f.from_node || 'a lost node'} (epoch ${f.epoch})`,
     f.snapshot ? `restored from snapshot ${f.snapshot} at step ${f.restored_step}` : 'no snapshot held the rank: its EMA restarted',
     f.last_seen_step !== null ? `last step the catalog saw: ${f.last_seen_step}` : null,
     f.resumed_step !== null ? `next push at step ${f.resumed_step}` : null,
@@ -127,7 +128,14 @@ export function ranksPanel(worldSize) {
         counts.never_seen ? `${counts.never_seen} never seen` : null,
         counts.not_restored ? `${counts.not_restored} not restored` : null,
         behind ? `${behind} behind the furthest rank` : null,
-        failedOver.length ? `${failedOver.length} taken over · ${fmtInt(lost)} step${lost === 1 ? '' : 's'} lost` : null,
+        failedOver.length
+          ? `${[
+              failedOver.some((r) => !r.failover.restart) ? `${failedOver.filter((r) => !r.failover.restart).length} taken over` : null,
+              failedOver.some((r) => r.failover.restart) ? `${failedOver.filter((r) => r.failover.restart).length} restored after a restart` : null,
+            ]
+              .filter(Boolean)
+              .join(' · ')} · ${fmtInt(lost)} step${lost === 1 ? '' : 's'} lost`
+          : null,
       ]
         .filter(Boolean)
         .join(' · ');

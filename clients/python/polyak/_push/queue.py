@@ -5,7 +5,11 @@ are at most ``max_queue + in_flight`` bodies, allocated on first use and
 reused; the training thread never writes a body the sender is reading.
 When the queue is full, policy ``block`` waits for room and ``drop_oldest``
 takes the buffer of the oldest waiting push (never one in flight) and
-counts it.
+counts it: at once while the server is away (an *outage*: the sender's
+last attempt failed for the server's sake, or nothing was acknowledged
+for ``max_wait`` seconds), else once ``max_wait`` seconds passed without
+room. The first drop of an outage is logged as a warning, and its end
+(the next acknowledged push) with the count of pushes dropped meanwhile.
 
 One condition variable guards the queue, the copy thread's work and every
 counter: whoever sees an outcome sees the job done. A failure of the copy
@@ -54,11 +58,31 @@ class PushQueue:
     kept for the training thread, under one lock (:attr:`cond`)."""
 
     def __init__(
-        self, *, max_queue: int, policy: Policy, in_flight: int, counters: Counters, who: str
+        self,
+        *,
+        max_queue: int,
+        policy: Policy,
+        in_flight: int,
+        counters: Counters,
+        who: str,
+        max_wait: float = 10.0,
     ) -> None:
         self.cond = threading.Condition()
         self.max_queue = max_queue
         self.policy = policy
+        #: Seconds ``drop_oldest`` waits for room before it drops (none
+        #: during an outage).
+        self.max_wait = float(max_wait)
+        #: When the current outage began (``time.monotonic()``), ``None``
+        #: while pushes are delivered.
+        self.outage_since: float | None = None
+        #: ``counters.dropped`` when the outage began.
+        self._dropped_before = 0
+        #: The first drop of this outage was warned about.
+        self._drop_warned = False
+        #: Delivery has failed for ``report_after`` seconds: what a strict
+        #: flush raises (cleared by the next acknowledged push).
+        self.overdue: PolyakError | None = None
         #: Bodies that may be sent at once (the sender's connection slots).
         self.max_in_flight = in_flight
         self.counters = counters
@@ -92,14 +116,22 @@ class PushQueue:
                         self.allocated += 1
                         allocate = True
                         break
+                now = time.perf_counter()
                 if self.policy == "drop_oldest" and self.jobs:
-                    if waited_from is None and not self.jobs[0].copied:
-                        waited_from = time.perf_counter()
-                    body = self._drop_oldest(step)
-                    break
+                    waited = 0.0 if waited_from is None else now - waited_from
+                    if self.outage_since is None and waited >= self.max_wait > 0:
+                        # Nothing acknowledged for max_wait: the server
+                        # stalls (paused, or a request hangs).
+                        self.begin_outage(f"no push acknowledged for {self.max_wait:g}s")
+                    if self.outage_since is not None or self.max_wait <= 0:
+                        if waited_from is None and not self.jobs[0].copied:
+                            waited_from = now
+                        body = self._drop_oldest(step)
+                        break
                 if waited_from is None:
-                    waited_from = time.perf_counter()
-                self.cond.wait(0.5)
+                    waited_from = now
+                left = self.max_wait - (now - waited_from)
+                self.cond.wait(0.5 if self.policy == "block" else min(0.5, max(left, 0.01)))
             if waited_from is not None:
                 self.counters.blocked_seconds += time.perf_counter() - waited_from
         if allocate:
@@ -117,13 +149,49 @@ class PushQueue:
         while not dropped.copied:
             self.cond.wait(0.5)
         self.counters.dropped += 1
-        log.warning(
-            "polyak: %s dropped the queued push of step %d for step %d (policy drop_oldest)",
-            self.who,
-            dropped.step,
-            step,
-        )
+        if not self._drop_warned:
+            self._drop_warned = True
+            log.warning(
+                "polyak: %s: the server is not taking pushes as fast as they come%s; "
+                "dropping the oldest queued push (step %d, for step %d) and the next "
+                "ones as needed so training goes on (policy drop_oldest; counted in "
+                "pusher.stats().dropped)",
+                self.who,
+                f" ({self.outage_reason})" if self.outage_reason else "",
+                dropped.step,
+                step,
+            )
+        else:
+            log.debug("polyak: %s dropped the queued push of step %d", self.who, dropped.step)
         return dropped.body
+
+    # -- outages: the server away or stalled --------------------------------
+
+    #: What began the current outage (for the drop warning).
+    outage_reason = ""
+
+    def begin_outage(self, reason: str) -> bool:
+        """Marks the server away (lock held); true when this begins an outage."""
+        if self.outage_since is not None:
+            return False
+        self.outage_since = time.monotonic()
+        self.outage_reason = reason
+        self._dropped_before = self.counters.dropped
+        self.cond.notify_all()
+        return True
+
+    def end_outage(self) -> tuple[float, int] | None:
+        """A push was acknowledged (lock held): the outage that ends, as
+        (seconds, pushes dropped meanwhile), or ``None`` when there was none."""
+        self.overdue = None
+        if self.outage_since is None:
+            return None
+        lasted = time.monotonic() - self.outage_since
+        dropped = self.counters.dropped - self._dropped_before
+        self.outage_since = None
+        self.outage_reason = ""
+        self._drop_warned = False
+        return lasted, dropped
 
     def put(self, job: Job) -> None:
         """Queues a filled (or deferred) job behind the others (lock held)."""

@@ -20,10 +20,24 @@ step order, instead of racing it.
 
 A PUT is idempotent: if a first attempt was applied and only its answer
 was lost, the retry carries the same bytes and the server answers
-``duplicate: true``. A push the server refuses (4xx) is reported, and a
-push that could not be delivered for ``RetryPolicy.report_after`` seconds
-is reported (and kept, and retried); the training thread raises either
-from its next ``push`` or ``flush``.
+``duplicate: true``.
+
+The server's failures never reach the training thread. Everything that
+says the server failed or lost what it was sent is recovered here: no
+answer (refused, reset, cut mid-body, timed out) and every 5xx
+(``lease_lost``, ``placement_moved``, ...) are retried with backoff,
+looking the rank's owner up again; ``Polyak-Prev-Step`` names the
+predecessor only while that push is still in flight from here (one the
+server acknowledged and then lost with a crash is not waited for), and a
+``predecessor_timeout`` or ``pipeline_reset`` is sent again without it;
+``needs_keyframe`` is sent again in full; a ``step_conflict`` for a push
+whose earlier attempt failed means the server already holds that step or a
+later one (its answer was lost), and the push is counted ``superseded``.
+The first failure of an outage, every ``RetryPolicy.report_after`` seconds
+of it, and its end are logged as warnings. Only what the trainer got wrong
+(a 4xx: a layout that does not match, NaN in a run that refuses it, a step
+already pushed) is reported, and raised from the next ``push`` or
+``flush``.
 """
 
 from __future__ import annotations
@@ -96,7 +110,7 @@ class Route:
             try:
                 url = self._lookup()
             except Exception as e:  # no node answered: retried later
-                log.warning("polyak: looking up the rank's node failed: %s", e)
+                log.debug("polyak: looking up the rank's node failed: %s", e)
                 return
             if url:
                 self._move(url)
@@ -162,7 +176,10 @@ class Sender:
         # Held while a slot takes its job and encodes it: dispatch order is
         # step order, and a stateful encoding sees every push in it.
         self._dispatch = threading.Lock()
-        self._last_dispatched: int | None = None
+        #: Steps dispatched to be sent and not yet done (under
+        #: ``queue.cond``): a push names the newest earlier one as its
+        #: predecessor.
+        self._sending: set[int] = set()
         #: Steps whose delivery failed and waits for a retry (under
         #: ``queue.cond``): later steps are not sent meanwhile.
         self._retrying: set[int] = set()
@@ -186,7 +203,7 @@ class Sender:
         conn = _Slot(self.route, self.retry.request_timeout)
         try:
             while (taken := self._next()) is not None:
-                job, prev, wire = taken
+                job, wire = taken
                 answer: dict[str, Any] | None = None
                 failure: PolyakError | None = None
                 try:
@@ -195,7 +212,7 @@ class Sender:
                     if isinstance(wire, Exception):
                         raise wire
                     assert wire is not None
-                    answer = self.deliver(conn, job, prev, wire)
+                    answer = self.deliver(conn, job, wire)
                 except PolyakError as e:
                     failure = e.at(step=job.step, rank=self.rank)
                 except Exception as e:  # a bug here must not kill the thread silently
@@ -209,44 +226,68 @@ class Sender:
         finally:
             conn.close()
 
-    def _next(self) -> tuple[Job, int | None, Wire | Exception | None] | None:
-        """The next job in dispatch order, the step dispatched before it,
-        and its encoded body (or why encoding failed; ``None`` when the
-        copy failed); ``None`` when there is nothing left to send."""
+    def _next(self) -> tuple[Job, Wire | Exception | None] | None:
+        """The next job in dispatch order and its encoded body (or why
+        encoding failed; ``None`` when the copy failed); ``None`` when
+        there is nothing left to send."""
         with self._dispatch:
             job = self.queue.take(self.abort)
             if job is None:
                 return None
             # A job that is not sent (its copy or its encoding failed) is
-            # nobody's predecessor: the next push names the one before it.
-            prev = self._last_dispatched
+            # nobody's predecessor: it never joins `_sending`.
             if job.copy_error is not None:
-                return job, prev, None
+                return job, None
             try:
                 job.body.wait_ready()
                 wire = self.encoding.encode(job.body)
             except Exception as e:  # reported as this push's failure
-                return job, prev, e
-            self._last_dispatched = job.step
-            if self.encoding.stateful:
-                with self.queue.cond:
+                return job, e
+            with self.queue.cond:
+                self._sending.add(job.step)
+                if self.encoding.stateful:
                     counters = self.queue.counters
                     counters.encode_seconds += wire.seconds
                     counters.encoded += 1
                     counters.logical_bytes += job.body.layout.nbytes
                     counters.keyframes += wire.kind == "full"
-            return job, prev, wire
+            return job, wire
+
+    def _predecessor(self, step: int) -> int | None:
+        """The step this push waits for on the server: the newest earlier
+        one still being sent from here. One that is done (acknowledged,
+        refused or dropped) is not named: acknowledged, the server applied
+        it, unless a crash lost it since, and then nothing would come."""
+        with self.queue.cond:
+            return max((s for s in self._sending if s < step), default=None)
 
     def _record(self, job: Job, answer: dict[str, Any] | None, failure: PolyakError | None) -> None:
         # One critical section: whoever sees the outcome sees the job done.
-        with self.queue.cond:
+        queue = self.queue
+        with queue.cond:
+            self._sending.discard(job.step)
             if failure is not None and failure.code != "aborted":
-                self.queue.counters.rejected += 1
-                self.queue.report(failure)
+                queue.counters.rejected += 1
+                queue.report(failure)
                 log.error("polyak: push failed: %s", failure)
+            elif answer is not None and answer.get("superseded"):
+                queue.counters.superseded += 1
             elif answer is not None:
-                self.queue.counters.acknowledged_push(job.step, answer)
-            self.queue.finished(job)
+                queue.counters.acknowledged_push(job.step, answer)
+                ended = queue.end_outage()
+                if ended is not None:
+                    lasted, dropped = ended
+                    log.warning(
+                        "polyak: %s: pushes are delivered again to %s (step %d) after %.1fs; "
+                        "%d push(es) dropped meanwhile (%d in all)",
+                        queue.who,
+                        self.route.url,
+                        job.step,
+                        lasted,
+                        dropped,
+                        queue.counters.dropped,
+                    )
+            queue.finished(job)
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/octet-stream", "User-Agent": USER_AGENT}
@@ -254,21 +295,27 @@ class Sender:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def deliver(self, slot: _Slot, job: Job, prev: int | None, wire: Wire) -> dict[str, Any]:
+    def deliver(self, slot: _Slot, job: Job, wire: Wire) -> dict[str, Any]:
         """PUTs ``job``'s encoded body (``wire``) until the server answers
-        200; its answer. ``prev``: the step dispatched before it."""
+        200; its answer (``{"superseded": true}`` when the server holds a
+        later state than this push, whose earlier attempt it applied)."""
         payload = wire.payload
-        headers = {**self.headers(), **wire.headers, "Content-Length": str(len(payload))}
-        if prev is not None:
-            headers["Polyak-Prev-Step"] = str(prev)
+        base = {**self.headers(), **wire.headers, "Content-Length": str(len(payload))}
         path = f"{self.path}{job.step}"
+        failed_before = False
 
         def retrying(failed: FailedAttempt) -> None:
+            nonlocal failed_before
+            failed_before = True
             self._failed_attempt(job, failed)
             self.route.failed()
 
         def attempt() -> tuple[int, bytes, str | None]:
             self._wait_turn(job.step)
+            # Named anew at each attempt: a predecessor acknowledged since
+            # the last one may have been lost by a server that restarted.
+            prev = self._predecessor(job.step)
+            headers = base if prev is None else {**base, "Polyak-Prev-Step": str(prev)}
             for _ in range(MAX_REDIRECTS):
                 conn = slot.current()
                 answer = conn.put(path, payload, headers)
@@ -280,7 +327,11 @@ class Sender:
 
         try:
             data = send_with_retries(
-                attempt, policy=self.retry, abort=self.abort, on_retry=retrying
+                attempt,
+                policy=self.retry,
+                abort=self.abort,
+                on_retry=retrying,
+                recover=_predecessor_lost,
             )
         except PolyakError as e:
             if e.status is None:
@@ -288,6 +339,18 @@ class Sender:
             # Refused: the server's mirror is not what the encoding
             # assumed next, so the next push is a keyframe.
             self.encoding.refused()
+            if e.code == "step_conflict" and failed_before:
+                # An earlier attempt was applied and its answer lost, and
+                # the server has moved past it (or forgot it in a
+                # restart): nothing of the trainer's is wrong.
+                log.warning(
+                    "polyak: rank %s step %s: the server already holds this step or a later "
+                    "one (an earlier attempt's answer was lost): %s",
+                    self.rank,
+                    job.step,
+                    e.message,
+                )
+                return {"superseded": True, "applied": False, "step": job.step}
             if e.code != "needs_keyframe" or wire.kind in (None, "full"):
                 raise
             resent = True
@@ -309,7 +372,7 @@ class Sender:
                 self.rank,
                 job.step,
             )
-            return self.deliver(slot, job, prev, Identity().encode(job.body))
+            return self.deliver(slot, job, Identity().encode(job.body))
         self.route.delivered()
         with self.queue.cond:
             self.queue.counters.bytes_sent += len(payload)
@@ -326,25 +389,46 @@ class Sender:
 
     def _failed_attempt(self, job: Job, failed: FailedAttempt) -> None:
         """Counts a failed attempt and holds later steps back until this
-        one is delivered; reports it when delivery has failed for
-        ``report_after`` seconds (the push is kept and retried)."""
+        one is delivered. The first failure of an outage is logged as a
+        warning, and again each time delivery has failed for
+        ``report_after`` seconds (the push is kept and retried; a strict
+        ``flush`` raises it)."""
         queue = self.queue
         with queue.cond:
             queue.counters.retries += 1
             self._retrying.add(job.step)
             self.last_transient = failed.problem
+            if failed.server_lost and queue.begin_outage(failed.problem):
+                log.warning(
+                    "polyak: %s: step %d not delivered to %s (%s); retrying in the "
+                    "background with backoff, training goes on",
+                    queue.who,
+                    job.step,
+                    self.route.url,
+                    failed.problem,
+                )
             if failed.overdue:
                 pending = len(queue.jobs) + len(queue.in_flight)
-                queue.report(
-                    PolyakError(
-                        f"could not deliver to {self.route.url} for {failed.failing_for:.1f}s "
-                        f"({failed.attempt + 1} attempts; last: {failed.problem}); {pending} "
-                        f"push(es) kept and still retried, {queue.counters.dropped} dropped so far",
-                        code="unavailable",
-                        step=job.step,
-                        rank=self.rank,
-                    )
+                queue.overdue = PolyakError(
+                    f"could not deliver to {self.route.url} for {failed.failing_for:.1f}s "
+                    f"({failed.attempt + 1} attempts; last: {failed.problem}); {pending} "
+                    f"push(es) kept and still retried, {queue.counters.dropped} dropped so far",
+                    code="unavailable",
+                    step=job.step,
+                    rank=self.rank,
                 )
+                queue.cond.notify_all()
+                log.warning("polyak: %s: %s", queue.who, queue.overdue.message)
         log.debug(
             "polyak: step %d attempt %d failed: %s", job.step, failed.attempt + 1, failed.problem
         )
+
+
+#: Answers that say the server lost a push's predecessor (a crash, a
+#: restart, a run resumed): sent again, naming only a predecessor still
+#: in flight from here.
+RESEND_CODES = frozenset({"predecessor_timeout", "pipeline_reset"})
+
+
+def _predecessor_lost(err: PolyakError) -> bool:
+    return err.status == 409 and err.code in RESEND_CODES

@@ -20,7 +20,8 @@ class PushStats:
     acknowledged: int
     applied: int
     duplicates: int
-    #: Queued pushes replaced by newer ones (policy ``drop_oldest``).
+    #: Queued pushes replaced by newer ones (policy ``drop_oldest``: the
+    #: server away, or slower than the pushes come for ``max_wait``).
     dropped: int
     #: Pushes the server refused (4xx); each one was raised.
     rejected: int
@@ -35,7 +36,8 @@ class PushStats:
     bytes_sent: int
     #: Time ``push`` spent copying tensors on the calling (training) thread.
     copy_seconds: float
-    #: Time ``push`` spent waiting for room in the queue (policy ``block``).
+    #: Time ``push`` spent waiting for room in the queue (policy ``block``,
+    #: or ``drop_oldest`` for at most ``max_wait`` before it drops).
     blocked_seconds: float
     #: Time spent in ``push`` on the calling thread, all of it (finding the
     #: tensors, copying what is copied at once, waiting for room).
@@ -57,6 +59,10 @@ class PushStats:
     logical_bytes: int = 0
     #: Keyframes (full pushes) among the encoded pushes.
     keyframes: int = 0
+    #: Pushes whose earlier attempt the server applied without its answer
+    #: arriving, and which it had moved past when sent again (``409
+    #: step_conflict`` after a failed attempt): not raised, not acknowledged.
+    superseded: int = 0
 
     @property
     def training_thread_seconds(self) -> float:
@@ -90,6 +96,7 @@ class Counters:
     encoded: int = 0
     logical_bytes: int = 0
     keyframes: int = 0
+    superseded: int = 0
     #: Newest step the server acknowledged.
     last_acked: int | None = None
     #: The server's answer to that push.

@@ -8,6 +8,7 @@ import line, keep the code; the EMA is kept by a polyak server.
 | timm ``ModelEmaV2`` / ``ModelEmaV3`` | :mod:`polyak.compat.timm` |
 | diffusers ``EMAModel`` | :mod:`polyak.compat.diffusers` |
 | Lightning ``EMAWeightAveraging``, ``WeightAveraging`` | :mod:`polyak.compat.lightning` |
+| TRL ``BEMACallback`` | :mod:`polyak.compat.trl` |
 
 Each class takes the original's arguments (positional and keyword, the same
 defaults) plus keyword-only ``url=`` (default ``$POLYAK_URL``, else
@@ -22,4 +23,13 @@ reached rather than hand back stale values. The submodules are imported on
 their own (``from polyak.compat.timm import ModelEmaV3``); each needs its
 original installed (it subclasses it). The migration table is in the
 client's README.
+
+``posthoc=N`` (keyword-only, on every drop-in) keeps EDM2's two
+power-function profiles (sigma_rel 0.05 and 0.10) beside the drop-in's own
+and a snapshot every ``N`` steps; :func:`run_of` gives the run, on which
+``posthoc_search``, ``EvalWorker`` and downloads work as on a native run.
 """
+
+from ._remote import run_of
+
+__all__ = ["run_of"]

@@ -7,13 +7,26 @@ URL), pushes through the ordinary :class:`~polyak.Pusher` (nothing is
 averaged on the training process), and on a read flushes the pusher, fetches
 the run's live EMA and copies it into the tensors the original class would
 hold, in place, so references the caller keeps see the new values.
+
+A run whose name was generated here is printed once when it is created
+(stderr: it is the one place the user learns it) and finished when the
+process exits normally (an ``atexit`` handler: what is queued is flushed
+for at most ``polyak.pusher.EXIT_WAIT_SECONDS``, then ``finish``), so it reads ``finished`` rather than
+raising a ``stale_rank`` alert a minute later. A run named by the caller
+(``run=``) is left open: a later process may go on pushing to it. The
+server's failures never end the trainer: pushes are retried by the
+pusher, and the exit handler only warns.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import sys
+import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,12 +36,20 @@ from ..client import Client, Run
 from ..errors import PolyakError
 from ..shards import canonical_name
 
-__all__ = ["PROFILE", "RemoteEma", "canonical_keys"]
+__all__ = ["POSTHOC_PROFILES", "PROFILE", "RemoteEma", "canonical_keys", "run_of"]
 
 log = logging.getLogger("polyak")
 
 #: The one profile a drop-in's run keeps.
 PROFILE = "ema"
+
+#: The profiles ``posthoc=`` adds beside the drop-in's own: EDM2's two
+#: power-function EMAs (sigma_rel 0.05 and 0.10), from whose snapshots any
+#: length is synthesised afterwards (``run.posthoc``, ``posthoc_search``).
+POSTHOC_PROFILES = (
+    {"name": "edm05", "kind": "power", "sigma_rel": 0.05},
+    {"name": "edm10", "kind": "power", "sigma_rel": 0.10},
+)
 
 #: Seconds a read waits for the pushes before it to be acknowledged; past
 #: that it raises (``flush_timeout``) rather than hand back stale numbers.
@@ -53,7 +74,9 @@ class RemoteEma:
     names the server copies instead of averaging; ``skip`` exact names
     never pushed (the drop-in keeps them itself). ``more`` are further
     profiles of the same run (name -> profile without its name), fed by
-    the same pushes (``PostHocEMA``'s EMAs).
+    the same pushes (``PostHocEMA``'s EMAs). ``posthoc=N`` adds
+    :data:`POSTHOC_PROFILES` and a snapshot every ``N`` steps, so the run
+    can be searched post hoc and evaluated (``run_of(ema)`` is the run).
     """
 
     def __init__(
@@ -69,9 +92,19 @@ class RemoteEma:
         skip: Sequence[str] = (),
         pusher_options: Mapping[str, Any] | None = None,
         more: Mapping[str, Mapping[str, Any]] | None = None,
+        posthoc: int | None = None,
     ) -> None:
         self.owner = owner
         self.more = [{"name": n, **p} for n, p in (more or {}).items()]
+        if posthoc is not None:
+            if isinstance(posthoc, bool) or int(posthoc) < 1:
+                raise ValueError(
+                    f"{owner}: posthoc= is the steps between snapshots (an integer >= 1), "
+                    f"not {posthoc!r}"
+                )
+            self.more += [dict(p) for p in POSTHOC_PROFILES]
+        #: Periodic snapshots of every profile (``posthoc=``), else none.
+        self.snapshot_every = None if posthoc is None else int(posthoc)
         self.client = Client(url, token)
         self.base = run or f"{owner.lower()}-{uuid.uuid4().hex[:10]}"
         #: The run's name was made up here: nobody else knows it, so an
@@ -86,7 +119,10 @@ class RemoteEma:
         self._suffix = itertools.count(1)
         self.run: Run
         self.profile: dict[str, Any] = {}
+        #: Runs this object created under generated names: finished at exit.
+        self._owned: list[Run] = []
         self._open(self.base, profile)
+        _LIVE.add(self)
 
     def _open(self, name: str, profile: Mapping[str, Any]) -> None:
         self.profile = {"name": PROFILE, **profile}
@@ -96,6 +132,7 @@ class RemoteEma:
                 update_every=self.update_every,
                 profiles=[self.profile, *self.more],
                 copy_patterns=[_glob_exact(n) for n in self.copy] or None,
+                snapshot_every=self.snapshot_every,
                 exist_ok=True,
             )
         except PolyakError as e:
@@ -116,6 +153,14 @@ class RemoteEma:
         self.last_step: int | None = None
         #: Pushed since the last read.
         self.dirty = False
+        if self._generated:
+            self._owned.append(self.run)
+            # Printed, not logged: the generated name is found nowhere else.
+            print(
+                f"polyak: {self.owner} keeps its EMA in run {name} at {self.client.url}",
+                file=sys.stderr,
+                flush=True,
+            )
         log.info(
             "polyak: %s keeps its EMA in run %s at %s (profile %s)",
             self.owner,
@@ -201,7 +246,60 @@ class RemoteEma:
     def close(self) -> None:
         self.pusher.close()
 
+    def end(self, timeout: float) -> None:
+        """At a normal exit: the pushes flushed (for at most ``timeout``
+        seconds; what is left is warned about), and every run generated
+        here that was pushed to finished. Warns, never raises."""
+        try:
+            self.pusher.close(timeout)
+        except PolyakError as e:  # the server away, or a push refused earlier
+            log.warning("polyak: %s: %s", self.owner, e)
+        for run in self._owned:
+            try:
+                info = run.refresh()
+                if info.finished is not None or info.last_step is None:
+                    continue  # finished already, or never pushed to
+                run.finish(wait=False)
+            except PolyakError as e:
+                log.warning("polyak: %s: run %s not finished at exit: %s", self.owner, run.name, e)
+
+
+def run_of(drop_in: Any) -> Run:
+    """The :class:`polyak.Run` keeping a drop-in's EMA (an ``EMA``,
+    ``ModelEmaV3``, ``EMAModel``, ``AveragedModel``, a Lightning callback):
+    with ``posthoc=``, ``run_of(ema).posthoc_search(...)`` and
+    ``EvalWorker(run_of(ema), ...)`` work on it as on a native run."""
+    for holder in (drop_in, getattr(drop_in, "_average_model", None)):
+        remote = getattr(holder, "__dict__", {}).get("_remote") if holder is not None else None
+        if isinstance(remote, RemoteEma):
+            return remote.run
+    raise TypeError(
+        f"{type(drop_in).__name__} keeps no polyak run (not a polyak.compat drop-in, "
+        "or nothing connected it yet)"
+    )
+
 
 def _glob_exact(name: str) -> str:
     """A glob matching only ``name`` (``[``, ``*`` and ``?`` escaped)."""
     return "".join(f"[{c}]" if c in "[]*?" else c for c in name)
+
+
+#: Every drop-in's run of this process, ended at exit.
+_LIVE: weakref.WeakSet[RemoteEma] = weakref.WeakSet()
+
+
+def _end_all_at_exit() -> None:
+    """Ends every live drop-in's runs, unless the process is exiting on an
+    uncaught exception (then the run stays open and its ``stale_rank``
+    alert says the trainer stopped)."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    from .. import pusher as _pusher
+
+    # One budget for all of them, as the pushers' own exit wait has.
+    deadline = time.monotonic() + _pusher.EXIT_WAIT_SECONDS
+    for remote in list(_LIVE):
+        remote.end(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_end_all_at_exit)

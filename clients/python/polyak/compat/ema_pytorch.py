@@ -143,6 +143,7 @@ class EMA(_EMA):
         token: str | None = None,
         run: str | None = None,
         pusher_options: Mapping[str, Any] | None = None,
+        posthoc: int | None = None,
     ) -> None:
         self.__dict__["_remote"] = None
         super().__init__(
@@ -183,6 +184,7 @@ class EMA(_EMA):
             update_every=update_every,
             copy=canonical_keys(sorted(param_or_buffer_names_no_ema)),
             pusher_options=pusher_options,
+            posthoc=posthoc,
         )
 
     # -- the EMA module, read from the server ------------------------------

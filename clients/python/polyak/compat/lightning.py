@@ -40,10 +40,17 @@ class _ServedAverage:
         token: str | None = None,
         run: str | None = None,
         pusher_options: Mapping[str, Any] | None = None,
+        posthoc: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._polyak = {"url": url, "token": token, "run": run, "pusher_options": pusher_options}
+        self._polyak = {
+            "url": url,
+            "token": token,
+            "run": run,
+            "pusher_options": pusher_options,
+            "posthoc": posthoc,
+        }
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":

@@ -5,8 +5,12 @@ use_buffers=False)`` as torch's, of which it is a subclass: its default
 (SWA, ``p + (w - p) / (n + 1)``) maps to an ``swa`` profile,
 ``get_ema_multi_avg_fn(decay)`` / ``get_ema_avg_fn(decay)`` (these, or
 torch's own) to ``constant`` with ``beta = decay``. The update pushes the
-model as step ``n_averaged``; ``.module``, calling the object and
-``state_dict`` read the server's average into ``.module``'s own tensors.
+model as step ``n_averaged``; every way torch exposes the average reads
+the server's average into ``.module``'s own tensors first (in place, so
+tensors the caller holds see it): ``.module``, calling the object,
+``state_dict``, ``parameters`` / ``named_parameters`` / ``buffers`` /
+``named_buffers``, ``modules`` / ``children`` (and what walks them:
+``to``, ``apply``, ``train``), pickling and copying.
 
 What stays on the trainer:
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -130,11 +134,12 @@ class AveragedModel(_torch.AveragedModel):
         token: str | None = None,
         run: str | None = None,
         pusher_options: Mapping[str, Any] | None = None,
+        posthoc: int | None = None,
     ) -> None:
         super().__init__(model, device, avg_fn, multi_avg_fn, use_buffers)
         fn = multi_avg_fn if multi_avg_fn is not None else avg_fn
         profile = profile_of(fn)
-        self._polyak_where = {"url": url, "token": token, "run": run}
+        self._polyak_where = {"url": url, "token": token, "run": run, "posthoc": posthoc}
         self._polyak_options = dict(pusher_options or {})
         self._remote: RemoteEma | None = None
         if profile is None:
@@ -174,6 +179,7 @@ class AveragedModel(_torch.AveragedModel):
             run=self._polyak_where["run"],
             copy=[canon[n] for n in copied],
             pusher_options=self._polyak_options,
+            posthoc=self._polyak_where.get("posthoc"),
         )
 
     def _order(self) -> list[str]:
@@ -220,6 +226,17 @@ class AveragedModel(_torch.AveragedModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    # nn.Module reaches its submodules through these two alone (parameters,
+    # buffers, modules, children, ``_apply`` behind ``to``, ``apply``,
+    # ``train``, and a parent's walk): the average is read before either.
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        self._refresh()
+        return super().named_modules(*args, **kwargs)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        self._refresh()
+        return super().named_children()
 
     def update_parameters(self, model: nn.Module) -> None:
         """Pushes ``model`` as step ``n_averaged`` (torch's first update

@@ -59,9 +59,16 @@ class _Served:
         pusher_options: Mapping[str, Any] | None,
         local: list[str],
         copied: list[str],
+        posthoc: int | None = None,
     ) -> None:
         self.__dict__.update(
-            _where={"url": url, "token": token, "run": run, "pusher_options": pusher_options},
+            _where={
+                "url": url,
+                "token": token,
+                "run": run,
+                "pusher_options": pusher_options,
+                "posthoc": posthoc,
+            },
             _remote=None,
             _local=local,
             _copied=copied,
@@ -116,6 +123,7 @@ class _Served:
             run=w["run"],
             copy=[canon[n] for n in self._copied],
             pusher_options=w["pusher_options"],
+            posthoc=w["posthoc"],
         )
 
     def _push(self, model: nn.Module, step: int, profile: Mapping[str, Any], copies: bool) -> None:
@@ -180,12 +188,19 @@ class ModelEmaV2(_Served, _ModelEmaV2):
         token: str | None = None,
         run: str | None = None,
         pusher_options: Mapping[str, Any] | None = None,
+        posthoc: int | None = None,
     ) -> None:
         super().__init__(model, decay, device)
         sd = self._modules["module"].state_dict()  # type: ignore[union-attr]
         ints = [n for n, t in sd.items() if not t.is_floating_point()]
         self._init_served(
-            url=url, token=token, run=run, pusher_options=pusher_options, local=ints, copied=[]
+            url=url,
+            token=token,
+            run=run,
+            pusher_options=pusher_options,
+            posthoc=posthoc,
+            local=ints,
+            copied=[],
         )
 
     @torch.no_grad()
@@ -229,6 +244,7 @@ class ModelEmaV3(_Served, _ModelEmaV3):
         token: str | None = None,
         run: str | None = None,
         pusher_options: Mapping[str, Any] | None = None,
+        posthoc: int | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -249,7 +265,13 @@ class ModelEmaV3(_Served, _ModelEmaV3):
         assert module is not None
         copied = [n for n, _ in module.named_buffers()] if exclude_buffers else []
         self._init_served(
-            url=url, token=token, run=run, pusher_options=pusher_options, local=[], copied=copied
+            url=url,
+            token=token,
+            run=run,
+            pusher_options=pusher_options,
+            posthoc=posthoc,
+            local=[],
+            copied=copied,
         )
 
     def _profile(self) -> dict[str, Any]:

@@ -72,7 +72,12 @@ class PolyakAccelerate:
         self.pusher.flush()
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            return self.run.snapshot(step=steps_taken - 1, label="checkpoint")
+            from ._server import best_effort
+
+            return best_effort(
+                f"the EMA snapshot of the checkpoint at step {steps_taken - 1}",
+                lambda: self.run.snapshot(step=steps_taken - 1, label="checkpoint"),
+            )
         return None
 
     def close(self, *, finish: bool = False) -> None:
@@ -83,7 +88,9 @@ class PolyakAccelerate:
         if finish:
             self.accelerator.wait_for_everyone()
             if self.accelerator.is_main_process:
-                self.run.finish()
+                from ._server import best_effort
+
+                best_effort(f"finishing run {self.run.name}", self.run.finish)
 
 
 def _general_tracker() -> type:
@@ -115,7 +122,8 @@ class PolyakTracker(_general_tracker()):  # type: ignore[misc]
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         from ._metrics import finite_scalars
+        from ._server import best_effort
 
         scalars = finite_scalars(values)
         if scalars and step is not None:
-            self.run.log(int(step), **scalars)
+            best_effort("sending metrics", lambda: self.run.log(int(step), **scalars))

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_only as _rank_zero_only
 
 from ..errors import PolyakError
 from ._metrics import finite_scalars
+from ._server import best_effort
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -116,7 +117,11 @@ class PolyakCallback(Callback):
         trainer.strategy.barrier("polyak-flush")
         if trainer.is_global_zero:
             # Every rank has pushed this step: the cut is taken at once.
-            self.run.snapshot(step=step, label="checkpoint")
+            best_effort(
+                f"the EMA snapshot of the checkpoint at step {step} (resuming from it "
+                "will not be exact)",
+                lambda: self.run.snapshot(step=step, label="checkpoint"),
+            )
         self._snapshot_step = step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -128,7 +133,7 @@ class PolyakCallback(Callback):
         if self.finish:
             trainer.strategy.barrier("polyak-finish")
             if trainer.is_global_zero:
-                self.run.finish()
+                best_effort(f"finishing run {self.run.name}", self.run.finish)
 
     # -- evaluation on the EMA ---------------------------------------------
 
@@ -196,4 +201,4 @@ class PolyakLogger(_LightningLogger):  # type: ignore[misc]
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         values = finite_scalars(metrics, self.prefix)
         if values and step is not None:
-            self.run.log(int(step), **values)
+            best_effort("sending metrics", lambda: self.run.log(int(step), **values))

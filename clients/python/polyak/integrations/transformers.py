@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from ._metrics import finite_scalars
+from ._server import best_effort
 
 if TYPE_CHECKING:
     from torch import nn
@@ -103,14 +104,18 @@ class PolyakTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self._pusher().flush()
         _barrier()
         if state.is_world_process_zero:
-            self.run.snapshot(step=state.global_step - 1, label="checkpoint")
+            step = state.global_step - 1
+            best_effort(
+                f"the EMA snapshot of the checkpoint at step {step}",
+                lambda: self.run.snapshot(step=step, label="checkpoint"),
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._pusher().flush()
         if self.finish:
             _barrier()
             if state.is_world_process_zero:
-                self.run.finish()
+                best_effort(f"finishing run {self.run.name}", self.run.finish)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
@@ -121,7 +126,8 @@ class PolyakTrainerCallback(TrainerCallback):  # type: ignore[misc]
             return
         values = finite_scalars(logs)
         if values:
-            self.run.log(int(state.global_step), **values)
+            step = int(state.global_step)
+            best_effort("sending metrics", lambda: self.run.log(step, **values))
         self._logged = (int(state.global_step), set(values))
 
     def on_evaluate(
@@ -140,7 +146,8 @@ class PolyakTrainerCallback(TrainerCallback):  # type: ignore[misc]
         if step == int(state.global_step):
             values = {k: v for k, v in values.items() if k not in sent}
         if values:
-            self.run.log(int(state.global_step), **values)
+            step = int(state.global_step)
+            best_effort("sending metrics", lambda: self.run.log(step, **values))
 
     @contextlib.contextmanager
     def ema_weights(self, model: nn.Module, profile: str | None = None) -> Iterator[nn.Module]:

@@ -91,7 +91,7 @@ async fn verify_sources(
     let sources_read: Vec<std::sync::Arc<PartLoc>> = files
         .iter()
         .flatten()
-        .map(|f| PartLoc::recorded(&state.objects, &f.path, f.bytes, &f.sha256))
+        .map(|f| PartLoc::of_file(&state.objects, f))
         .collect();
     let checked = tokio::task::spawn_blocking(move || {
         let cancel = std::sync::atomic::AtomicBool::new(false);

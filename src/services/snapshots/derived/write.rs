@@ -64,6 +64,7 @@ pub(super) fn write_outputs(
                 state: state_json.clone(),
                 // Weights no rank ever held: nothing to fence.
                 fence: None,
+                blocks: Some(w.blocks),
             });
         }
     }
@@ -89,7 +90,7 @@ fn rank_sources(
         let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
             SnapshotError::Internal(format!("rank {rank} is missing from a source snapshot"))
         })?;
-        paths.push(PartLoc::recorded(objects, &f.path, f.bytes, &f.sha256));
+        paths.push(PartLoc::of_file(objects, f));
     }
     Ok(paths)
 }
