@@ -40,6 +40,7 @@ pub struct Alert {
     pub node: String,
     /// The condition: `stale_rank:R`, `nonfinite:R`, `metric_above:NAME`,
     /// `metric_below:NAME`, `no_improvement:NAME`, `disk_full`, `snapshot_failed`,
+    /// `snapshot_failed:state` (a `state` snapshot),
     /// `snapshot_corrupt:SNAPSHOT`, `steps_lost:RANK:STEP` (the step its
     /// trainer resumed at).
     pub key: String,
@@ -538,26 +539,34 @@ fn on_event(state: &AlertsSvc, event: &StoredEvent, out: &mut Vec<Transition>) {
                 alerts.resolve(out, name, &format!("stale_rank:{rank}"), event.step);
             }
         }
-        EventKind::Snapshot => match snapshot_status(event) {
-            Some(SnapshotEventStatus::Failed) if rules.snapshot_failed => alerts.fire(
-                out,
-                name,
-                "snapshot_failed".into(),
-                AlertKind::SnapshotFailed,
-                None,
-                None,
-                event.step,
-                format!(
-                    "snapshot {} failed: {}",
-                    event.detail["id"].as_str().unwrap_or("?"),
-                    event.detail["reason"].as_str().unwrap_or("")
+        EventKind::Snapshot => {
+            // `state` snapshots (every few seconds) have a key of their own:
+            // one completing says the crash-recovery state is durable again,
+            // not that a failed cut (manual, periodic, derived) was taken.
+            let key = if event.detail["kind"] == "state" {
+                "snapshot_failed:state"
+            } else {
+                "snapshot_failed"
+            };
+            match snapshot_status(event) {
+                Some(SnapshotEventStatus::Failed) if rules.snapshot_failed => alerts.fire(
+                    out,
+                    name,
+                    key.into(),
+                    AlertKind::SnapshotFailed,
+                    None,
+                    None,
+                    event.step,
+                    format!(
+                        "snapshot {} failed: {}",
+                        event.detail["id"].as_str().unwrap_or("?"),
+                        event.detail["reason"].as_str().unwrap_or("")
+                    ),
                 ),
-            ),
-            Some(SnapshotEventStatus::Complete) => {
-                alerts.resolve(out, name, "snapshot_failed", event.step)
+                Some(SnapshotEventStatus::Complete) => alerts.resolve(out, name, key, event.step),
+                _ => {}
             }
-            _ => {}
-        },
+        }
         EventKind::SnapshotCorrupt => {
             let snapshot = event.detail["snapshot"].as_str().unwrap_or("?");
             alerts.fire(
@@ -698,7 +707,7 @@ fn on_tick(state: &AlertsSvc, out: &mut Vec<Transition>) {
         // Rules that were turned off resolve what they had fired.
         for key in alerts.firing_keys(name) {
             let off = (key.starts_with("nonfinite:") && !rules.nonfinite)
-                || (key == "snapshot_failed" && !rules.snapshot_failed)
+                || (key.starts_with("snapshot_failed") && !rules.snapshot_failed)
                 || ((key.starts_with("metric_") || key.starts_with("no_improvement:"))
                     && !rules
                         .metrics

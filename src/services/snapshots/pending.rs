@@ -37,6 +37,10 @@ pub(super) enum RankWritten {
     Last(Pending),
 }
 
+/// Bytes per second below which a state write's rate is not believed (see
+/// [`Snapshots::state_write_cost`]).
+const STATE_RATE_FLOOR: f64 = 64.0 * 1024.0 * 1024.0;
+
 /// The snapshot registry: what is being written and who waits on it.
 pub struct Snapshots {
     pub(super) data_dir: PathBuf,
@@ -44,6 +48,10 @@ pub struct Snapshots {
     compare_cache: Mutex<HashMap<String, Arc<CompareResult>>>,
     /// When each run's last state snapshot was attempted.
     last_state: Mutex<HashMap<String, Instant>>,
+    /// Per run, the fastest its `state` writes went (bytes per second):
+    /// what a write costs the machine, which a store that hung for a while
+    /// (time spent waiting, not working) does not change.
+    state_rates: Mutex<HashMap<String, f64>>,
     /// Per run, held while one of its state snapshots is captured and
     /// written: at most one in flight.
     state_writers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -64,6 +72,7 @@ impl Snapshots {
             pending: Mutex::new(HashMap::new()),
             compare_cache: Mutex::new(HashMap::new()),
             last_state: Mutex::new(HashMap::new()),
+            state_rates: Mutex::new(HashMap::new()),
             state_writers: Mutex::new(HashMap::new()),
             finishers: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),
@@ -186,6 +195,19 @@ impl Snapshots {
             .insert(run.to_string(), at);
     }
 
+    /// A `state` write of `run` moved `bytes` in `took`: how long a write
+    /// of that size takes at the fastest rate seen for the run (the work
+    /// it costs; a slow store's waits are not counted), and never slower
+    /// than [`STATE_RATE_FLOOR`]: a small state's write is all latency
+    /// (a round trip, an fsync), which costs the machine nothing to wait on.
+    pub(super) fn state_write_cost(&self, run: &str, bytes: u64, took: Duration) -> Duration {
+        let rate = bytes as f64 / took.as_secs_f64().max(1e-6);
+        let mut rates = self.state_rates.lock().expect("state lock");
+        let best = rates.entry(run.to_string()).or_insert(rate);
+        *best = best.max(rate);
+        Duration::from_secs_f64(bytes as f64 / best.max(STATE_RATE_FLOOR))
+    }
+
     /// Whether `every` has passed since `run`'s last state attempt (the
     /// first call for a run starts its clock).
     pub(super) fn state_due(&self, run: &str, every: Duration) -> bool {
@@ -215,6 +237,7 @@ impl Snapshots {
             .remove(run);
         self.finishers.lock().expect("finishers lock").remove(run);
         self.last_state.lock().expect("state lock").remove(run);
+        self.state_rates.lock().expect("state lock").remove(run);
     }
 
     /// Keeps a failure the catalog did not take; returns how many are kept.

@@ -125,9 +125,12 @@ async fn persist_held(
                 .mark_persisted(&run.config.name, covered)
                 .await?;
             let took = started.elapsed();
+            let cost = state
+                .pending
+                .state_write_cost(&run.config.name, run.resident_bytes(), took);
             state.pending.set_state_attempt(
                 &run.config.name,
-                next_clock(Instant::now(), took, run.config.persist_every_secs),
+                next_clock(Instant::now(), cost, run.config.persist_every_secs),
             );
             state
                 .metrics
@@ -222,8 +225,10 @@ fn held_epochs(state: &Snaps, run: &RunHandle) -> BTreeMap<u32, u64> {
 pub const PERSIST_BUSY_SHARE: f64 = 0.1;
 
 /// The instant `state_due` counts the interval from, after a state write
-/// that finished at `now` and took `took`: `now`, pushed later so the next
-/// one starts no sooner than `took × (1/share − 1)` from now.
+/// that finished at `now` and cost `took` (its size at the fastest rate
+/// the run's writes went: a store that hung a while does not delay the
+/// next write): `now`, pushed later so the next one starts no sooner than
+/// `took × (1/share − 1)` from now.
 fn next_clock(now: Instant, took: Duration, every_secs: u64) -> Instant {
     let rest = took.mul_f64(1.0 / PERSIST_BUSY_SHARE - 1.0);
     now + rest.saturating_sub(Duration::from_secs(every_secs))

@@ -273,6 +273,10 @@ def run_of(drop_in: Any) -> Run:
         remote = getattr(holder, "__dict__", {}).get("_remote") if holder is not None else None
         if isinstance(remote, RemoteEma):
             return remote.run
+    # A callback that keeps its run itself (`polyak.compat.trl.BEMACallback`).
+    run = getattr(drop_in, "__dict__", {}).get("run")
+    if isinstance(run, Run):
+        return run
     raise TypeError(
         f"{type(drop_in).__name__} keeps no polyak run (not a polyak.compat drop-in, "
         "or nothing connected it yet)"
