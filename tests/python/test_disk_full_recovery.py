@@ -59,9 +59,7 @@ def test_the_catalog_serves_again_once_space_is_freed(small_disk):
     run = "full"
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
-            r = c.post(
-                "/v1/runs", json={"name": run, "world_size": 1, "persist_every_secs": 1}
-            )
+            r = c.post("/v1/runs", json={"name": run, "world_size": 1, "persist_every_secs": 1})
             assert r.status_code == 201, r.text
             step = 0
             for _ in range(3):
@@ -111,6 +109,8 @@ def test_the_catalog_serves_again_once_space_is_freed(small_disk):
             ready = c.get("/readyz")
             assert ready.status_code == 200, ready.text
             # And it stays so: the catalog answers reads.
-            assert c.get(f"/v1/runs/{run}/events", headers={"Accept": "application/json"}).is_success
+            assert c.get(
+                f"/v1/runs/{run}/events", headers={"Accept": "application/json"}
+            ).is_success
     finally:
         srv.stop()
