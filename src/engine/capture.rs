@@ -20,8 +20,8 @@ use tch::Tensor;
 
 use super::rank::{BemaBuffers, RankLayout, RankState};
 use super::{deep_copy, EngineError};
+use crate::contract::{bema_part, BemaBuffer};
 use crate::run::RunConfig;
-use crate::snapshot::format::{bema_part, BemaBuffer};
 use crate::wire::check::BodyDigest;
 
 /// A cut the engine is waiting on.
@@ -62,7 +62,7 @@ pub struct RankCapture {
     pub step: u64,
     pub layout: Arc<RankLayout>,
     /// (profile name, flat EMA copy); a `bema` profile's hidden buffers
-    /// follow it under their part names (`format::bema_part`), written as
+    /// follow it under their part names (`contract::bema_part`), written as
     /// profile parts like it.
     pub profiles: Vec<(String, Tensor)>,
     pub copied: Vec<Tensor>,

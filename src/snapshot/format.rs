@@ -24,25 +24,9 @@ use crate::wire::{DType, HeaderEntry, SafetensorsHeader};
 /// The part name of the mirror.
 pub const MIRROR_PART: &str = "__mirror__";
 
-/// A hidden buffer a `bema` profile keeps beside its served weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BemaBuffer {
-    /// `w0`, the weights BEMA's bias correction is taken from.
-    Start,
-    /// The plain EMA the served weights are corrected from.
-    Ema,
-}
-
-/// The part name of a `bema` profile's hidden buffer: a profile part (its
-/// averaged tensors in the EMA dtype) under a name no profile can have
-/// (profile names start with a letter or digit), so it is captured and
-/// restored with the profile and never offered as one.
-pub fn bema_part(profile: &str, buffer: BemaBuffer) -> String {
-    match buffer {
-        BemaBuffer::Start => format!("__bema_w0__.{profile}"),
-        BemaBuffer::Ema => format!("__bema_ema__.{profile}"),
-    }
-}
+/// The part names of a `bema` profile's hidden buffers (the contract's:
+/// the engine names its captures by them).
+pub use crate::contract::{bema_part, BemaBuffer};
 
 /// A file's header and its data blocks, in order.
 pub struct PartFile {

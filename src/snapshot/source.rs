@@ -6,7 +6,7 @@
 //! as `io::ErrorKind::NotConnected` (answered 503 `store_unavailable`).
 //!
 //! A part the catalog recorded carries its size, sha256 and block
-//! checksums ([`PartLoc::recorded_with`], [`PartLoc::of_file`]), and
+//! checksums ([`PartLoc::recorded_with`], `services::snapshots::stored_part`), and
 //! [`PartReader`] is the one reader every consumer goes through: it
 //! fetches the blocks a read needs once (block-aligned ranged reads, a few
 //! blocks per request, the last ones kept for the next read), checks each
@@ -30,7 +30,6 @@ use bytes::{Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 
 use crate::objstore::{BlockSums, ObjectStore, StoreError};
-use crate::store::snapshots::FileRow;
 
 /// A stored part: its key in the store, how to reach it, and what the
 /// catalog recorded of it when it was written.
@@ -159,11 +158,6 @@ impl PartLoc {
             blocks,
         });
         Arc::new(loc)
-    }
-
-    /// The part a catalog row describes, held to everything it recorded.
-    pub fn of_file(store: &ObjectStore, f: &FileRow) -> Arc<Self> {
-        Self::recorded_with(store, &f.path, f.bytes, &f.sha256, f.blocks.clone())
     }
 
     /// What the catalog recorded of the part, when known.

@@ -18,7 +18,7 @@ use crate::services::ServiceError;
 use crate::snapshot::assemble::{self, Layout};
 use crate::snapshot::format::MIRROR_PART;
 use crate::snapshot::meta;
-use crate::snapshot::source::{PartLoc, PartMismatch};
+use crate::snapshot::source::PartMismatch;
 use crate::snapshot::vfile::VirtualFile;
 use crate::store::snapshots::{FileRow, SnapshotRow};
 use crate::wire::DType;
@@ -136,7 +136,7 @@ async fn stored_parts(
         }
         out.push(assemble::StoredPart {
             rank: f.rank,
-            path: PartLoc::of_file(&snaps.objects, &f),
+            path: crate::services::snapshots::stored_part(&snaps.objects, &f),
             meta: Arc::new(meta::decode_rank_meta(&f.state)?),
             sha256: f.sha256,
         });

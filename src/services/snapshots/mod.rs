@@ -110,6 +110,21 @@ pub struct SnapshotService {
     captures: Arc<tokio::sync::Semaphore>,
 }
 
+/// The part a catalog row describes, for the one verified reader, held to
+/// everything the catalog recorded of it (size, sha256, block checksums).
+pub(crate) fn stored_part(
+    objects: &ObjectStore,
+    f: &FileRow,
+) -> Arc<crate::snapshot::source::PartLoc> {
+    crate::snapshot::source::PartLoc::recorded_with(
+        objects,
+        &f.path,
+        f.bytes,
+        &f.sha256,
+        f.blocks.clone(),
+    )
+}
+
 /// How the snapshot service is held.
 pub type Snaps = Arc<SnapshotService>;
 

@@ -6,7 +6,6 @@ use super::*;
 use crate::contract::NodeStatus;
 use crate::node::Failover;
 use crate::objstore::ObjectStore;
-use crate::snapshot::source::PartLoc;
 
 /// The files of a complete snapshot, by rank, for one part.
 pub async fn parts_of(
@@ -20,7 +19,7 @@ pub async fn parts_of(
         let meta = meta::decode_rank_meta(&f.state)?;
         out.push(assemble::StoredPart {
             rank: f.rank,
-            path: PartLoc::of_file(&state.objects, &f),
+            path: crate::services::snapshots::stored_part(&state.objects, &f),
             sha256: f.sha256,
             meta: Arc::new(meta),
         });
@@ -47,7 +46,9 @@ pub(super) fn load_restorable(
                 // against its recorded checksum, or the whole part against
                 // its sha256 where none were recorded): a part that does
                 // not match refuses the restore (500 snapshot_corrupt).
-                Some(f) => Ok(Some(PartLoc::of_file(objects, f).read_verified()?)),
+                Some(f) => Ok(Some(
+                    crate::services::snapshots::stored_part(objects, f).read_verified()?,
+                )),
                 None => Ok(None),
             }
         };

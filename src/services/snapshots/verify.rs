@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 use super::{SnapshotError, SnapshotStatus};
 use crate::events::{self, Event, EventBus};
 use crate::objstore::ObjectStore;
-use crate::snapshot::source::{PartLoc, PartMismatch};
+use crate::snapshot::source::PartMismatch;
 use crate::store::Store;
 use crate::telemetry::Metrics;
 
@@ -123,7 +123,7 @@ pub async fn verify_store(
             }
             report.snapshots += 1;
             for f in store.snapshot_files(&row.id).await? {
-                let loc = PartLoc::of_file(objects, &f);
+                let loc = crate::services::snapshots::stored_part(objects, &f);
                 let checked =
                     tokio::task::spawn_blocking(move || loc.verify(&AtomicBool::new(false)))
                         .await

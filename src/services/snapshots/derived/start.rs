@@ -91,7 +91,7 @@ async fn verify_sources(
     let sources_read: Vec<std::sync::Arc<PartLoc>> = files
         .iter()
         .flatten()
-        .map(|f| PartLoc::of_file(&state.objects, f))
+        .map(|f| crate::services::snapshots::stored_part(&state.objects, f))
         .collect();
     let checked = tokio::task::spawn_blocking(move || {
         let cancel = std::sync::atomic::AtomicBool::new(false);

@@ -90,7 +90,7 @@ fn rank_sources(
         let f = files.iter().find(|f| f.rank == rank).ok_or_else(|| {
             SnapshotError::Internal(format!("rank {rank} is missing from a source snapshot"))
         })?;
-        paths.push(PartLoc::of_file(objects, f));
+        paths.push(crate::services::snapshots::stored_part(objects, f));
     }
     Ok(paths)
 }
