@@ -327,7 +327,16 @@ def test_sweep_equals_single_calls_with_bounded_memory(fresh_server):
     numel = 4 << 20  # 16 MiB of float32 per rank and profile
     shard_bytes = numel * 4
     with httpx.Client(base_url=srv.url, timeout=300) as c:
-        create(c, run, {"p05": 0.05, "p10": 0.10}, world_size=2, update_every=10, snapshot_every=10)
+        # No state writes: their captures would count in the sweep's peak.
+        create(
+            c,
+            run,
+            {"p05": 0.05, "p10": 0.10},
+            world_size=2,
+            update_every=10,
+            snapshot_every=10,
+            persist_every_secs=0,
+        )
         gen = torch.Generator().manual_seed(5)
         base = torch.randn(numel, generator=gen)
         for step in range(0, 31, 10):
@@ -335,7 +344,9 @@ def test_sweep_equals_single_calls_with_bounded_memory(fresh_server):
                 push(c, run, step, {"w": base + 0.01 * step + rank}, rank=rank)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            snaps = c.get(f"/v1/runs/{run}/snapshots", params={"status": "complete"}).json()
+            snaps = c.get(
+                f"/v1/runs/{run}/snapshots", params={"status": "complete", "kind": "periodic"}
+            ).json()
             if len(snaps["snapshots"]) == 4:
                 break
             time.sleep(0.1)
