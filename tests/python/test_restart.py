@@ -108,7 +108,7 @@ def metric(c: httpx.Client, name: str, run: str) -> float:
     return 0.0
 
 
-def caught_up(c: httpx.Client, run: str, srv, step: int) -> None:
+def caught_up(run: str, srv, step: int) -> None:
     """Waits until the catalog records ``step`` as the rank's last (the
     writer batches every 200 ms): what a crash then leaves in it."""
     deadline = time.monotonic() + 10
@@ -123,6 +123,14 @@ def caught_up(c: httpx.Client, run: str, srv, step: int) -> None:
     raise AssertionError(f"the catalog never recorded step {step}")
 
 
+def flip_a_bit(srv, key: str) -> None:
+    """One bit of a stored part's tensor data flipped, its size unchanged."""
+    view = StoreView(srv, None)
+    bad = bytearray(view.read(key))
+    bad[len(bad) - 5] ^= 0x04
+    view.write(key, bytes(bad))
+
+
 def test_a_crash_is_a_failover_to_itself(fresh_server):
     srv = fresh_server
     srv.start()
@@ -134,7 +142,7 @@ def test_a_crash_is_a_failover_to_itself(fresh_server):
         sid = persist(c, run)
         for step in range(5, 10):
             push(c, run, step)
-        caught_up(c, run, srv, 9)
+        caught_up(run, srv, 9)
     srv.kill()
     srv.start(same_port=True)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
@@ -201,11 +209,8 @@ def test_a_corrupt_newest_state_falls_back_to_the_next_that_verifies(fresh_serve
         state = persist(c, run)  # the same step, captured later: newest
         files = c.get(f"/v1/runs/{run}/snapshots/{state}").json()["files"]
         key = next(f["path"] for f in files if f["part"] == "c")
-        caught_up(c, run, srv, 4)
-    view = StoreView(srv, None)
-    bad = bytearray(view.read(key))
-    bad[len(bad) - 5] ^= 0x04  # one bit of tensor data, same size
-    view.write(key, bytes(bad))
+        caught_up(run, srv, 4)
+    flip_a_bit(srv, key)
     srv.kill()
     srv.start(same_port=True)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
@@ -237,11 +242,8 @@ def test_no_state_that_reads_back_restarts_the_ema_loudly(fresh_server):
         state = persist(c, run)
         files = c.get(f"/v1/runs/{run}/snapshots/{state}").json()["files"]
         key = next(f["path"] for f in files if f["part"] == "p")
-        caught_up(c, run, srv, 3)
-    view = StoreView(srv, None)
-    bad = bytearray(view.read(key))
-    bad[len(bad) - 5] ^= 0x04
-    view.write(key, bytes(bad))
+        caught_up(run, srv, 3)
+    flip_a_bit(srv, key)
     srv.kill()
     srv.start(same_port=True)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
@@ -273,7 +275,7 @@ def test_a_wall_clock_stepped_back_never_picks_an_older_state(fresh_server, tmp_
         for step in range(10, 20):
             push(c, run, step)
         newest = persist(c, run)
-        caught_up(c, run, srv, 19)
+        caught_up(run, srv, 19)
     srv.kill()
     srv.start(same_port=True)
     with httpx.Client(base_url=srv.url, timeout=30) as c:

@@ -59,19 +59,23 @@ def stalled_get(url: str, path: str) -> socket.socket:
     return s
 
 
-def big_snapshots(c: httpx.Client, n: int) -> list[str]:
+def create_quiet_run(c: httpx.Client, name: str, world_size: int) -> None:
+    """A run of one constant profile and no periodic state snapshot: its
+    capture of the EMA would land in the memory measured here."""
     r = c.post(
         "/v1/runs",
         json={
-            "name": "slow",
-            "world_size": 1,
+            "name": name,
+            "world_size": world_size,
             "profiles": [{"name": "ema", "kind": "constant", "beta": 0.9}],
-            # No periodic state snapshot: its capture of the EMA would land
-            # in the memory measured here.
             "persist_every_secs": 0,
         },
     )
     assert r.status_code == 201, r.text
+
+
+def big_snapshots(c: httpx.Client, n: int) -> list[str]:
+    create_quiet_run(c, "slow", 1)
     body = safetensors.torch.save({"w": torch.randn(NUMEL)})
     assert c.put("/v1/runs/slow/ranks/0/steps/0", content=body, timeout=120).status_code == 200
     sids = []
@@ -173,18 +177,7 @@ GATHER_LAYOUTS = {
 
 
 def column_sharded_snapshot(c: httpx.Client) -> str:
-    r = c.post(
-        "/v1/runs",
-        json={
-            "name": "cols",
-            "world_size": 2,
-            "profiles": [{"name": "ema", "kind": "constant", "beta": 0.9}],
-            # No periodic state snapshot: its capture of the EMA would land
-            # in the memory measured here.
-            "persist_every_secs": 0,
-        },
-    )
-    assert r.status_code == 201, r.text
+    create_quiet_run(c, "cols", 2)
     torch.manual_seed(3)
     push_ranks(c, "cols", 0, {"w": torch.randn(*COLUMNS)}, 2, dims={"w": 1})
     r = c.post("/v1/runs/cols/snapshots", json={})
