@@ -285,9 +285,10 @@ def test_a_full_queue_with_the_server_gone_drops_the_oldest_and_warns_once(fresh
     for step in range(12):
         assert pusher.push({"w": w + step}, step)  # never raises
     stats = pusher.stats()
-    # Step 0 in flight (retried), step 1 too when the second connection
-    # took it before the queue filled, the newest two queued: the others
-    # were dropped, oldest first.
+    # Step 0 in flight (retried), one later step too when the second
+    # connection took one (which one depends on when its thread ran: it
+    # takes the oldest queued then), the newest two queued: the others were
+    # dropped, oldest first.
     kept = stats.pending
     assert kept in (3, 4) and (stats.pushed, stats.dropped, stats.acknowledged) == (
         12,
@@ -301,7 +302,11 @@ def test_a_full_queue_with_the_server_gone_drops_the_oldest_and_warns_once(fresh
     # flush waits its bounded time, then warns and returns.
     assert pusher.flush() is False
     warned = _messages(caplog, rf"{kept} push\(es\) not acknowledged after 2s")
-    assert len(warned) == 1 and re.search(r"steps 0, (1, )?10, 11\)", warned[0]), warned
+    steps = re.search(r"\(steps ([\d, ]+)\)", warned[0]) if len(warned) == 1 else None
+    assert steps is not None, warned
+    listed = [int(s) for s in steps.group(1).split(", ")]
+    assert listed[0] == 0 and listed[-2:] == [10, 11] and len(listed) == kept, warned
+    assert kept == 3 or 0 < listed[1] < 10, warned
 
     # Back: what was kept is delivered, and the end of the outage is said once.
     srv.start(same_port=True)
