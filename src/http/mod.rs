@@ -57,7 +57,7 @@ use openapi::Contract;
         runs::list_ranks, runs::get_rank, runs::get_rank_ema, runs::finish_run, runs::placement,
         push::push,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
-        snapshots::download, snapshots::compare, snapshots::resume, snapshots::persist,
+        snapshots::download, snapshots::download_digests, snapshots::compare, snapshots::resume, snapshots::persist,
         derived::posthoc, derived::plan, derived::merge,
         events::events, metrics::post, metrics::get,
         insight::patch_run, insight::list_alerts, insight::ack_alert,
@@ -76,7 +76,7 @@ use openapi::Contract;
         metrics::MetricsPost, metrics::MetricsBody, metrics::MetricsAccepted,
         metrics::Series, metrics::MetricsResponse, crate::engine::rank::DriftSample,
         snapshots::SnapshotRequest, snapshots::SnapshotList, snapshots::SnapshotView,
-        snapshots::CompareResponse, snapshots::ResumeRequest, snapshots::ResumeResponse,
+        snapshots::CompareResponse, snapshots::DownloadDigests, snapshots::ResumeRequest, snapshots::ResumeResponse,
         snapshots::PersistResponse, derived::PosthocRequest, derived::SigmaRel,
         derived::PosthocSweep, derived::DerivedRow, derived::MergeRequest, crate::services::snapshots::derived::Plan,
         crate::services::snapshots::derived::PlannedTarget, crate::services::snapshots::derived::PowerSource,
@@ -178,6 +178,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/runs/{run}/snapshots/{id}/download",
             get(snapshots::download),
+        )
+        .route(
+            "/v1/runs/{run}/snapshots/{id}/download/digests",
+            get(snapshots::download_digests),
         )
         .route("/v1/runs/{run}/compare", get(snapshots::compare))
         .route(

@@ -285,7 +285,7 @@ pub async fn download(
         Some(r) => (StatusCode::PARTIAL_CONTENT, r),
         None => (StatusCode::OK, 0..len),
     };
-    let stream = download::open(state.snapshots(), dl.file, span.clone()).await?;
+    let stream = download::open(state.snapshots(), dl.file, &dl.etag, span.clone()).await?;
     let mut resp = Response::new(Body::from_stream(stream));
     resp.extensions_mut().insert(super::conn::Download);
     *resp.status_mut() = status;
@@ -311,6 +311,54 @@ pub async fn download(
         }
     }
     Ok(resp)
+}
+
+/// What a download states of the file it serves, for the client's check.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DownloadDigests {
+    /// The download's ETag (the same query's `ETag` header).
+    pub etag: String,
+    /// The served file's length.
+    pub bytes: u64,
+    /// Bytes per digest (8 MiB); the last block may be shorter.
+    pub block_bytes: u64,
+    /// `crc32` (CRC-32/ISO-HDLC, as zlib's `crc32`).
+    pub algorithm: &'static str,
+    /// The CRC-32 of each block, in order.
+    pub crc32: Vec<u32>,
+}
+
+/// The digests of what a download serves (the same query as `download`):
+/// the CRC-32 of every 8 MiB block of the served file, any layout.
+#[utoipa::path(get, path = "/v1/runs/{run}/snapshots/{id}/download/digests", tag = "snapshots",
+    params(("run" = String, Path), ("id" = String, Path), DownloadQuery),
+    responses((status = 200, body = DownloadDigests),
+              (status = 409, body = ErrorBody, description = "the snapshot is not complete"),
+              (status = 500, body = ErrorBody, description = "a stored block did not match (`snapshot_corrupt`)")))]
+pub async fn download_digests(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+    ApiQuery(q): ApiQuery<DownloadQuery>,
+) -> Result<Json<DownloadDigests>, ApiError> {
+    let run = run_named(&state, &name)?;
+    caller.require_read(&run)?;
+    let asked = download::Asked {
+        profile: q.profile.as_deref(),
+        layout: q.layout.as_deref(),
+        dtype: q.dtype.as_deref(),
+        rank: q.rank,
+        max_shard_size: q.max_shard_size,
+    };
+    let dl = download::prepare(state.snapshots(), &run, &id, &asked).await?;
+    let crc32 = download::digests(state.snapshots(), &dl).await?;
+    Ok(Json(DownloadDigests {
+        bytes: dl.file.len(),
+        etag: dl.etag,
+        block_bytes: crate::snapshot::digests::DIGEST_BLOCK,
+        algorithm: "crc32",
+        crc32,
+    }))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -389,8 +389,8 @@ pub fn build(
             "the snapshot holds no rank files".into(),
         ));
     }
+    let etag = etag(snapshot_id, &meta, parts, layout, cast);
     let hf_config = meta.remove(HF_CONFIG_META);
-    let etag = etag_of(snapshot_id, parts, layout, cast, hf_config.as_deref());
     let suffix = cast
         .map(|c| format!("-{}", c.safetensors_name().to_lowercase()))
         .unwrap_or_default();
@@ -437,20 +437,25 @@ pub fn build(
     })
 }
 
-/// The download's ETag: what it is built from (the snapshot, the layout
-/// and cast, the model config of an `hf` tar, every part's sha256).
-fn etag_of(
+/// The ETag of the download [`build`] makes of the same arguments, known
+/// without reading a part: what it is built from (the snapshot, the
+/// profile and the metadata written into it, the layout and cast, the
+/// model config of an `hf` tar, every part's sha256).
+pub fn etag(
     snapshot_id: &str,
+    meta: &BTreeMap<String, String>,
     parts: &[StoredPart],
     layout: Layout,
     cast: Option<DType>,
-    hf_config: Option<&str>,
 ) -> String {
     let mut hasher = Sha256::new();
     hasher.update(snapshot_id.as_bytes());
     hasher.update(format!("{layout:?}{cast:?}").as_bytes());
-    if let (Layout::Hf { .. }, Some(config)) = (layout, hf_config) {
-        hasher.update(config.as_bytes());
+    for (k, v) in meta {
+        if k == HF_CONFIG_META && !matches!(layout, Layout::Hf { .. }) {
+            continue;
+        }
+        hasher.update(format!("{}:{k}={}:{v};", k.len(), v.len()).as_bytes());
     }
     for p in parts {
         hasher.update(p.sha256.as_bytes());

@@ -14,6 +14,7 @@
 //!   of the store, by ranges).
 //! - [`vfile`]: downloads as recipes of pieces, streamed with `Range`.
 //! - [`assemble`]: `full`, `hf`, `sharded` and `rank` downloads.
+//! - [`digests`]: the CRC-32 per 8 MiB of a served file, stated to clients.
 //! - [`compare`]: per-tensor statistics over whole tensors.
 //! - [`posthoc`]: EDM2 post-hoc EMA: the weights of the stored power
 //!   profiles that synthesise another length.
@@ -23,6 +24,7 @@ pub mod assemble;
 pub mod combine;
 pub mod compare;
 pub mod convert;
+pub mod digests;
 pub mod files;
 pub mod format;
 pub mod meta;

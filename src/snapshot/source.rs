@@ -286,6 +286,19 @@ impl PartLoc {
         self.open_as(true)
     }
 
+    /// The same part with nothing learnt by earlier readers (no warm first
+    /// block, a whole-hash check still to do): what a new request reads
+    /// through, so a recipe kept between requests never serves a block
+    /// another request checked.
+    pub fn renewed(&self) -> PartLoc {
+        PartLoc {
+            key: self.key.clone(),
+            at: self.at.clone(),
+            recorded: self.recorded.clone(),
+            shared: Arc::default(),
+        }
+    }
+
     /// Opens the part with nothing checked: for a part's own whole-hash
     /// check, and to measure what the checks cost.
     pub fn open_unchecked(&self) -> io::Result<PartReader> {

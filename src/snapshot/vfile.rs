@@ -164,6 +164,72 @@ impl VirtualFile {
         self.len == 0
     }
 
+    /// The same recipe over renewed parts ([`PartLoc::renewed`]; one per
+    /// part, shared by its pieces): each request to a kept recipe reads
+    /// and checks its own blocks.
+    pub fn renewed(&self) -> VirtualFile {
+        let mut fresh: HashMap<String, Arc<PartLoc>> = HashMap::new();
+        let mut renew = |p: &Arc<PartLoc>| {
+            fresh
+                .entry(p.key().to_string())
+                .or_insert_with(|| Arc::new(p.renewed()))
+                .clone()
+        };
+        let pieces = self
+            .pieces
+            .iter()
+            .map(|piece| match piece {
+                Piece::Bytes(b) => Piece::Bytes(b.clone()),
+                Piece::File { path, offset, len } => Piece::File {
+                    path: renew(path),
+                    offset: *offset,
+                    len: *len,
+                },
+                Piece::Cast {
+                    path,
+                    offset,
+                    count,
+                    from,
+                    to,
+                } => Piece::Cast {
+                    path: renew(path),
+                    offset: *offset,
+                    count: *count,
+                    from: *from,
+                    to: *to,
+                },
+                Piece::Gather(g) => Piece::Gather(Arc::new(GatherSpec {
+                    chunks: g
+                        .chunks
+                        .iter()
+                        .map(|c| ChunkSource {
+                            path: renew(&c.path),
+                            ..c.clone()
+                        })
+                        .collect(),
+                    ..(**g).clone()
+                })),
+            })
+            .collect();
+        VirtualFile {
+            pieces,
+            starts: self.starts.clone(),
+            len: self.len,
+        }
+    }
+
+    /// Reads and checks the first block of every part the file reads, so
+    /// that a part whose first block does not match refuses the response
+    /// before its first byte (as when the recipe was just built from the
+    /// parts' tables); the readers hand the blocks on to the stream.
+    pub fn check_first_blocks(&self) -> io::Result<()> {
+        for part in self.parts_in(0..self.len) {
+            let reader = part.open()?;
+            reader.read_bytes_ahead(0, 1, 0)?;
+        }
+        Ok(())
+    }
+
     /// Produces the bytes of `range` in order, a block (or a computed
     /// chunk) at a time, every stored byte checked against its part's
     /// record; stops early when `sink` returns false.
@@ -256,9 +322,23 @@ impl VirtualFile {
         range: Range<u64>,
         on_mismatch: impl Fn(&PartMismatch) + Send + 'static,
     ) -> impl Stream<Item = io::Result<Bytes>> {
+        self.stream_verified_tapped(range, on_mismatch, |_| {})
+    }
+
+    /// [`VirtualFile::stream_verified`], each checked piece shown to `tap`
+    /// (in order, on the producing thread) before it is sent.
+    pub fn stream_verified_tapped(
+        self: Arc<Self>,
+        range: Range<u64>,
+        on_mismatch: impl Fn(&PartMismatch) + Send + 'static,
+        mut tap: impl FnMut(&[u8]) + Send + 'static,
+    ) -> impl Stream<Item = io::Result<Bytes>> {
         let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(QUEUED);
         tokio::task::spawn_blocking(move || {
-            let out = self.produce_as(range, true, |b| tx.blocking_send(Ok(b)).is_ok());
+            let out = self.produce_as(range, true, |b| {
+                tap(&b);
+                tx.blocking_send(Ok(b)).is_ok()
+            });
             if let Err(e) = out {
                 if let Some(m) = PartMismatch::of(&e) {
                     tracing::error!(part = %m.key, "{m}; the download was cut");

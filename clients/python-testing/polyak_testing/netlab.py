@@ -145,7 +145,11 @@ class TcpProxy:
     cut between a server and what it reaches), until :meth:`mend`. Setting
     :attr:`lose_next` loses the next answer: the request is forwarded, the
     response swallowed and the connection closed (a network failure after
-    the server acted); :attr:`lost` counts them."""
+    the server acted); :attr:`lost` counts them. Setting :attr:`garble_at`
+    flips one bit at that byte of the answers of the next
+    :attr:`garble_left` connections (counted from each connection's first
+    byte from the target: bytes damaged on the way); :attr:`garbled`
+    counts them."""
 
     def __init__(self, target: tuple[str, int], listen: str = "127.0.0.1") -> None:
         self.target = target
@@ -158,6 +162,9 @@ class TcpProxy:
         self._closed = False
         self.lose_next = threading.Event()
         self.lost = 0
+        self.garble_at: int | None = None
+        self.garble_left = 0
+        self.garbled = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -181,12 +188,26 @@ class TcpProxy:
                 threading.Thread(target=self._pipe, args=(a, b, answers), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        seen = 0
+        garble: int | None = None
         try:
             while data := src.recv(65536):
                 if answers and self.lose_next.is_set():
                     self.lose_next.clear()
                     self.lost += 1
                     break
+                if answers and seen == 0:
+                    with self._lock:
+                        if self.garble_at is not None and self.garble_left > 0:
+                            self.garble_left -= 1
+                            garble = self.garble_at
+                if garble is not None and seen <= garble < seen + len(data):
+                    damaged = bytearray(data)
+                    damaged[garble - seen] ^= 0x10
+                    data = bytes(damaged)
+                    with self._lock:
+                        self.garbled += 1
+                seen += len(data)
                 dst.sendall(data)
         except OSError:
             pass

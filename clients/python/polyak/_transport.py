@@ -10,12 +10,12 @@ Two kinds of connection, each where it measured fastest:
   a keep-alive ``http.client`` connection owned by one thread. A push body
   is the host buffer itself, handed to one ``socket.sendall`` (which
   releases the GIL for the whole transfer), where httpx's h11 path would
-  copy it in 64 KiB ``bytes`` pieces on the calling thread. A download is
-  moved from the socket to its file by :class:`BodySink`: ``splice(2)``
-  where the platform has it (no copy through user space), else
-  ``readinto`` a mapping of the file or a reused buffer; httpx hands out
-  64 KiB ``bytes`` pieces, which measured about four times slower than the
-  server streams.
+  copy it in 64 KiB ``bytes`` pieces on the calling thread. A download's
+  ranged answers (:mod:`polyak._ranged`) are moved from the socket to their
+  place in the file with :func:`splice_at` (``splice(2)``: no copy through
+  user space) where the platform has it, else ``readinto`` a mapping of the
+  file or a buffer; httpx hands out 64 KiB ``bytes`` pieces, which
+  measured about four times slower than the server streams.
 
 Retries (:func:`send_with_retries`): connection errors (refused, reset,
 cut mid-body), timeouts, 408, 429 and every 5xx are retried with
@@ -33,21 +33,17 @@ here is shared between threads but the ``Transport``'s immutable settings.
 from __future__ import annotations
 
 import contextlib
-import errno
 import http.client
-import io
-import mmap
 import os
 import random
 import select
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
-from urllib.parse import urlencode, urlsplit
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -56,12 +52,12 @@ from .errors import PolyakError, error_from_response, parse_retry_after
 
 __all__ = [
     "RETRY_STATUSES",
-    "BodySink",
     "Connection",
     "RetryPolicy",
     "Transport",
     "retryable_status",
     "send_with_retries",
+    "splice_at",
 ]
 
 #: Answers worth another attempt (with every other 5xx: a server fault).
@@ -170,27 +166,6 @@ class Transport:
     def connection(self, timeout: float | None = None) -> Connection:
         """A keep-alive connection of its own (one per sending thread or slot)."""
         return Connection(self.url, self.timeout if timeout is None else timeout)
-
-    def open_download(
-        self, path: str, params: Mapping[str, Any], token: str | None
-    ) -> http.client.HTTPResponse:
-        """A streamed GET on a connection of its own, for a :class:`BodySink`;
-        closing the response closes the connection."""
-        conn = self.connection()
-        query = urlencode(_without_none(params))
-        headers = {"User-Agent": USER_AGENT, **self.auth(token)}
-        try:
-            r = conn.send("GET", path + (f"?{query}" if query else ""), None, headers)
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise PolyakError(
-                f"GET {self.url}{path}: {type(e).__name__}: {e}", code="unavailable"
-            ) from e
-        if r.status >= 300:
-            body = r.read()
-            conn.close()
-            raise error_from_response(r.status, body, parse_retry_after(r.getheader("retry-after")))
-        return r
 
 
 class Connection:
@@ -372,96 +347,24 @@ def send_with_retries(
 # -- streamed downloads ----------------------------------------------------
 
 
-class BodySink:
-    """Moves a response body into ``out`` the cheapest way the platform and
-    ``out`` allow: spliced (:class:`_Splice`), read into a mapping of the
-    file (:func:`_map_file`), or read into a reused buffer and written.
-
-    ``total`` is the announced length (``None`` when unknown) and ``done``
-    the bytes already in ``out`` (those that came with the headers, when
-    spliced); :meth:`move_some` moves the next piece."""
-
-    def __init__(
-        self, response: http.client.HTTPResponse, out: BinaryIO, timeout: float | None
-    ) -> None:
-        self.response = response
-        self.out = out
-        self.total = int(response.getheader("content-length") or 0) or None
-        self.spliced: _Splice | None = None
-        self.mapped: memoryview | None = None
-        try:
-            self.spliced = _splice_into(response, out, self.total, timeout)
-            self.mapped = None if self.spliced is not None else _map_file(out, self.total)
-        except BaseException:
-            self.close()  # e.g. no_space: the response is not left open
-            raise
-        self.done = 0 if self.spliced is None else (self.total or 0) - self.spliced.remaining
-        pieces = self.mapped is None and self.spliced is None
-        self._buf = bytearray(CHUNK if pieces else 0)
-        self._view = memoryview(self._buf)
-
-    def move_some(self) -> int:
-        """Moves the next piece; 0 at the end of the body."""
-        if self.spliced is not None:
-            n = self.spliced.step() if self.spliced.remaining else 0
-        elif self.mapped is not None:
-            # Straight from the socket into the file's pages.
-            n = self.response.readinto(
-                self.mapped[self.done : min(self.done + CHUNK, len(self.mapped))]
-            )
-        else:
-            n = self.response.readinto(self._buf)
-            self.out.write(self._view[:n])
-        self.done += n
-        return n
-
-    def move_all(self, what: str, on_bytes: Callable[[int, int], None]) -> int:
-        """Moves the whole body, calling ``on_bytes(n, done)`` after each
-        piece; a broken or short body raises ``incomplete_download``
-        (``what``: the message's subject)."""
-        while True:
-            try:
-                n = self.move_some()
-            except (OSError, http.client.HTTPException) as e:
-                raise PolyakError(
-                    f"{what} failed after {self.done} bytes: {type(e).__name__}: {e}",
-                    code="incomplete_download",
-                ) from e
-            if not n:
-                break
-            on_bytes(n, self.done)
-        if self.total is not None and self.done != self.total:
-            raise PolyakError(
-                f"{what} ended after {self.done} of {self.total} bytes",
-                code="incomplete_download",
-            )
-        return self.done
-
-    def close(self) -> None:
-        if self.spliced is not None:
-            self.spliced.close()
-        if self.mapped is not None:
-            mm = self.mapped.obj
-            self.mapped.release()
-            mm.close()  # type: ignore[union-attr]
-        self.response.close()
-
-    def __enter__(self) -> BodySink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 class _Splice:
     """Moves the rest of a response from its socket to a file through a
     pipe (``splice(2)``): the socket's pages are handed to the pipe without
     a copy, and the kernel copies them once, into the file's page cache.
     Read into a buffer and written out, the same bytes cost two copies."""
 
-    def __init__(self, sock_fd: int, file_fd: int, remaining: int, timeout: float | None):
+    def __init__(
+        self,
+        sock_fd: int,
+        file_fd: int,
+        remaining: int,
+        timeout: float | None,
+        offset: int | None = None,
+    ):
         self.sock_fd, self.file_fd, self.remaining = sock_fd, file_fd, remaining
         self.timeout = timeout
+        #: Where in the file the next byte goes (``None``: its position).
+        self.offset = offset
         import fcntl  # Linux only, as splice is
 
         self.pipe_r, self.pipe_w = os.pipe()
@@ -484,7 +387,12 @@ class _Splice:
             return 0
         moved = 0
         while moved < n:
-            moved += os.splice(self.pipe_r, self.file_fd, n - moved)
+            if self.offset is None:
+                moved += os.splice(self.pipe_r, self.file_fd, n - moved)
+            else:
+                k = os.splice(self.pipe_r, self.file_fd, n - moved, offset_dst=self.offset)
+                self.offset += k
+                moved += k
         self.remaining -= n
         return n
 
@@ -493,73 +401,20 @@ class _Splice:
         os.close(self.pipe_w)
 
 
-def _splice_into(
-    r: http.client.HTTPResponse, out: BinaryIO, total: int | None, timeout: float | None
-) -> _Splice | None:
-    """Where the platform has ``splice`` (Linux), ``out`` is an empty regular
-    file and the length is known: the file's blocks reserved (a full disk
-    fails here, at once, not half way), what ``http.client`` has already
-    buffered written out, and a :class:`_Splice` for the rest. ``None``
-    otherwise (TLS, a pipe, another platform): the caller reads the body."""
+def splice_at(
+    r: http.client.HTTPResponse, fd: int, offset: int, length: int, timeout: float | None
+) -> tuple[int, _Splice] | None:
+    """Where the platform has ``splice`` and the response comes over a plain
+    socket: what ``http.client`` already buffered of the body written at
+    ``offset`` of ``fd``, and a :class:`_Splice` for the rest of ``length``
+    bytes, written after it. ``None`` otherwise (the caller reads the
+    body). The response is left unread as far as ``http.client`` knows:
+    its connection is not used again."""
     sock = getattr(r.fp, "raw", None)
     sock = getattr(sock, "_sock", None)
-    # A plain socket only: an ssl.SSLSocket (a subclass) carries ciphertext.
-    if not total or not hasattr(os, "splice") or type(sock) is not socket.socket:
+    if not length or not hasattr(os, "splice") or type(sock) is not socket.socket:
         return None
-    fd = _empty_file(out)
-    if fd is None:
-        return None
-    _reserve(fd, total)
-    # The bytes read past the headers wait in the response's buffer: peek
-    # hands them out without another read of the socket (it reads only when
-    # the buffer is empty, and then the bytes are the body's too).
-    head = r.fp.peek(1)[: min(total, CHUNK)]
+    head = r.fp.peek(1)[: min(length, CHUNK)]
     r.fp.read(len(head))
-    out.write(head)
-    out.flush()
-    return _Splice(sock.fileno(), fd, total - len(head), timeout)
-
-
-def _empty_file(out: BinaryIO) -> int | None:
-    """The descriptor of ``out`` when it is an empty regular file."""
-    try:
-        fd = out.fileno()
-        if out.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        return None
-    return fd
-
-
-def _reserve(fd: int, total: int) -> bool:
-    """``posix_fallocate``: a full disk fails here, at once, not half way.
-    ``False`` where the filesystem cannot reserve blocks."""
-    if not hasattr(os, "posix_fallocate"):
-        return False
-    try:
-        os.posix_fallocate(fd, 0, total)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise PolyakError(
-                f"not enough disk space for a {total}-byte download", code="no_space"
-            ) from e
-        return False
-    return True
-
-
-def _map_file(out: BinaryIO, total: int | None) -> memoryview | None:
-    """When ``out`` is an empty regular file and the size is known: the
-    file's blocks reserved (``posix_fallocate``: a full disk fails here, at
-    once, not half way) and mapped, so the response is read straight into
-    the page cache, with no copy through a buffer and no ``write``.
-    ``None`` (write in pieces) where that is not possible."""
-    if not total:
-        return None
-    fd = _empty_file(out)
-    if fd is None or not _reserve(fd, total):
-        return None  # not a file, or a filesystem without fallocate: plain writes
-    out.flush()
-    try:
-        return memoryview(mmap.mmap(fd, total, flags=mmap.MAP_SHARED))
-    except (OSError, ValueError):
-        return None  # e.g. opened write-only: plain writes
+    os.pwrite(fd, head, offset)
+    return len(head), _Splice(sock.fileno(), fd, length - len(head), timeout, offset + len(head))

@@ -193,6 +193,7 @@ def cmd_download(client: Client, args: argparse.Namespace) -> None:
         layout=args.layout,
         dtype=args.dtype,
         progress=not args.no_progress,
+        connections=args.connections,
     )
     print(path if not args.json else json.dumps({"path": str(path)}))
 
@@ -455,6 +456,15 @@ def _snapshot_commands(command: Command) -> None:
         help="a directory (default .), or with --layout full a file name ending in .safetensors",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "-n",
+        "--connections",
+        type=int,
+        default=None,
+        help="ranged requests side by side (default 4); an interrupted download "
+        "run again fetches only what is missing, and every block is checked "
+        "against the server's digests",
+    )
     p.set_defaults(func=cmd_download)
 
     p = command("compare", "per-tensor differences between two snapshots")

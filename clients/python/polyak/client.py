@@ -551,11 +551,16 @@ class Run:
         dtype: str | None = None,
         progress: bool | IO[str] = True,
         on_progress: Callable[[int, int | None], None] | None = None,
+        connections: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Whole tensors of a snapshot (``layout=full``), loadable with
         ``model.load_state_dict`` of the unsharded model. ``profile``:
         default the snapshot's first; ``dtype``: ``bf16``, ``fp16``,
-        ``fp32`` casts floating point tensors on the server."""
+        ``fp32`` casts floating point tensors on the server.
+        ``connections``: ranged requests side by side (default 4); every
+        8 MiB block is checked against the digests the server states, and
+        a block that differs is fetched again or raises
+        ``download_corrupt``."""
         data = downloads.fetch_bytes(
             self,
             snapshot,
@@ -564,6 +569,7 @@ class Run:
             dtype=dtype,
             progress=progress,
             on_progress=on_progress,
+            connections=connections,
         )
         tensors, _ = read_safetensors(data)
         return tensors
@@ -579,6 +585,7 @@ class Run:
         progress: bool | IO[str] = True,
         on_progress: Callable[[int, int | None], None] | None = None,
         fsync: bool = True,
+        connections: int | None = None,
     ) -> Path:
         """Streams a snapshot to ``directory``, through a temporary file
         (or directory) renamed into place (``fsync``: made durable before
@@ -593,7 +600,17 @@ class Run:
 
         ``progress``: on stderr (``False``: none; a text stream: there), a
         tqdm bar where that is a terminal, else a line per 10 %. ``on_progress(bytes_done, bytes_total)`` is
-        called as the bytes arrive."""
+        called as the bytes arrive.
+
+        The file is fetched by byte ranges over ``connections`` (default 4)
+        and every 8 MiB block of it checked against the digests the server
+        states before it is renamed into place: a block that differs is
+        fetched again, and if it still differs ``download_corrupt`` is
+        raised. A download that fails leaves its temporary file
+        (``NAME.part``, with ``NAME.part.json`` saying which blocks it
+        holds); the next ``download_to`` of the same file fetches only the
+        missing blocks (``If-Range``: if the server's file changed, all of
+        it)."""
         return downloads.download_to(
             self,
             snapshot,
@@ -604,6 +621,7 @@ class Run:
             progress=progress,
             on_progress=on_progress,
             fsync=fsync,
+            connections=connections,
         )
 
     def compare(

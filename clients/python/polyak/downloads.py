@@ -2,26 +2,30 @@
 
 ``layout=full`` is one safetensors stream of whole tensors; ``layout=sharded``
 is a tar of one safetensors file per rank (``hf``: HF-style shards and their
-index). All are streamed: to memory for :meth:`Run.download`, to a temporary
-file renamed into place (or unpacked) for :meth:`Run.download_to`. The bytes
-move through the client's transport (:class:`polyak._transport.BodySink`:
-spliced socket to file where the platform allows); this module names the
-files, shows the progress and makes the result durable.
+index). All are fetched by byte ranges over several connections and
+checked block by block against the digests the server states
+(:mod:`polyak._ranged`): into memory for :meth:`Run.download`, into a
+temporary file renamed into place (or unpacked) for :meth:`Run.download_to`.
+A download into a file that failed leaves its temporary file and what it
+holds (``NAME.part`` and ``NAME.part.json``), and the next download of the
+same file fetches only what is missing. This module names the files, shows
+the progress and makes the result durable.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
 import tarfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Protocol
+from typing import IO, Any, Protocol
 
 from ._progress import progress_bar
-from ._transport import BodySink, Transport
+from ._ranged import DEFAULT_CONNECTIONS, Resume, Target, fetch
+from ._transport import Transport
 from .contract import WRITTEN_LAYOUTS, DownloadLayout, snapshot_done, snapshot_id
 from .errors import PolyakError
 
@@ -41,44 +45,60 @@ class SnapshotSource(Protocol):
     def transport(self) -> Transport: ...
 
 
-def _stream_into(
+def _fetch_into(
     run: SnapshotSource,
     snapshot: str | int | Mapping[str, Any],
     profile: str | None,
     layout: str,
     dtype: str | None,
-    out: BinaryIO,
+    target: Target,
     progress: bool | IO[str],
-    on_progress: Callable[[int, int | None], None] | None = None,
-) -> None:
+    on_progress: Callable[[int, int | None], None] | None,
+    connections: int | None,
+) -> int:
     """The snapshot's download (``layout``, ``profile``, ``dtype``) into
-    ``out``, with a tqdm bar (``progress``) and ``on_progress(done, total)``."""
+    ``target``, fetched by ranges over ``connections`` and checked against
+    the server's digests (:mod:`polyak._ranged`), with a tqdm bar
+    (``progress``) and ``on_progress(done, total)``. Returns the bytes
+    fetched (a resumed download: only what was missing)."""
     sid = snapshot_id(snapshot)
-    transport = run.transport
-    r = transport.open_download(
-        f"{run.path}/snapshots/{sid}/download",
-        {"profile": profile, "layout": layout, "dtype": dtype},
-        run.read_token if run.read_token is not None else transport.token,
-    )
-    with BodySink(r, out, transport.timeout) as sink:
-        with progress_bar(
-            progress,
-            total=sink.total,
-            initial=sink.done,
-            desc=f"{run.name}/{sid}" + (f" {profile}" if profile else ""),
-        ) as bar:
-            reported = 0
+    desc = f"{run.name}/{sid}" + (f" {profile}" if profile else "")
+    lock = threading.Lock()
+    bar: Any = None
+    done, total_of = 0, 0
 
-            def moved(n: int, done: int) -> None:
-                nonlocal reported
+    def on_total(total: int, held: int) -> None:
+        nonlocal bar, done, total_of
+        bar = progress_bar(progress, total=total, initial=held, desc=desc)
+        done, total_of = held, total
+        if on_progress is not None:
+            on_progress(done, total)
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        with lock:
+            n = min(n, total_of - done)  # a block fetched again is not counted twice
+            done += n
+            if bar is not None and n:
                 bar.update(n)
-                if on_progress is not None:
-                    on_progress(done, sink.total)
-                    reported = done
+            if on_progress is not None and n:
+                on_progress(done, total_of)
 
-            done = sink.move_all(f"download of snapshot {sid}", moved)
-        if on_progress is not None and reported != done:
-            on_progress(done, sink.total)  # it all came with the headers
+    try:
+        return fetch(
+            run.transport,
+            f"{run.path}/snapshots/{sid}/download",
+            {"profile": profile, "layout": layout, "dtype": dtype},
+            run.read_token if run.read_token is not None else run.transport.token,
+            target,
+            connections=DEFAULT_CONNECTIONS if connections is None else connections,
+            what=f"download of snapshot {sid}",
+            on_bytes=on_bytes,
+            on_total=on_total,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def fetch_bytes(
@@ -90,11 +110,17 @@ def fetch_bytes(
     dtype: str | None,
     progress: bool | IO[str],
     on_progress: Callable[[int, int | None], None] | None = None,
-) -> bytes:
-    """The whole download in memory (``Run.download``)."""
-    buf = io.BytesIO()
-    _stream_into(run, snapshot, profile, layout, dtype, buf, progress, on_progress)
-    return buf.getvalue()
+    connections: int | None = None,
+) -> bytearray:
+    """The whole download in memory (``Run.download``), checked."""
+    target = Target(None)
+    try:
+        _fetch_into(
+            run, snapshot, profile, layout, dtype, target, progress, on_progress, connections
+        )
+        return target.bytes()
+    finally:
+        target.close()
 
 
 def download_to(
@@ -108,6 +134,7 @@ def download_to(
     progress: bool | IO[str],
     on_progress: Callable[[int, int | None], None] | None = None,
     fsync: bool = True,
+    connections: int | None = None,
 ) -> Path:
     if layout not in {x.value for x in WRITTEN_LAYOUTS}:
         raise ValueError(f"layout must be `full`, `sharded` or `hf`, not {layout!r}")
@@ -121,44 +148,52 @@ def download_to(
     # Each dtype gets a name of its own: a bf16 copy never replaces the fp32 one.
     stem = f"{run.name}-{sid}" + (f"-{profile}" if profile else "") + (f"-{dtype}" if dtype else "")
 
-    def stream(out: BinaryIO) -> None:
-        _stream_into(run, snapshot, profile, layout, dtype, out, progress, on_progress)
+    def fetch_to(path: Path) -> None:
+        target = Target(path)
+        try:
+            _fetch_into(
+                run, snapshot, profile, layout, dtype, target, progress, on_progress, connections
+            )
+            if fsync:
+                target.fsync()
+        except BaseException:
+            target.close()
+            if not Resume.sidecar(path).exists():
+                path.unlink(missing_ok=True)  # nothing in it a later attempt could use
+            raise
+        finally:
+            target.close()
 
     if layout == DownloadLayout.FULL:
-        return _write_file(directory / (final_name or f"{stem}.safetensors"), stream, fsync)
+        return _write_file(directory / (final_name or f"{stem}.safetensors"), fetch_to, fsync)
     target = directory / (stem if layout == DownloadLayout.SHARDED else f"{stem}-hf")
-    return _unpack_tree(target, stream, fsync)
+    return _unpack_tree(target, fetch_to, fsync)
 
 
-def _write_file(final: Path, stream: Callable[[BinaryIO], None], fsync: bool) -> Path:
-    """``stream`` into a temporary file beside ``final``, renamed into place
-    (made durable first with ``fsync``)."""
+def _write_file(final: Path, fetch_to: Callable[[Path], None], fsync: bool) -> Path:
+    """Fetched into a temporary file beside ``final`` (``NAME.part``, kept
+    with what it holds when the fetch fails, for the next attempt to
+    resume), renamed into place once every block checked (made durable
+    first with ``fsync``)."""
     tmp = final.with_suffix(".safetensors.part")
-    try:
-        with open(tmp, "w+b") as f:  # readable too, to be mapped
-            stream(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-        if fsync:
-            _fsync_dir(final.parent)  # the rename itself
-    finally:
-        tmp.unlink(missing_ok=True)
+    fetch_to(tmp)
+    os.replace(tmp, final)
+    if fsync:
+        _fsync_dir(final.parent)  # the rename itself
     return final
 
 
-def _unpack_tree(target: Path, stream: Callable[[BinaryIO], None], fsync: bool) -> Path:
-    """``stream`` (a tar) into a temporary file, unpacked beside ``target``
-    and renamed into place: a crash leaves the old directory or the whole
-    new one, never a half-unpacked one."""
+def _unpack_tree(target: Path, fetch_to: Callable[[Path], None], fsync: bool) -> Path:
+    """The tar fetched into a temporary file (kept when the fetch fails,
+    for the next attempt to resume), unpacked beside ``target`` and renamed
+    into place: a crash leaves the old directory or the whole new one,
+    never a half-unpacked one."""
     directory = target.parent
     tmp_tar = directory / f"{target.name}.tar.part"
     staging = directory / f".{target.name}.part"
     shutil.rmtree(staging, ignore_errors=True)
+    fetch_to(tmp_tar)
     try:
-        with open(tmp_tar, "w+b") as f:
-            stream(f)
         with tarfile.open(tmp_tar) as tar:
             staging.mkdir()
             _extract(tar, staging)

@@ -444,13 +444,14 @@ def test_posthoc_sweep_plan_and_merge(client, run_name):
 
 
 def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_path, monkeypatch):
-    """``download_to`` writes a ``full`` download through ``splice`` where
-    it can (Linux, plain HTTP, a regular file), else into the mapped file,
-    else in pieces: all three give the bytes of an in-memory download. A
-    response cut short raises ``incomplete_download`` and leaves no file."""
+    """``download_to`` writes each ranged answer through ``splice`` where
+    it can (Linux, plain HTTP), else into the mapped file, over one
+    connection or several: all give the bytes of an in-memory download. A
+    response cut short by a server that serves no ranges raises
+    ``incomplete_download`` and leaves no file."""
     import socket
 
-    from polyak import _transport
+    from polyak import _ranged, _transport
 
     run = client.create_run(run_name, profiles=[constant("c", BETA)])
     g = torch.Generator().manual_seed(5)
@@ -468,23 +469,24 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     ).content
 
     spliced: list[int] = []
-    real_splice = _transport._splice_into
+    real_splice = _ranged.splice_at
 
-    def counting(*args):
-        sp = real_splice(*args)
-        spliced.append(sp.remaining if sp is not None else -1)
+    def counting(r, fd, offset, length, timeout):
+        sp = real_splice(r, fd, offset, length, timeout)
+        spliced.append(length if sp is not None else -1)
         return sp
 
-    monkeypatch.setattr(_transport, "_splice_into", counting)
+    monkeypatch.setattr(_ranged, "splice_at", counting)
     path = run.download_to(snap, tmp_path / "splice", "c", progress=False)
     assert path.read_bytes() == whole
     if hasattr(os, "splice"):
-        assert spliced and spliced[0] > len(whole) // 2, spliced
-    monkeypatch.setattr(_transport, "_splice_into", lambda *a: None)
+        assert spliced and sum(spliced) == len(whole), spliced
+    monkeypatch.setattr(_ranged, "splice_at", lambda *a: None)
     assert run.download_to(snap, tmp_path / "mapped", "c", progress=False).read_bytes() == whole
-    monkeypatch.setattr(_transport, "_map_file", lambda *a: None)
-    assert run.download_to(snap, tmp_path / "pieces", "c", progress=False).read_bytes() == whole
-    monkeypatch.setattr(_transport, "_splice_into", counting)
+    for n in (1, 3):
+        got = run.download_to(snap, tmp_path / f"n{n}", "c", progress=False, connections=n)
+        assert got.read_bytes() == whole
+    monkeypatch.setattr(_ranged, "splice_at", counting)
 
     # Over TLS the socket carries ciphertext: never spliced.
     import ssl
@@ -494,7 +496,7 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     with ctx.wrap_socket(socket.socket(), server_hostname="polyak.invalid") as tls:
         fake = types.SimpleNamespace(fp=types.SimpleNamespace(raw=types.SimpleNamespace(_sock=tls)))
         with open(tmp_path / "tls.part", "w+b") as f:
-            assert _transport._splice_into(fake, f, 1 << 20, 5.0) is None
+            assert _transport.splice_at(fake, f.fileno(), 0, 1 << 20, 5.0) is None
 
     # A peer that promises more bytes than it sends, then hangs up.
     listener = socket.create_server(("127.0.0.1", 0))
@@ -521,4 +523,4 @@ def test_download_paths_agree_and_a_cut_stream_is_refused(client, run_name, tmp_
     assert err.value.code == "incomplete_download", err.value
     assert not list((tmp_path / "cut").iterdir())
     if hasattr(os, "splice"):
-        assert spliced[-1] > 0, "the cut stream went through splice"
+        assert spliced[-1] == len(whole), "the cut stream went through splice"

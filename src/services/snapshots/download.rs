@@ -16,6 +16,7 @@ use crate::contract::DownloadLayout;
 use crate::registry::RunHandle;
 use crate::services::ServiceError;
 use crate::snapshot::assemble::{self, Layout};
+use crate::snapshot::digests::{missing_ranges, Tap};
 use crate::snapshot::format::MIRROR_PART;
 use crate::snapshot::meta;
 use crate::snapshot::source::PartMismatch;
@@ -42,6 +43,7 @@ pub struct Asked<'a> {
 }
 
 /// A download ready to be served: the assembled file and how to name it.
+#[derive(Clone)]
 pub struct Prepared {
     pub file: Arc<VirtualFile>,
     pub etag: String,
@@ -191,6 +193,14 @@ pub async fn prepare(
     }
     let sid = id.to_string();
     let mtime = (row.completed_at_ms.unwrap_or(row.created_at_ms).max(0) / 1000) as u64;
+    let etag = assemble::etag(&sid, &meta, &parts, layout, cast);
+    let records = Records::of(&parts);
+    if let Some(kept) = snaps.recipes.get(&etag, &records) {
+        return Ok(Prepared {
+            file: Arc::new(kept.file.renewed()),
+            ..kept
+        });
+    }
     let dl = tokio::task::spawn_blocking(move || {
         assemble::build(&sid, meta, &parts, layout, cast, mtime)
     })
@@ -200,12 +210,68 @@ pub async fn prepare(
             report(snaps, e);
         }
     })?;
-    Ok(Prepared {
+    let ready = Prepared {
         file: Arc::new(dl.file),
         etag: dl.etag,
         content_type: dl.content_type,
         file_name: dl.file_name,
-    })
+    };
+    // Kept without what this request's readers learnt (the checked first
+    // blocks of the tables just read): each request checks its own.
+    snaps.recipes.put(
+        records,
+        Prepared {
+            file: Arc::new(ready.file.renewed()),
+            ..ready.clone()
+        },
+    );
+    Ok(ready)
+}
+
+/// Files served lately, by ETag: the ranged requests of one download ask
+/// for the same file many times, and its recipe (each part's tensor table,
+/// read from the part's first block) is built once. Bounded; a snapshot
+/// deleted meanwhile is refused before the cache is looked at.
+#[derive(Default)]
+pub struct Recipes {
+    kept: std::sync::Mutex<std::collections::VecDeque<(Records, Prepared)>>,
+}
+
+/// Recipes a node keeps.
+const KEPT_RECIPES: usize = 32;
+
+/// Everything the catalog holds of the parts a recipe reads (what each
+/// read is held to): a kept recipe serves only while it is unchanged.
+#[derive(PartialEq, Eq)]
+struct Records(Vec<(String, Option<crate::snapshot::source::Recorded>)>);
+
+impl Records {
+    fn of(parts: &[assemble::StoredPart]) -> Records {
+        Records(
+            parts
+                .iter()
+                .map(|p| (p.path.key().to_string(), p.path.record().cloned()))
+                .collect(),
+        )
+    }
+}
+
+impl Recipes {
+    fn get(&self, etag: &str, records: &Records) -> Option<Prepared> {
+        let kept = self.kept.lock().expect("recipes lock");
+        kept.iter()
+            .find(|(r, p)| p.etag == etag && r == records)
+            .map(|(_, p)| p.clone())
+    }
+
+    fn put(&self, records: Records, ready: Prepared) {
+        let mut kept = self.kept.lock().expect("recipes lock");
+        kept.retain(|(_, p)| p.etag != ready.etag);
+        if kept.len() >= KEPT_RECIPES {
+            kept.pop_front();
+        }
+        kept.push_back((records, ready));
+    }
 }
 
 /// A `Range` no byte of the file satisfies (answered 416).
@@ -274,30 +340,102 @@ fn decimal(s: &str) -> u64 {
 /// their sizes before the first byte, each block checked before any byte
 /// of it is sent. A mismatch in the first chunk refuses the response
 /// (`500 snapshot_corrupt`, nothing sent); a later one cuts the stream
-/// before the bad block. Either is reported.
+/// before the bad block. Either is reported. Each digest block the span
+/// carries whole is hashed as it passes, for [`digests`].
 pub async fn open(
     snaps: &Snaps,
     file: Arc<VirtualFile>,
+    etag: &str,
     span: Range<u64>,
 ) -> Result<impl Stream<Item = std::io::Result<Bytes>>, ServiceError> {
     let (sized, checked) = (file.clone(), span.clone());
-    tokio::task::spawn_blocking(move || sized.check_sizes(checked))
-        .await?
-        .map_err(|e| {
-            report(snaps, &e);
-            ServiceError::from(SnapshotError::Io(e))
-        })?;
+    tokio::task::spawn_blocking(move || {
+        sized.check_sizes(checked.clone())?;
+        if checked.start == 0 && !sized.is_empty() {
+            // As a recipe just built from the parts' tables would: a bad
+            // first block of any part refuses the whole file's response.
+            sized.check_first_blocks()?;
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await?
+    .map_err(|e| {
+        report(snaps, &e);
+        ServiceError::from(SnapshotError::Io(e))
+    })?;
     let (events, metrics) = (snaps.events.clone(), snaps.metrics.clone());
-    let mut body = Box::pin(file.stream_verified(span, move |m| {
-        verify::report_mismatch(&events, &metrics, m, "download")
-    }));
+    let mut tap = Tap::new(
+        snaps.digests.clone(),
+        Arc::from(etag),
+        file.len(),
+        span.start,
+    );
+    let mut body = Box::pin(file.stream_verified_tapped(
+        span,
+        move |m| verify::report_mismatch(&events, &metrics, m, "download"),
+        move |b| tap.feed(b),
+    ));
     // The first chunk before the answer: a part whose first block read
     // does not match is refused rather than sent as a cut body.
-    let first = match futures::StreamExt::next(&mut body).await {
-        Some(Err(e)) => return Err(ServiceError::from(SnapshotError::Io(e))),
-        first => first,
+    let first = loop {
+        match futures::StreamExt::next(&mut body).await {
+            Some(Err(e)) => return Err(ServiceError::from(SnapshotError::Io(e))),
+            // An empty piece is no first byte: the check goes on.
+            Some(Ok(b)) if b.is_empty() => continue,
+            first => break first,
+        }
     };
     Ok(futures::stream::iter(first).chain(body))
+}
+
+/// The digests a download states for the file `dl` serves: the CRC-32 of
+/// each [`DIGEST_BLOCK`](crate::snapshot::digests::DIGEST_BLOCK), in order. Blocks no response of this node carried
+/// whole yet are produced again through the verified reader (only those:
+/// a download fetched on block boundaries costs nothing more); a stored
+/// block that does not match is reported and answered `snapshot_corrupt`.
+pub async fn digests(snaps: &Snaps, dl: &Prepared) -> Result<Vec<u32>, ServiceError> {
+    let len = dl.file.len();
+    let known = snaps.digests.known(&dl.etag, len);
+    let missing = missing_ranges(&known, len);
+    if !missing.is_empty() {
+        let (file, cache, etag) = (dl.file.clone(), snaps.digests.clone(), dl.etag.clone());
+        let (events, metrics) = (snaps.events.clone(), snaps.metrics.clone());
+        tokio::task::spawn_blocking(move || {
+            let etag: Arc<str> = Arc::from(etag);
+            for range in missing {
+                file.check_sizes(range.clone())?;
+                let mut tap = Tap::new(cache.clone(), etag.clone(), len, range.start);
+                file.produce(range, |b| {
+                    tap.feed(&b);
+                    true
+                })
+                .inspect_err(|e| {
+                    if let Some(m) = PartMismatch::of(e) {
+                        verify::report_mismatch(&events, &metrics, m, "download");
+                    }
+                })?;
+            }
+            Ok::<_, std::io::Error>(())
+        })
+        .await?
+        .map_err(|e| ServiceError::from(SnapshotError::Io(e)))?;
+    }
+    snaps
+        .digests
+        .known(&dl.etag, len)
+        .into_iter()
+        .enumerate()
+        .map(|(i, crc)| {
+            crc.ok_or_else(|| {
+                // Only when more files were served meanwhile than the cache
+                // keeps: the client asks again.
+                ServiceError::busy(
+                    format!("the digest of block {i} was dropped while it was computed"),
+                    1,
+                )
+            })
+        })
+        .collect()
 }
 
 /// Reports a part a download found other than recorded.

@@ -108,6 +108,10 @@ pub struct SnapshotService {
     /// a state snapshot holds its estimated bytes from capture until it
     /// completes or fails.
     captures: Arc<tokio::sync::Semaphore>,
+    /// The digests of served files, as far as responses carried them.
+    pub(crate) digests: Arc<crate::snapshot::digests::DigestCache>,
+    /// The recipes of files served lately.
+    pub(crate) recipes: download::Recipes,
 }
 
 /// The part a catalog row describes, for the one verified reader, held to
@@ -143,6 +147,8 @@ impl SnapshotService {
             captures: Arc::new(tokio::sync::Semaphore::new(backlog_permits(
                 ctx.args.capture_backlog.0,
             ))),
+            digests: Arc::default(),
+            recipes: download::Recipes::default(),
         })
     }
 
