@@ -63,9 +63,9 @@ pub async fn livez(State(state): State<AppState>) -> Json<Health> {
 
 /// The catalog answers and every engine takes work: 200 `ok`. A catalog
 /// that cannot be reached or a stopped engine: 503 `unavailable`. An object
-/// store that cannot be reached, or a data dir's disk under
-/// `--disk-reserve`: 200 `degraded` with the reason (pushes and reads of
-/// live EMA go on; snapshots wait or fail with the reason).
+/// store that cannot be reached, a data dir's disk under `--disk-reserve`,
+/// or a catalog whose disk is full: 200 `degraded` with the reason (pushes
+/// and reads of live EMA go on; snapshots wait or fail with the reason).
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<AppState>) -> Response {

@@ -229,6 +229,18 @@ fn python_int(text: &str) -> Option<i128> {
     Some(if negative { -value } else { value })
 }
 
+impl DownloadQuery {
+    fn asked(&self) -> download::Asked<'_> {
+        download::Asked {
+            profile: self.profile.as_deref(),
+            layout: self.layout.as_deref(),
+            dtype: self.dtype.as_deref(),
+            rank: self.rank,
+            max_shard_size: self.max_shard_size,
+        }
+    }
+}
+
 /// Download a complete snapshot, streamed (`Range` and `ETag` supported).
 #[utoipa::path(get, path = "/v1/runs/{run}/snapshots/{id}/download", tag = "snapshots",
     params(("run" = String, Path), ("id" = String, Path), DownloadQuery),
@@ -245,13 +257,7 @@ pub async fn download(
 ) -> Result<Response, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let asked = download::Asked {
-        profile: q.profile.as_deref(),
-        layout: q.layout.as_deref(),
-        dtype: q.dtype.as_deref(),
-        rank: q.rank,
-        max_shard_size: q.max_shard_size,
-    };
+    let asked = q.asked();
     let dl = download::prepare(state.snapshots(), &run, &id, &asked).await?;
     let etag = HeaderValue::from_str(&dl.etag).map_err(ApiError::internal)?;
     if super::conditional::none_match(&headers, &dl.etag) {
@@ -343,13 +349,7 @@ pub async fn download_digests(
 ) -> Result<Json<DownloadDigests>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    let asked = download::Asked {
-        profile: q.profile.as_deref(),
-        layout: q.layout.as_deref(),
-        dtype: q.dtype.as_deref(),
-        rank: q.rank,
-        max_shard_size: q.max_shard_size,
-    };
+    let asked = q.asked();
     let dl = download::prepare(state.snapshots(), &run, &id, &asked).await?;
     let crc32 = download::digests(state.snapshots(), &dl).await?;
     Ok(Json(DownloadDigests {

@@ -313,7 +313,11 @@ impl From<StoreError> for ServiceError {
                 ..Self::fault(
                     ErrorKind::Unavailable,
                     "catalog_unavailable",
-                    "the catalog cannot be reached",
+                    if other.is_disk_full() {
+                        "the catalog's disk is full"
+                    } else {
+                        "the catalog cannot be reached"
+                    },
                     other,
                 )
             },

@@ -44,9 +44,9 @@ pub enum Readiness {
     Ready,
     /// The catalog cannot be reached or an engine stopped: nothing works.
     Unavailable(String),
-    /// The object store cannot be reached, or the data dir's disk is below
-    /// `--disk-reserve`: pushes and reads of live EMA go on, snapshots
-    /// wait or fail.
+    /// The object store cannot be reached, the data dir's disk is below
+    /// `--disk-reserve`, or the catalog's disk is full: pushes and reads of
+    /// live EMA go on, snapshots wait or fail.
     Degraded(String),
 }
 
@@ -72,8 +72,9 @@ impl Ops {
 
     /// Asks the catalog (within `--catalog-timeout-secs`: a probe sees a
     /// quick answer, never a hang, while the catalog is away or holds every
-    /// connection), then every engine, then the object store, then the data
-    /// dir's free space.
+    /// connection), then every engine, then whether the catalog's disk is
+    /// full (after a write it refused for lack of space), then the object
+    /// store, then the data dir's free space.
     pub async fn readiness(&self) -> Readiness {
         let ctx = &self.ctx;
         let wait = Duration::from_secs_f64(ctx.args.catalog_timeout_secs);
@@ -87,6 +88,13 @@ impl Ops {
         }
         if !self.engines_answer().await {
             return Readiness::Unavailable("an engine thread stopped".into());
+        }
+        if let Ok(Some(full)) = tokio::time::timeout(wait, ctx.store.disk_full()).await {
+            return Readiness::Degraded(format!(
+                "catalog ({}): {full}; what needs a catalog write (snapshots, run changes) \
+                 answers 503 catalog_unavailable",
+                ctx.store.kind().name()
+            ));
         }
         let failed = match tokio::time::timeout(OBJECTS_PING, ctx.objects.ping()).await {
             Ok(Ok(())) => None,

@@ -2,10 +2,12 @@
 //! directory fsynced; only then does the catalog call them complete.
 //! At start, anything the catalog does not list as complete is removed.
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
@@ -66,6 +68,32 @@ impl<W: Write> Write for HashingWriter<W> {
 /// cost more than it saves, on the writing thread.
 const PARALLEL_HASH_BYTES: usize = 1 << 20;
 
+thread_local! {
+    /// CPU time the hashing threads started by this thread took.
+    static HASHING_CPU: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+}
+
+/// CPU time (user and system) of the calling thread.
+pub fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// A clock of the CPU a thread spends writing: its own CPU time and that
+/// of the hashing threads its [`PartWriter::write_all`] calls started.
+/// Read before and after a write, it says what the write cost the
+/// machine, which exceeds the write's duration when the hash runs beside it.
+pub fn write_cpu() -> Duration {
+    thread_cpu() + HASHING_CPU.with(Cell::get)
+}
+
 /// A part file being written under its temporary name: bytes go through a
 /// sha256 and block checksums on their way; [`PartWriter::finish`] fsyncs
 /// and renames it.
@@ -122,11 +150,13 @@ impl PartWriter {
             let hashing = s.spawn(|| {
                 hasher.update(buf);
                 blocks.update(buf);
+                thread_cpu()
             });
             let written = inner.write_all(buf);
-            hashing
+            let cpu = hashing
                 .join()
                 .map_err(|_| io::Error::other("the hashing thread panicked"))?;
+            HASHING_CPU.with(|c| c.set(c.get() + cpu));
             written
         })?;
         *bytes += buf.len() as u64;
@@ -256,5 +286,33 @@ mod tests {
         let removed = remove_unlisted(dir.path(), &keep).unwrap();
         assert_eq!(removed.len(), 2);
         assert!(path.exists() && !orphan.exists() && !tmp_path(&path).exists());
+    }
+
+    #[test]
+    fn write_cpu_counts_the_hashing_threads() {
+        // A block past `PARALLEL_HASH_BYTES` is hashed on a second thread,
+        // whose CPU time goes on the clock of the thread that wrote it.
+        let dir = tempfile::tempdir().unwrap();
+        let n = 16 * PARALLEL_HASH_BYTES;
+        let part = PartFile {
+            header: SafetensorsHeader::new(
+                vec![HeaderEntry {
+                    name: "w".into(),
+                    dtype: DType::F32,
+                    shape: vec![n as i64 / 4],
+                    nbytes: n,
+                }],
+                BTreeMap::new(),
+            ),
+            blocks: vec![bytes::Bytes::from(vec![1u8; n])],
+        };
+        let hashed = || HASHING_CPU.with(Cell::get);
+        let (before, clock) = (hashed(), write_cpu());
+        write_part(dir.path(), Path::new("w.safetensors"), &part).unwrap();
+        assert!(
+            hashed() > before,
+            "the hashing thread's CPU time was not counted"
+        );
+        assert!(write_cpu() - clock >= hashed() - before);
     }
 }

@@ -178,37 +178,20 @@ impl VirtualFile {
         let pieces = self
             .pieces
             .iter()
-            .map(|piece| match piece {
-                Piece::Bytes(b) => Piece::Bytes(b.clone()),
-                Piece::File { path, offset, len } => Piece::File {
-                    path: renew(path),
-                    offset: *offset,
-                    len: *len,
-                },
-                Piece::Cast {
-                    path,
-                    offset,
-                    count,
-                    from,
-                    to,
-                } => Piece::Cast {
-                    path: renew(path),
-                    offset: *offset,
-                    count: *count,
-                    from: *from,
-                    to: *to,
-                },
-                Piece::Gather(g) => Piece::Gather(Arc::new(GatherSpec {
-                    chunks: g
-                        .chunks
-                        .iter()
-                        .map(|c| ChunkSource {
-                            path: renew(&c.path),
-                            ..c.clone()
-                        })
-                        .collect(),
-                    ..(**g).clone()
-                })),
+            .map(|piece| {
+                let mut piece = piece.clone();
+                match &mut piece {
+                    Piece::Bytes(_) => {}
+                    Piece::File { path, .. } | Piece::Cast { path, .. } => *path = renew(path),
+                    Piece::Gather(g) => {
+                        let mut spec = (**g).clone();
+                        for c in &mut spec.chunks {
+                            c.path = renew(&c.path);
+                        }
+                        *g = Arc::new(spec);
+                    }
+                }
+                piece
             })
             .collect();
         VirtualFile {

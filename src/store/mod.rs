@@ -76,7 +76,56 @@ pub enum StoreError {
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> Self {
         sqlite_trouble::note(&e);
+        catalog_space::note(&e);
         StoreError::Sql(e)
+    }
+}
+
+/// PostgreSQL's disk after a statement it refused for lack of space
+/// (SQLSTATE 53100, `disk_full`: a data file, or a temporary file, that
+/// could not grow; PostgreSQL goes on). The last such refusal is kept
+/// until [`Store::disk_full`] finds room again, so readiness says the
+/// catalog's disk is full while it is, not only while a write happens to
+/// fail. (SQLite's file is in the data dir, whose free space readiness
+/// asks directly.)
+mod catalog_space {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::Instant;
+
+    /// When the last refusal was, in microseconds after [`origin`], plus one
+    /// (0: none since room was last found).
+    static LAST: AtomicU64 = AtomicU64::new(0);
+
+    fn origin() -> Instant {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        *ORIGIN.get_or_init(Instant::now)
+    }
+
+    pub(super) fn is_disk_full(code: &str) -> bool {
+        code == "53100"
+    }
+
+    pub(super) fn note(e: &sqlx::Error) {
+        if let sqlx::Error::Database(db) = e {
+            if db.code().is_some_and(|c| is_disk_full(&c)) {
+                let at = origin().elapsed().as_micros() as u64 + 1;
+                LAST.fetch_max(at, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// The last refusal since room was last found (an opaque mark).
+    pub(super) fn refused() -> Option<u64> {
+        match LAST.load(Ordering::Acquire) {
+            0 => None,
+            at => Some(at),
+        }
+    }
+
+    /// Room was found after the refusal `mark`; a later one stays.
+    pub(super) fn room_after(mark: u64) {
+        let _ = LAST.compare_exchange(mark, 0, Ordering::AcqRel, Ordering::Acquire);
     }
 }
 
@@ -159,6 +208,17 @@ impl StoreError {
 }
 
 impl StoreError {
+    /// Whether the database refused the statement for lack of space
+    /// (PostgreSQL's 53100).
+    pub fn is_disk_full(&self) -> bool {
+        match self {
+            StoreError::Sql(sqlx::Error::Database(e)) => {
+                e.code().is_some_and(|c| catalog_space::is_disk_full(&c))
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the database gave up the statement for another one it ran
     /// at the same time (PostgreSQL's deadlock 40P01 or serialization
     /// failure 40001): the same statement again may well go through.
@@ -433,6 +493,47 @@ impl Store {
                 tracing::warn!(error = %e, "checkpointing the catalog's WAL failed");
             }
         }
+    }
+
+    /// Whether the catalog's disk is full: after a statement PostgreSQL
+    /// refused for lack of space, a probe asks whether there is room again
+    /// (`Some(reason)`: there is not). The probe is a sort of 50,000
+    /// numbers in 64 kB of memory, which spills about a megabyte to
+    /// temporary files on the disk of the default tablespace and rolls
+    /// back: no table and no WAL is written, so it cannot make PostgreSQL
+    /// PANIC, and once it goes through the refusal is forgotten. `None`
+    /// without a refusal (and always on SQLite).
+    pub async fn disk_full(&self) -> Option<String> {
+        let mark = catalog_space::refused()?;
+        if self.kind != CatalogKind::Postgres {
+            catalog_space::room_after(mark);
+            return None;
+        }
+        match self.spill_probe().await {
+            Ok(()) => {
+                tracing::info!("the catalog's disk has room again");
+                catalog_space::room_after(mark);
+                None
+            }
+            Err(e) if e.is_disk_full() => Some(format!("its disk is full: {e}")),
+            // Another failure says nothing of the disk: the next ping tells.
+            Err(e) => {
+                tracing::debug!(error = %e, "the catalog's disk probe failed");
+                None
+            }
+        }
+    }
+
+    async fn spill_probe(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool().begin().await?;
+        tx.execute("SET LOCAL work_mem = '64kB'").await?;
+        tx.execute(
+            "SELECT count(*) FROM \
+             (SELECT g FROM generate_series(1, 50000) AS g ORDER BY g DESC) AS spilled",
+        )
+        .await?;
+        tx.rollback().await?;
+        Ok(())
     }
 
     /// A trivial query: the catalog answers.
@@ -931,6 +1032,16 @@ mod tests {
         }
         for code in ["19", "2067", "10", "1"] {
             assert!(!unavailable_code(code), "{code}");
+        }
+    }
+
+    #[test]
+    fn a_full_disk_is_told_from_other_refusals() {
+        // PostgreSQL's disk_full, not out of memory, out of connections or
+        // a SQLite code.
+        assert!(catalog_space::is_disk_full("53100"));
+        for code in ["53200", "53300", "57P03", "13", "5"] {
+            assert!(!catalog_space::is_disk_full(code), "{code}");
         }
     }
 

@@ -69,15 +69,23 @@ class PostgresService:
     ``postgres`` superuser role ``polyak``; :meth:`new_database` gives each
     server a database of its own. With ``$POLYAK_TEST_DATABASE_URL`` set,
     that service is used instead and nothing is started.
+
+    ``data_root``: the cluster's data directory is made under this folder
+    (a small filesystem a test fills, say) instead of beside its log and
+    socket in a temporary directory; such a cluster is always started,
+    whatever ``$POLYAK_TEST_DATABASE_URL`` says.
     """
 
     USER = "polyak-pg"
     ROLE = "polyak"
 
-    def __init__(self) -> None:
-        self.external = os.environ.get("POLYAK_TEST_DATABASE_URL") or None
+    def __init__(self, data_root: Path | None = None) -> None:
+        self.data_root = data_root
+        self.external = None if data_root else os.environ.get("POLYAK_TEST_DATABASE_URL") or None
         self.bindir = _postgres_bindir()
         self.dir: Path | None = None
+        #: The cluster's data directory (once started).
+        self.data: Path | None = None
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._dbs = 0
@@ -125,7 +133,13 @@ class PostgresService:
             return self
         self._ensure_user()
         self.dir = Path(tempfile.mkdtemp(prefix="polyak-pg-"))
-        data = self.dir / "data"
+        if self.data_root is None:
+            data = self.dir / "data"
+        else:
+            data = self.data_root / self.dir.name  # initdb makes it
+            if os.geteuid() == 0:
+                shutil.chown(self.data_root, self.USER, self.USER)
+        self.data = data
         if os.geteuid() == 0:
             shutil.chown(self.dir, self.USER, self.USER)
         subprocess.run(
@@ -152,7 +166,7 @@ class PostgresService:
         return self
 
     def _launch(self, timeout: float) -> None:
-        assert self.dir is not None
+        assert self.dir is not None and self.data is not None
         self.port = self.port or free_port()
         log = open(self.dir / "postgres.log", "ab")
         self.proc = subprocess.Popen(
@@ -160,7 +174,7 @@ class PostgresService:
                 [
                     str(self.bindir / "postgres"),
                     "-D",
-                    str(self.dir / "data"),
+                    str(self.data),
                     "-c",
                     "listen_addresses=127.0.0.1",
                     "-p",
@@ -219,8 +233,11 @@ class PostgresService:
         _end(self.proc, signal.SIGINT, timeout)  # SIGINT: fast shutdown
         self.proc = None
         if self.dir is not None and not keep_data:
+            if self.data is not None and self.data_root is not None:
+                shutil.rmtree(self.data, ignore_errors=True)
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+            self.data = None
 
 
 class S3Service:

@@ -61,6 +61,8 @@ DEFAULT_CONNECTIONS = 4
 #: end) stays small, small enough that every connection has work.
 MAX_PIECE = 64 << 20
 MIN_PIECE = DIGEST_BLOCK
+#: Times the digests are asked for before their failure is raised.
+DIGEST_ATTEMPTS = 5
 #: Seconds between saves of the blocks held (and at every failure).
 SAVE_EVERY = 1.0
 #: Attempts at one piece whose answer broke before the end.
@@ -370,14 +372,25 @@ class Ranged:
     def digests(self) -> dict[str, Any]:
         """What the server states of the file it serves (``crc32`` per
         ``block_bytes``, ``etag``, ``bytes``)."""
-        r = self.transport.request(
-            "GET",
-            f"{self.path}/digests",
-            params=self.params,
-            token=self.token,
-            what=f"digests of {self.what}",
-        )
-        return dict(r.json())
+        for attempt in range(DIGEST_ATTEMPTS):
+            try:
+                r = self.transport.request(
+                    "GET",
+                    f"{self.path}/digests",
+                    params=self.params,
+                    token=self.token,
+                    what=f"digests of {self.what}",
+                )
+                return dict(r.json())
+            except PolyakError as e:
+                # A timeout (blocks no response of that node carried are
+                # hashed on the server, which goes on after the answer is
+                # given up and keeps them), or 429/503: asked again.
+                again = e.status is None or e.status in (429, 503)
+                if not again or attempt == DIGEST_ATTEMPTS - 1:
+                    raise
+                time.sleep(min(5.0, e.retry_after or 1.0))
+        raise AssertionError("unreachable")
 
     def mismatches(self, crcs: dict[int, int], total: int, etag: str) -> list[int]:
         """The blocks whose CRC-32 differs from what the server states."""

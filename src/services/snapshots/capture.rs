@@ -161,20 +161,30 @@ fn host(t: tch::Tensor) -> Result<tch::Tensor, SnapshotError> {
         .map_err(|e| SnapshotError::Engine(e.into()))
 }
 
-/// Runs `f` on a blocking thread.
+/// Runs `f`, a step of writing snapshot `id`, on a blocking thread; its CPU
+/// time (with its hashing threads') is counted to `id` when that is a
+/// metered `state` write (see `persist::PERSIST_BUSY_SHARE`).
 async fn blocking<T: Send + 'static>(
+    state: &Snaps,
+    id: &str,
     f: impl FnOnce() -> Result<T, SnapshotError> + Send + 'static,
 ) -> Result<T, SnapshotError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| SnapshotError::Worker(e.to_string()))?
+    let (out, cpu) = tokio::task::spawn_blocking(move || {
+        let start = files::write_cpu();
+        let out = f();
+        (out, files::write_cpu().saturating_sub(start))
+    })
+    .await
+    .map_err(|e| SnapshotError::Worker(e.to_string()))?;
+    state.pending.add_write_cpu(id, cpu);
+    out
 }
 
 /// Writes every part of a rank, one part at a time (a device capture is
 /// copied to the host a part at a time); returns their catalog rows.
 pub(super) async fn write_rank(
     state: &Snaps,
-    capture: RankCapture,
+    mut capture: RankCapture,
     fence: Fence,
 ) -> Result<Vec<FileRow>, SnapshotError> {
     let dir = files::snapshot_rel_dir(&capture.run, &capture.snapshot);
@@ -191,16 +201,19 @@ pub(super) async fn write_rank(
     let layout = capture.layout.clone();
     let copied: Vec<tch::Tensor> = {
         let copied: Vec<tch::Tensor> = capture.copied.iter().map(|t| t.shallow_clone()).collect();
-        blocking(move || copied.into_iter().map(host).collect()).await?
+        blocking(state, &capture.snapshot, move || {
+            copied.into_iter().map(host).collect()
+        })
+        .await?
     };
-    let mut parts: Vec<(String, Vec<tch::Tensor>)> = capture
-        .profiles
-        .iter()
-        .map(|(name, ema)| (name.clone(), vec![ema.shallow_clone()]))
+    // The parts own the captured tensors: each is freed on the blocking
+    // thread that wrote it (counted with the write, off the async threads).
+    let mut parts: Vec<(String, Vec<tch::Tensor>)> = std::mem::take(&mut capture.profiles)
+        .into_iter()
+        .map(|(name, ema)| (name, vec![ema]))
         .collect();
-    if let Some(mirror) = &capture.mirror {
-        let tensors = mirror.iter().map(|t| t.shallow_clone()).collect();
-        parts.push((MIRROR_PART.to_string(), tensors));
+    if let Some(mirror) = capture.mirror.take() {
+        parts.push((MIRROR_PART.to_string(), mirror));
     }
     let mut rows = Vec::new();
     for (name, tensors) in parts {
@@ -208,7 +221,7 @@ pub(super) async fn write_rank(
         let copies: Vec<tch::Tensor> = copied.iter().map(|t| t.shallow_clone()).collect();
         let layout = layout.clone();
         let mirror = name == MIRROR_PART;
-        let part = blocking(move || {
+        let part = blocking(state, &capture.snapshot, move || {
             let tensors: Vec<tch::Tensor> =
                 tensors.into_iter().map(host).collect::<Result<_, _>>()?;
             Ok(if mirror {
@@ -251,7 +264,7 @@ pub(super) async fn upload_part(
         // thread (no copy into upload buffers), fsynced, renamed, the
         // directory fsynced.
         let rel = std::path::PathBuf::from(key);
-        let w = blocking(move || {
+        let w = blocking(state, snapshot, move || {
             let w = files::write_part(&root, &rel, &part)?;
             if let Some(dir) = root.join(&rel).parent() {
                 files::sync_dir(dir)?;
@@ -371,11 +384,46 @@ pub(super) async fn finalize(state: &Snaps, id: &str, p: Pending) {
             }
         }
         Err(e) => {
+            // The catalog did not take it (its disk full, an outage).
             tracing::error!(snapshot = %id, error = %e, "completing a snapshot failed");
-            for w in p.waiters {
-                let _ = w.send(Finished::Failed(e.to_string()));
-            }
+            let reason = format!("the catalog did not record its completion: {e}");
+            completion_refused(state, id, p, &reason).await;
         }
+    }
+}
+
+/// A snapshot whose completion the catalog did not take fails like one
+/// whose write failed, recorded once the catalog takes it
+/// ([`record_failure`]), so it never stays `pending`. Its files go only
+/// once the catalog says it turned it from pending to failed: a commit
+/// whose answer was lost may have completed it after all. (Those of a
+/// failure recorded later by the ticker go at the next start.)
+async fn completion_refused(state: &Snaps, id: &str, p: Pending, reason: &str) {
+    tracing::warn!(run = %p.run, snapshot = %id, "snapshot failed: {reason}");
+    let recorded = record_failure(state, id, reason).await;
+    if recorded == Some(true) {
+        remove_files(state, &p.run, id).await;
+    }
+    announce_failed(state, id, p, reason, recorded != Some(false));
+}
+
+/// Tells the waiters of a failed snapshot, and the run's event stream
+/// (`emit`: unless the catalog said it was not pending any more).
+fn announce_failed(state: &Snaps, id: &str, p: Pending, reason: &str, emit: bool) {
+    if emit {
+        state.events.emit(
+            &p.run,
+            None,
+            None,
+            Event::Snapshot(SnapshotEvent::Failed {
+                id: id.to_string(),
+                kind: None,
+                reason: reason.to_string(),
+            }),
+        );
+    }
+    for w in p.waiters {
+        let _ = w.send(Finished::Failed(reason.to_string()));
     }
 }
 
@@ -423,19 +471,7 @@ async fn fail_taken(state: &Snaps, id: &str, p: Pending, reason: &str) {
     }
     remove_files(state, &p.run, id).await;
     record_failure(state, id, reason).await;
-    state.events.emit(
-        &p.run,
-        None,
-        None,
-        Event::Snapshot(SnapshotEvent::Failed {
-            id: id.to_string(),
-            kind: None,
-            reason: reason.to_string(),
-        }),
-    );
-    for w in p.waiters {
-        let _ = w.send(Finished::Failed(reason.to_string()));
-    }
+    announce_failed(state, id, p, reason, true);
 }
 
 /// Attempts at recording a failure before it is left to the ticker.
@@ -444,12 +480,14 @@ pub(super) const RECORD_ATTEMPTS: u32 = 4;
 /// Marks a snapshot failed in the catalog, retrying with backoff; what
 /// still does not go through is kept and retried every second
 /// ([`retry_unrecorded`]), and a stop leaves the row `pending`, which the
-/// next start fails ([`recover`]).
-pub async fn record_failure(state: &Snaps, id: &str, reason: &str) {
+/// next start fails ([`recover`]). Whether the catalog turned it from
+/// pending to failed (`false`: it was not pending), `None` when that is
+/// left to the retries.
+pub async fn record_failure(state: &Snaps, id: &str, reason: &str) -> Option<bool> {
     let mut delay = Duration::from_millis(50);
     for attempt in 1..=RECORD_ATTEMPTS {
         match state.store.fail_snapshot(id, reason, now_ms()).await {
-            Ok(_) => return,
+            Ok(changed) => return Some(changed),
             Err(e) => {
                 tracing::warn!(snapshot = %id, attempt, error = %e, "recording a snapshot failure failed");
                 if attempt < RECORD_ATTEMPTS {
@@ -461,6 +499,7 @@ pub async fn record_failure(state: &Snaps, id: &str, reason: &str) {
     }
     let kept = state.pending.keep_unrecorded(id, reason);
     state.metrics.unrecorded_failures.set(kept as i64);
+    None
 }
 
 /// Retries the failures the catalog did not take.

@@ -52,6 +52,9 @@ pub struct Snapshots {
     /// what a write costs the machine, which a store that hung for a while
     /// (time spent waiting, not working) does not change.
     state_rates: Mutex<HashMap<String, f64>>,
+    /// Per `state` snapshot being written, the CPU time its writing
+    /// threads took so far (see [`Snapshots::add_write_cpu`]).
+    write_cpu: Mutex<HashMap<String, Duration>>,
     /// Per run, held while one of its state snapshots is captured and
     /// written: at most one in flight.
     state_writers: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -73,6 +76,7 @@ impl Snapshots {
             compare_cache: Mutex::new(HashMap::new()),
             last_state: Mutex::new(HashMap::new()),
             state_rates: Mutex::new(HashMap::new()),
+            write_cpu: Mutex::new(HashMap::new()),
             state_writers: Mutex::new(HashMap::new()),
             finishers: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),
@@ -206,6 +210,32 @@ impl Snapshots {
         let best = rates.entry(run.to_string()).or_insert(rate);
         *best = best.max(rate);
         Duration::from_secs_f64(bytes as f64 / best.max(STATE_RATE_FLOOR))
+    }
+
+    /// Starts counting the CPU time the writes of snapshot `id` take (a
+    /// `state` snapshot: what its pacing counts).
+    pub(super) fn meter_write_cpu(&self, id: &str) {
+        self.write_cpu
+            .lock()
+            .expect("write cpu lock")
+            .insert(id.to_string(), Duration::ZERO);
+    }
+
+    /// A write of snapshot `id` took `cpu` of CPU time (counted when `id`
+    /// is metered, see [`Self::meter_write_cpu`]).
+    pub(super) fn add_write_cpu(&self, id: &str, cpu: Duration) {
+        if let Some(total) = self.write_cpu.lock().expect("write cpu lock").get_mut(id) {
+            *total += cpu;
+        }
+    }
+
+    /// The CPU time the writes of snapshot `id` took, and its meter gone.
+    pub(super) fn take_write_cpu(&self, id: &str) -> Duration {
+        self.write_cpu
+            .lock()
+            .expect("write cpu lock")
+            .remove(id)
+            .unwrap_or_default()
     }
 
     /// Whether `every` has passed since `run`'s last state attempt (the
