@@ -67,6 +67,8 @@ class Run(Protocol):
     name: str
     path: str
     read_token: str | None
+    #: The run's fields as last read (``snapshot_every`` among them).
+    config: dict[str, Any]
 
     @property
     def profiles(self) -> list[str]: ...
@@ -526,6 +528,11 @@ def posthoc_search(
     return [PosthocResult.from_json(row) for row in out]
 
 
+#: Seconds a live evaluation at a step of the run's periodic cuts waits for
+#: that cut to be recorded before it takes a snapshot of its own.
+PERIODIC_WAIT = 5.0
+
+
 def post_live_eval(
     run: Run,
     metrics: Mapping[str, float],
@@ -546,17 +553,32 @@ def post_live_eval(
     metrics were computed on is gone. Answers the stored evaluation."""
     profile = profile or run.profiles[0]
     step = int(step)
-    snap = next(
-        (
-            s
-            for s in run.snapshots()
-            if s.get("kind") in (SnapshotKind.MANUAL, SnapshotKind.PERIODIC)
-            and int(s["step"]) == step
-            and s.get("status") != SnapshotStatus.FAILED
-            and profile in s.get("profiles", [])
-        ),
-        None,
-    )
+
+    def cut_of_step() -> Any:
+        return next(
+            (
+                s
+                for s in run.snapshots()
+                if s.get("kind") in (SnapshotKind.MANUAL, SnapshotKind.PERIODIC)
+                and int(s["step"]) == step
+                and s.get("status") != SnapshotStatus.FAILED
+                and profile in s.get("profiles", [])
+            ),
+            None,
+        )
+
+    snap = cut_of_step()
+    every = int(run.config.get("snapshot_every") or 0)
+    if snap is None and every and step % every == 0:
+        # The server opens the periodic cut of this step as it applies it
+        # and records it a moment later (after the push was answered):
+        # waited for a little, so the evaluation goes to it rather than to
+        # a snapshot of its own (a cut skipped for a full backlog never
+        # comes: then one is taken).
+        deadline = time.monotonic() + PERIODIC_WAIT
+        while snap is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            snap = cut_of_step()
     if snap is None:
         snap = run.snapshot(step, profiles=[profile], label=label, wait=False)
     snap = run.wait_snapshot(snap, timeout=timeout)

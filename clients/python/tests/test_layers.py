@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("views", {"views"}),
     # What a rank holds (torch); the way to the server (HTTP).
     ("torch and HTTP", {"shards", "_transport"}),
+    # A download by ranges over several connections, checked block by block.
+    ("ranged fetch", {"_ranged"}),
     # Downloads; a pusher's queue, its layout, its copy of the server's
     # mirror (deltas, the codec).
     (
