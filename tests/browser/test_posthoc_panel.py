@@ -174,7 +174,12 @@ def test_panel_refuses_a_bad_length_with_the_reason(page: Page, console, dash_se
     console.allow(r"status of 422")
     page.goto(f"{dash_server.url}/#/runs/{RUN}/posthoc?sigma_rel=0.05")
     expect(page.get_by_test_id("plan-sigma")).to_contain_text("0.05")
+    # The panel's other reads settle first: a render they cause would put
+    # back the form's values (seen once in a full run: the sweep went out
+    # as 0.05 alone and nothing was refused).
+    page.wait_for_load_state("networkidle")
     page.get_by_test_id("sweep-values").fill("0.05, 0.5")
+    expect(page.get_by_test_id("sweep-values")).to_have_value("0.05, 0.5")
     page.get_by_test_id("start-sweep").click()
     expect(page.locator(".notice")).to_contain_text("sigma_rel: 0.5 is out of range")
 
