@@ -166,8 +166,6 @@ class Ranged:
         self.connections = connections
         self.what = what
         self.on_bytes = on_bytes
-        #: Bytes this download fetched (a resumed one: only the missing).
-        self.fetched = 0
         #: The target file's descriptor, when bodies may be spliced into it.
         self.fd: int | None = None
         #: The file's length, and what hears of each block that is in.
@@ -240,8 +238,6 @@ class Ranged:
         return done
 
     def _count(self, n: int) -> None:
-        with self._lock:
-            self.fetched += n
         self.on_bytes(n)
 
     def tracker(self, start: int) -> Callable[[int], None]:
@@ -498,11 +494,10 @@ def fetch(
     what: str,
     on_bytes: Callable[[int], None],
     on_total: Callable[[int, int], None],
-) -> int:
+) -> None:
     """The download into ``target``, every block checked against the
     server's digests; ``on_total(total, held)`` once the length is known
-    (``held``: bytes an earlier attempt left, not fetched again). Returns
-    the bytes fetched."""
+    (``held``: bytes an earlier attempt left, not fetched again)."""
     ranged = Ranged(
         transport, path, params, token, connections=connections, what=what, on_bytes=on_bytes
     )
@@ -513,7 +508,7 @@ def fetch(
             _fetch_once(ranged, target, resume, on_total)
             if part is not None:
                 Resume.forget(part)
-            return ranged.fetched
+            return
         except _Changed:
             log.warning("polyak: %s changed on the server since it was begun; starting over", what)
             if part is not None:

@@ -55,12 +55,12 @@ def _fetch_into(
     progress: bool | IO[str],
     on_progress: Callable[[int, int | None], None] | None,
     connections: int | None,
-) -> int:
+) -> None:
     """The snapshot's download (``layout``, ``profile``, ``dtype``) into
     ``target``, fetched by ranges over ``connections`` and checked against
     the server's digests (:mod:`polyak._ranged`), with a tqdm bar
-    (``progress``) and ``on_progress(done, total)``. Returns the bytes
-    fetched (a resumed download: only what was missing)."""
+    (``progress``) and ``on_progress(done, total)`` (a resumed download
+    starts at the bytes it held)."""
     sid = snapshot_id(snapshot)
     desc = f"{run.name}/{sid}" + (f" {profile}" if profile else "")
     lock = threading.Lock()
@@ -85,7 +85,7 @@ def _fetch_into(
                 on_progress(done, total_of)
 
     try:
-        return fetch(
+        fetch(
             run.transport,
             f"{run.path}/snapshots/{sid}/download",
             {"profile": profile, "layout": layout, "dtype": dtype},
