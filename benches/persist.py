@@ -24,8 +24,12 @@ live event stream, its timestamps and `/proc`:
 - core share: write CPU / period; disk share: baseline / period, where the
   baseline is the same bytes written to a new file beside the server's
   data and fsynced by Python (the disk's own rate);
+- copies GB: the most bytes of copies B held at once
+  (`polyak_state_write_held_bytes`): a state write copies its ranks one
+  after the other as the earlier ones are written, within the server's
+  `--capture-backlog` (left at its default, 2 GiB; one rank always fits);
 - server peak GB: the server's peak resident memory (`VmHWM`): the EMA,
-  the state write's copy of it and one push body (about 2 x state + 1.5 GB).
+  those copies and one push body.
 
 `python benches/persist.py [--bin target/release/polyak] [--big]
 [--sizes 2GiB,...] [--quick]`. Reported, never asserted.
@@ -182,9 +186,8 @@ def measure(binary: str, nbytes: int, work: Path) -> dict:
 def server_side(binary: str, ranks: int, numel: int, data: Path) -> dict:
     """The periodic state write of ``ranks`` ranks of ``numel`` fp32 values
     on a server of its own: its duration, CPU seconds and period."""
-    nbytes = ranks * numel * 4
     body = body_of(numel)
-    srv = PolyakServer(data, "--capture-backlog", f"{nbytes + (1 << 30)}", binary=binary)
+    srv = PolyakServer(data, binary=binary)
     srv.start()
     try:
         with httpx.Client(base_url=srv.url, timeout=3600) as c:
@@ -215,16 +218,15 @@ def server_side(binary: str, ranks: int, numel: int, data: Path) -> dict:
             def row(snapshot: str) -> dict:
                 return c.get(f"/v1/runs/{RUN}/snapshots/{snapshot}").json()
 
+            def gauge(name: str) -> float:
+                metric = re.search(rf'^{name}{{run="{RUN}"}} (\S+)$', c.get("/metrics").text, re.M)
+                return float(metric.group(1))
+
             def took() -> float:
                 """The last state write's duration, capture to commit (read
                 a moment after its completion event: set just after it)."""
                 time.sleep(SETTLE_S)
-                metric = re.search(
-                    rf'^polyak_state_write_seconds{{run="{RUN}"}} (\S+)$',
-                    c.get("/metrics").text,
-                    re.M,
-                )
-                return float(metric.group(1))
+                return gauge("polyak_state_write_seconds")
 
             try:
                 for rank in range(ranks):
@@ -241,6 +243,7 @@ def server_side(binary: str, ranks: int, numel: int, data: Path) -> dict:
                 cpu_b = cpu_seconds(srv.pid)
                 row_b = row(b)
                 took_b = took()
+                held_b = gauge("polyak_state_write_held_bytes")
                 # C: the next one, which starts when B's cost lets it.
                 push(0, 2)
                 row_c = row(writes.next())
@@ -267,6 +270,7 @@ def server_side(binary: str, ranks: int, numel: int, data: Path) -> dict:
         "write_s": write,
         "cpu_s": cpu,
         "period_s": period,
+        "held": held_b,
         "server_peak": peak,
     }
 
@@ -274,7 +278,7 @@ def server_side(binary: str, ranks: int, numel: int, data: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.environ.get("POLYAK_BIN"))
-    ap.add_argument("--big", action="store_true", help="also 8 GiB (about 18 GB of memory)")
+    ap.add_argument("--big", action="store_true", help="also 8 GiB (about 12 GB of memory)")
     ap.add_argument("--quick", action="store_true", help="10 MB only: checks the script")
     ap.add_argument(
         "--sizes",
@@ -290,9 +294,9 @@ def main() -> None:
         sizes = [10_000_000, 1 << 30] + ([8 << 30] if args.big else [])
     print(
         "| state | write s | write CPU s | baseline s | write / baseline | period s "
-        "| core share | disk share | server peak GB |"
+        "| core share | disk share | copies GB | server peak GB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("POLYAK_BENCH_DIR")) as tmp:
         for nbytes in sizes:
             m = measure(args.bin, nbytes, Path(tmp))
@@ -301,7 +305,7 @@ def main() -> None:
                 f"| {m['write_s']:.3f} | {m['cpu_s']:.3f} | {m['baseline_s']:.3f} "
                 f"| {m['write_s'] / m['baseline_s']:.2f} | {m['period_s']:.1f} "
                 f"| {m['core_share']:.3f} | {m['disk_share']:.3f} "
-                f"| {m['server_peak'] / 1e9:.1f} |",
+                f"| {m['held'] / 1e9:.2f} | {m['server_peak'] / 1e9:.1f} |",
                 flush=True,
             )
     py_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -83,6 +83,7 @@ pub struct Metrics {
     /// How long each run's last `state` write took, capture to commit (the
     /// next one waits for its share, see `persist::PERSIST_BUSY_SHARE`).
     pub state_write_seconds: GaugeVec,
+    pub state_write_held_bytes: IntGaugeVec,
     /// Snapshot parts the catalog refused: captured in a placement epoch
     /// the rank had left (a node paused or cut off past its lease).
     pub snapshot_parts_fenced: IntCounter,
@@ -272,6 +273,16 @@ impl Metrics {
                     &["run"],
                 ),
             ),
+            state_write_held_bytes: register(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "polyak_state_write_held_bytes",
+                        "Most bytes of copies the run's last state snapshot held at once (its ranks are copied as earlier ones are written, within --capture-backlog; one rank is always allowed)",
+                    ),
+                    &["run"],
+                ),
+            ),
             snapshot_parts_fenced: register(
                 &r,
                 IntCounter::new(
@@ -346,6 +357,7 @@ impl Metrics {
         let _ = self.snapshots_skipped.remove_label_values(&[run]);
         let _ = self.state_persist_skipped.remove_label_values(&[run]);
         let _ = self.state_write_seconds.remove_label_values(&[run]);
+        let _ = self.state_write_held_bytes.remove_label_values(&[run]);
         let _ = self.failover_ranks.remove_label_values(&[run]);
         let _ = self.failover_steps_lost.remove_label_values(&[run]);
         for kind in crate::run::alerts::KINDS {

@@ -156,6 +156,18 @@ pub struct Engine {
     periodic_backlog_limit: u64,
 }
 
+/// What one engine's part of a `state` snapshot covers
+/// ([`Engine::state_plan`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StatePlan {
+    /// The engine's count of pushes applied when the plan was made.
+    pub mark: u64,
+    /// Some of those are not persisted yet.
+    pub dirty: bool,
+    /// The ranks holding data, in order.
+    pub ranks: Vec<u32>,
+}
+
 /// How scheduling a cut went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CutScheduled {
@@ -486,33 +498,49 @@ impl Engine {
         entry.pending.len() != before
     }
 
-    /// Captures every rank that holds data, each at its own last step (a
-    /// crash-recovery `state` snapshot), with the mark of the pushes it
-    /// covers. `None` when nothing changed since the last persisted one
-    /// (unless `force`). The run stays dirty until [`Self::mark_persisted`]
-    /// is told the snapshot completed: a failed write is retried.
-    pub fn capture_state(
-        &mut self,
-        run: &str,
-        snapshot: &str,
-        force: bool,
-    ) -> Result<Option<(Vec<RankCapture>, u64)>, EngineError> {
+    /// What a crash-recovery `state` snapshot of `run` covers, before
+    /// anything is copied: the mark of the pushes applied so far, whether
+    /// any of them is not persisted yet, and the ranks holding data. The
+    /// writer then copies one rank at a time ([`Self::capture_rank_state`]),
+    /// so its copies never hold more than the ranks it is writing. Pushes
+    /// applied after the mark stay dirty, whichever rank they reached: the
+    /// run stays dirty until [`Self::mark_persisted`] is told the snapshot
+    /// completed (a failed write is retried).
+    pub fn state_plan(&self, run: &str) -> Result<StatePlan, EngineError> {
         let entry = self
             .runs
-            .get_mut(run)
+            .get(run)
             .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
-        if entry.applied == entry.persisted && !force {
+        Ok(StatePlan {
+            mark: entry.applied,
+            dirty: entry.applied != entry.persisted,
+            ranks: entry
+                .ranks
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.is_some())
+                .map(|(rank, _)| rank as u32)
+                .collect(),
+        })
+    }
+
+    /// Copies one rank of `run` for a `state` snapshot, at its own last
+    /// step; `None` when it holds no data (any more).
+    pub fn capture_rank_state(
+        &self,
+        run: &str,
+        snapshot: &str,
+        rank: u32,
+    ) -> Result<Option<RankCapture>, EngineError> {
+        let entry = self
+            .runs
+            .get(run)
+            .ok_or_else(|| EngineError::RunNotFound(run.to_string()))?;
+        let Some(Some(s)) = entry.ranks.get(rank as usize) else {
             return Ok(None);
-        }
-        let config = entry.config.clone();
-        let profiles: Vec<usize> = (0..config.profiles.len()).collect();
-        let mut out = Vec::new();
-        for (rank, state) in entry.ranks.iter().enumerate() {
-            if let Some(s) = state {
-                out.push(capture_rank(&config, s, snapshot, rank as u32, &profiles)?);
-            }
-        }
-        Ok(Some((out, entry.applied)))
+        };
+        let profiles: Vec<usize> = (0..entry.config.profiles.len()).collect();
+        capture_rank(&entry.config, s, snapshot, rank, &profiles).map(Some)
     }
 
     /// A state snapshot that covered the pushes up to mark `covered` is

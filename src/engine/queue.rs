@@ -15,16 +15,12 @@ use super::capture::{CaptureEvent, RankCapture, RestoredRank};
 use super::error::EngineError;
 use super::rank::PushOutcome;
 use super::shared::RunShared;
-use super::{CutScheduled, EmaExport, Engine, KERNEL_THREADS};
+use super::{CutScheduled, EmaExport, Engine, StatePlan, KERNEL_THREADS};
 use crate::run::RunConfig;
 use crate::wire::ParsedPush;
 
 /// Where a command's answer goes.
 type Reply<T> = oneshot::Sender<T>;
-
-/// A state capture's parts and the mark of the pushes they cover (`None`:
-/// nothing to persist).
-pub type StateCapture = Option<(Vec<RankCapture>, u64)>;
 
 /// The kinds of engine work, as the queue-depth gauge labels them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +32,7 @@ pub enum CommandKind {
     Push,
     ScheduleCut,
     CancelCut,
+    StatePlan,
     CaptureState,
     MarkPersisted,
     Restore,
@@ -46,7 +43,7 @@ pub enum CommandKind {
 }
 
 impl CommandKind {
-    pub const ALL: [CommandKind; 14] = [
+    pub const ALL: [CommandKind; 15] = [
         CommandKind::AddRun,
         CommandKind::Adopt,
         CommandKind::Release,
@@ -54,6 +51,7 @@ impl CommandKind {
         CommandKind::Push,
         CommandKind::ScheduleCut,
         CommandKind::CancelCut,
+        CommandKind::StatePlan,
         CommandKind::CaptureState,
         CommandKind::MarkPersisted,
         CommandKind::Restore,
@@ -73,6 +71,7 @@ impl CommandKind {
             CommandKind::Push => "push",
             CommandKind::ScheduleCut => "schedule_cut",
             CommandKind::CancelCut => "cancel_cut",
+            CommandKind::StatePlan => "state_plan",
             CommandKind::CaptureState => "capture_state",
             CommandKind::MarkPersisted => "mark_persisted",
             CommandKind::Restore => "restore",
@@ -132,11 +131,15 @@ pub enum Command {
         snapshot: String,
         reply: Reply<bool>,
     },
+    StatePlan {
+        run: String,
+        reply: Reply<Result<StatePlan, EngineError>>,
+    },
     CaptureState {
         run: String,
         snapshot: String,
-        force: bool,
-        reply: Reply<Result<StateCapture, EngineError>>,
+        rank: u32,
+        reply: Reply<Result<Option<RankCapture>, EngineError>>,
     },
     MarkPersisted {
         run: String,
@@ -181,6 +184,7 @@ impl Command {
             Command::Push { .. } => CommandKind::Push,
             Command::ScheduleCut { .. } => CommandKind::ScheduleCut,
             Command::CancelCut { .. } => CommandKind::CancelCut,
+            Command::StatePlan { .. } => CommandKind::StatePlan,
             Command::CaptureState { .. } => CommandKind::CaptureState,
             Command::MarkPersisted { .. } => CommandKind::MarkPersisted,
             Command::Restore { .. } => CommandKind::Restore,
@@ -247,13 +251,16 @@ impl Command {
             } => {
                 let _ = reply.send(engine.cancel_cut(&run, &snapshot));
             }
+            Command::StatePlan { run, reply } => {
+                let _ = reply.send(engine.state_plan(&run));
+            }
             Command::CaptureState {
                 run,
                 snapshot,
-                force,
+                rank,
                 reply,
             } => {
-                let _ = reply.send(engine.capture_state(&run, &snapshot, force));
+                let _ = reply.send(engine.capture_rank_state(&run, &snapshot, rank));
             }
             Command::MarkPersisted {
                 run,
@@ -513,17 +520,26 @@ impl EngineHandle {
         .await
     }
 
-    pub async fn capture_state(
+    pub async fn state_plan(
+        &self,
+        run: &str,
+    ) -> Result<Result<StatePlan, EngineError>, EngineError> {
+        let run = run.to_string();
+        self.send(Room::Wait, |reply| Command::StatePlan { run, reply })
+            .await
+    }
+
+    pub async fn capture_rank_state(
         &self,
         run: &str,
         snapshot: &str,
-        force: bool,
-    ) -> Result<Result<StateCapture, EngineError>, EngineError> {
+        rank: u32,
+    ) -> Result<Result<Option<RankCapture>, EngineError>, EngineError> {
         let (run, snapshot) = (run.to_string(), snapshot.to_string());
         self.send(Room::Wait, |reply| Command::CaptureState {
             run,
             snapshot,
-            force,
+            rank,
             reply,
         })
         .await

@@ -89,6 +89,10 @@ pub struct RunShared {
     /// spread over several nodes: the run's creation time and a hash of its
     /// name and that time (see [`Self::periodic_id`]).
     cut_seed: Option<(u64, u64)>,
+    /// The furthest step whose periodic cut the snapshot writer has
+    /// recorded in the catalog (or given up recording): a push that opened
+    /// one is answered once it is listed.
+    recorded: tokio::sync::watch::Sender<Option<u64>>,
 }
 
 impl RunShared {
@@ -113,6 +117,7 @@ impl RunShared {
             periodic_backlog: Arc::new(AtomicU64::new(0)),
             resident: (0..world_size).map(|_| AtomicU64::new(0)).collect(),
             cut_seed,
+            recorded: tokio::sync::watch::Sender::new(None),
         })
     }
 
@@ -269,6 +274,30 @@ impl RunShared {
     }
 
     /// Periodic cuts opened after a restore start past `step`.
+    /// Whether a periodic cut was opened (not skipped) at `step`, among
+    /// the ones remembered.
+    pub fn opened_cut(&self, step: u64) -> bool {
+        self.lock()
+            .recent
+            .iter()
+            .any(|c| c.step == step && c.snapshot.is_some())
+    }
+
+    /// The snapshot writer recorded the periodic cut of `step` (or gave up).
+    pub fn cut_recorded(&self, step: u64) {
+        self.recorded.send_modify(|s| *s = (*s).max(Some(step)));
+    }
+
+    /// Waits at most `within` for the periodic cut of `step` to be
+    /// recorded; whether it was.
+    pub async fn wait_cut_recorded(&self, step: u64, within: std::time::Duration) -> bool {
+        let mut rx = self.recorded.subscribe();
+        let listed = tokio::time::timeout(within, rx.wait_for(|s| s.is_some_and(|s| s >= step)))
+            .await
+            .is_ok_and(|seen| seen.is_ok());
+        listed
+    }
+
     pub fn reset_periodic(&self, step: Option<u64>) {
         let mut inner = self.lock();
         inner.decided = step;

@@ -15,6 +15,15 @@ use super::capture::{RankCapture, RestoredRank};
 use super::shared::RunShared;
 use super::{CutScheduled, EmaExport, EngineError, EngineHandle};
 
+/// What a run's `state` snapshot covers ([`RunEngines::state_plan`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunStatePlan {
+    /// Per engine: the mark of the pushes it had applied.
+    pub covered: Vec<u64>,
+    /// The ranks holding data, in order.
+    pub ranks: Vec<u32>,
+}
+
 /// The engines of one run on this node, and which holds each rank (ranks
 /// another node holds have none here). Ranks are added when this node
 /// takes them over from a node that is gone, and released when another
@@ -222,33 +231,43 @@ impl RunEngines {
             .await;
     }
 
-    /// A `state` capture of every rank holding data, each at its own last
-    /// step, and the changes each engine's part covers. `None` when no
-    /// engine has a change to persist (unless `force`). When one engine
-    /// has, every engine captures: a state snapshot restores the whole run.
-    pub async fn capture_state(
+    /// What a `state` snapshot of the run covers before anything is
+    /// copied: every engine's mark of the pushes applied (`covered[i]` is
+    /// engine `i`'s) and the ranks holding data. `None` when no engine has
+    /// a change to persist (unless `force`). When one engine has, every
+    /// rank is written: a state snapshot restores the whole run.
+    pub async fn state_plan(
+        &self,
+        run: &str,
+        force: bool,
+    ) -> Result<Option<RunStatePlan>, EngineError> {
+        let plans = self
+            .on_all(|h| async move { h.state_plan(run).await })
+            .await?;
+        let mut plan = RunStatePlan::default();
+        let mut dirty = false;
+        for part in plans {
+            let part = part?;
+            dirty |= part.dirty;
+            plan.covered.push(part.mark);
+            plan.ranks.extend(part.ranks);
+        }
+        plan.ranks.sort_unstable();
+        Ok((dirty || force).then_some(plan))
+    }
+
+    /// One rank's copy for a `state` snapshot, at its own last step; `None`
+    /// when no engine here holds it with data (any more).
+    pub async fn capture_rank_state(
         &self,
         run: &str,
         snapshot: &str,
-        force: bool,
-    ) -> Result<Option<(Vec<RankCapture>, Vec<u64>)>, EngineError> {
-        if !force {
-            let dirty = self.on_all(|h| async move { h.dirty(run).await }).await?;
-            if dirty.iter().all(|&d| d == 0) {
-                return Ok(None);
-            }
+        rank: u32,
+    ) -> Result<Option<RankCapture>, EngineError> {
+        match self.of(rank) {
+            Some(h) => h.capture_rank_state(run, snapshot, rank).await?,
+            None => Ok(None),
         }
-        let parts = self
-            .on_all(|h| async move { h.capture_state(run, snapshot, true).await })
-            .await?;
-        let mut captures = Vec::new();
-        let mut covered = Vec::with_capacity(parts.len());
-        for part in parts {
-            let (c, n) = part?.unwrap_or_default();
-            captures.extend(c);
-            covered.push(n);
-        }
-        Ok(Some((captures, covered)))
     }
 
     /// A state snapshot covering the pushes up to mark `covered[i]` of engine `i` is

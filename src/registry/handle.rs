@@ -78,6 +78,16 @@ impl RunHandle {
         guard.clone()
     }
 
+    /// Bytes `rank` keeps resident here (0 when another node holds it).
+    pub fn rank_resident_bytes(&self, rank: u32) -> u64 {
+        if !self.holds(rank) {
+            return 0;
+        }
+        self.ranks
+            .get(rank as usize)
+            .map_or(0, |s| s.lock().expect("rank summary lock").resident_bytes)
+    }
+
     /// Who owns `rank`.
     pub fn owner(&self, rank: u32) -> Option<Owner> {
         self.placement

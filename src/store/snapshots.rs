@@ -252,6 +252,7 @@ impl Store {
             .bind(id)
             .execute(&mut *tx)
             .await?;
+            self.settle_rank_steps(&mut tx, id).await?;
             PartOutcome::Complete {
                 step: step.max(0) as u64,
                 bytes: total.max(0) as u64,
@@ -261,6 +262,49 @@ impl Store {
         };
         tx.commit().await?;
         Ok(outcome)
+    }
+
+    /// A `state` snapshot's `detail.rank_steps` as its files have them: its
+    /// ranks are copied one after the other while pushes go on, so a rank's
+    /// step may be past the one its pending row was recorded with.
+    async fn settle_rank_steps(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: &str,
+    ) -> Result<(), StoreError> {
+        let row = sqlx::query(&self.sql("SELECT kind, detail FROM snapshots WHERE id = ?"))
+            .bind(id)
+            .fetch_one(&mut **tx)
+            .await?;
+        if row.get::<&str, _>("kind") != SnapshotKind::State.as_str() {
+            return Ok(());
+        }
+        let mut detail: serde_json::Value = serde_json::from_str(row.get::<&str, _>("detail"))?;
+        let steps = sqlx::query(&self.sql(
+            "SELECT rank, MAX(step) AS step FROM snapshot_files WHERE snapshot = ? GROUP BY rank",
+        ))
+        .bind(id)
+        .fetch_all(&mut **tx)
+        .await?;
+        let steps: serde_json::Map<String, serde_json::Value> = steps
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<i64, _>("rank").to_string(),
+                    serde_json::Value::from(r.get::<i64, _>("step").max(0)),
+                )
+            })
+            .collect();
+        if !detail.is_object() {
+            detail = serde_json::json!({});
+        }
+        detail["rank_steps"] = serde_json::Value::Object(steps);
+        sqlx::query(&self.sql("UPDATE snapshots SET detail = ? WHERE id = ?"))
+            .bind(detail.to_string())
+            .bind(id)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 
     /// The first of `files` whose fencing token is not the rank's placement
@@ -549,6 +593,54 @@ mod tests {
         assert!(matches!(late, PartOutcome::Gone));
         let got = store.snapshot("r", "s2").await.unwrap().unwrap();
         assert_eq!(got.status, SnapshotStatus::Failed);
+    }
+
+    /// A `state` snapshot's ranks are copied one after the other while
+    /// pushes go on: its row, recorded with the steps the ranks were at
+    /// before, completes with the steps its parts were written at; a cut's
+    /// detail is left as it was.
+    #[tokio::test]
+    async fn a_state_snapshot_completes_with_its_parts_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with_run(dir.path()).await;
+        let row = SnapshotRow {
+            detail: serde_json::json!({"rank_steps": {"0": 8, "1": 8, "2": 7}}),
+            ..SnapshotRow::pending("st", "r", 8, SnapshotKind::State, vec!["a".into()])
+        };
+        store.insert_snapshot(&row).await.unwrap();
+        let at = |rank, step| FileRow {
+            step,
+            ..file(rank, 10)
+        };
+        let outcome = store
+            .add_snapshot_part("st", &[at(0, 8), at(1, 11), at(2, 12)], 3, 5)
+            .await
+            .unwrap();
+        assert!(matches!(
+            outcome,
+            PartOutcome::Complete {
+                step: 12,
+                bytes: 30
+            }
+        ));
+        let got = store.snapshot("r", "st").await.unwrap().unwrap();
+        assert_eq!(got.step, 12);
+        assert_eq!(
+            got.detail,
+            serde_json::json!({"rank_steps": {"0": 8, "1": 11, "2": 12}})
+        );
+
+        let cut = SnapshotRow {
+            detail: serde_json::json!({"note": "kept"}),
+            ..SnapshotRow::pending("cut", "r", 8, SnapshotKind::Manual, vec!["a".into()])
+        };
+        store.insert_snapshot(&cut).await.unwrap();
+        store
+            .add_snapshot_part("cut", &[file(0, 1)], 1, 6)
+            .await
+            .unwrap();
+        let got = store.snapshot("r", "cut").await.unwrap().unwrap();
+        assert_eq!(got.detail, serde_json::json!({"note": "kept"}));
     }
 
     fn fenced(rank: u32, node: &str, epoch: u64) -> FileRow {

@@ -365,3 +365,72 @@ def test_the_default_persist_interval_loses_seconds(fresh_server):
             f"(about {lost_seconds:.1f} s of pushes at {1 / every:.0f}/s)"
         )
         assert f["lost_steps"] <= (interval + 2) / every, f
+
+
+def rank_state(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """A rank's 1 MiB shard at ``step``."""
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return {"w": torch.randn(512, 512, generator=g)}
+
+
+def test_a_state_write_copies_its_ranks_one_at_a_time_within_the_backlog(fresh_server):
+    """A state write copies a rank, writes it and frees it while it copies
+    the next, within ``--capture-backlog``: with room for one rank's copy
+    it never holds two (``polyak_state_write_held_bytes``). Each rank is
+    restored at its own step, exactly, after a SIGKILL."""
+    srv = fresh_server
+    srv.start("--capture-backlog", "3MiB")
+    run = "state-one-rank-at-a-time"
+    last = {0: 4, 1: 5, 2: 6, 3: 7}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post(
+            "/v1/runs",
+            json={
+                "name": run,
+                "world_size": 4,
+                "persist_every_secs": 0,
+                "profiles": [
+                    {"name": "c", "kind": "constant", "beta": BETA},
+                    {"name": "s", "kind": "constant", "beta": 0.5},
+                ],
+            },
+        )
+        assert r.status_code == 201, r.text
+        for rank, top in last.items():
+            for step in range(top + 1):
+                r = c.put(
+                    f"/v1/runs/{run}/ranks/{rank}/steps/{step}",
+                    content=safetensors.torch.save(rank_state(rank, step)),
+                )
+                assert r.status_code == 200, r.text
+        sid = persist(c, run)
+        row = c.get(f"/v1/runs/{run}/snapshots/{sid}").json()
+        assert row["step"] == 7, row
+        assert row["detail"]["rank_steps"] == {str(k): v for k, v in last.items()}, row
+        # Two profiles of 1 MiB each: one rank's copy is 2 MiB; two would
+        # pass the 3 MiB backlog.
+        one_rank = 2 * 512 * 512 * 4
+        held = metric(c, "polyak_state_write_held_bytes", run)
+        assert held == one_rank, f"the state write held {held} bytes of copies at once"
+        deadline = time.monotonic() + 10
+        while True:
+            with sqlite3.connect(srv.data_dir / "polyak.db") as db:
+                seen = dict(db.execute("SELECT rank, last_step FROM ranks WHERE run = ?", (run,)))
+            if seen == last:
+                break
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+    srv.kill()
+    srv.start("--capture-backlog", "3MiB", same_port=True)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        for rank, top in last.items():
+            f = c.get(f"/v1/runs/{run}/ranks/{rank}").json()["failover"]
+            assert (f["snapshot"], f["restored_step"], f["last_seen_step"]) == (sid, top, top), f
+            for profile, beta in (("c", BETA), ("s", 0.5)):
+                want = rank_state(rank, 0)["w"].double()
+                for step in range(1, top + 1):
+                    want = rank_state(rank, step)["w"].double().lerp(want, beta)
+                r = c.get(f"/v1/runs/{run}/ranks/{rank}/ema", params={"profile": profile})
+                assert r.status_code == 200, r.text
+                got = safetensors.torch.load(r.content)["w"].double()
+                assert (got - want).abs().max().item() < 1e-6, (rank, profile)

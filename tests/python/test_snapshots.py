@@ -534,3 +534,61 @@ def test_periodic_snapshots_default_backlog_takes_every_cut(fresh_server):
         assert (
             f'polyak_periodic_snapshots_skipped_total{{run="{run}"}}' not in c.get("/metrics").text
         )
+
+
+def test_a_push_that_opens_a_periodic_cut_is_answered_once_it_is_listed(client, run_name):
+    """A periodic cut is opened as a rank applies its step, and recorded in
+    the catalog by the snapshot writer: the push is answered only once it
+    is, so a script that lists the run's snapshots right after a push at a
+    `snapshot_every` step finds that step's cut (an evaluation then goes to
+    it, rather than to a snapshot of its own)."""
+    r = client.post("/v1/runs", json={"name": run_name, "world_size": 1, "snapshot_every": 1})
+    assert r.status_code == 201, r.text
+    body = safetensors.torch.save({"w": torch.arange(4096, dtype=torch.float32)})
+    for step in range(25):
+        r = client.put(f"/v1/runs/{run_name}/ranks/0/steps/{step}", content=body)
+        assert r.status_code == 200 and r.json()["applied"], r.text
+        listed = client.get(f"/v1/runs/{run_name}/snapshots", params={"kind": "periodic"}).json()[
+            "snapshots"
+        ]
+        assert step in {s["step"] for s in listed}, (step, listed)
+
+
+def test_an_hf_download_changes_its_etag_with_the_model_config(client, run_name):
+    """The same stored parts make a different `hf` file once the run's
+    `model_config` changed (its `config.json` is in it): the ETag changes
+    with it, so a resumed download (`If-Range` with the old ETag) gets the
+    whole new file, never old bytes spliced into new ones."""
+    create(client, run_name)
+    w = safetensors.torch.save({"w": torch.arange(64, dtype=torch.float32)})
+    for rank in range(WORLD):
+        r = client.put(f"/v1/runs/{run_name}/ranks/{rank}/steps/0", content=w)
+        assert r.status_code == 200, r.text
+    sid = snapshot(client, run_name, step=0)["id"]
+    wait_settled(client, run_name, sid)
+
+    def hf(**headers):
+        return client.get(
+            f"/v1/runs/{run_name}/snapshots/{sid}/download",
+            params={"profile": "ema", "layout": "hf"},
+            headers=headers,
+        )
+
+    def configure(model_type):
+        config = {"model_type": model_type, "hidden_size": 8}
+        r = client.patch(f"/v1/runs/{run_name}", json={"model_config": config})
+        assert r.status_code == 200, r.text
+
+    configure("a")
+    old = hf()
+    assert old.status_code == 200, old.text
+    configure("b")
+    new = hf()
+    assert new.status_code == 200, new.text
+    assert new.content != old.content
+    assert new.headers["etag"] != old.headers["etag"]
+    resumed = hf(**{"If-Range": old.headers["etag"], "Range": "bytes=100-"})
+    assert resumed.status_code == 200, resumed.status_code
+    assert resumed.content == new.content
+    same = hf(**{"If-Range": new.headers["etag"], "Range": "bytes=100-"})
+    assert same.status_code == 206 and same.content == new.content[100:]

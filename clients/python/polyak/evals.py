@@ -570,11 +570,12 @@ def post_live_eval(
     snap = cut_of_step()
     every = int(run.config.get("snapshot_every") or 0)
     if snap is None and every and step % every == 0:
-        # The server opens the periodic cut of this step as it applies it
-        # and records it a moment later (after the push was answered):
-        # waited for a little, so the evaluation goes to it rather than to
-        # a snapshot of its own (a cut skipped for a full backlog never
-        # comes: then one is taken).
+        # The server answers a push that opened the periodic cut of its
+        # step once the cut is recorded, unless recording it took over 2 s
+        # (a slow catalog), and older servers answered before: waited for a
+        # little, so the evaluation goes to it rather than to a snapshot of
+        # its own (a cut skipped for a full backlog never comes: then one
+        # is taken).
         deadline = time.monotonic() + PERIODIC_WAIT
         while snap is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -6,6 +6,11 @@ use super::{Ingest, PushResponse, ValidatedPush};
 use crate::engine::EngineError;
 use crate::services::ServiceError;
 
+/// How long a push that opened a periodic cut waits for the cut to be
+/// recorded in the catalog before it is answered anyway (a catalog that
+/// hangs delays such a push this much at most).
+const CUT_LISTED_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Ingest {
     /// Applies a validated push on the run's engine and records the outcome.
     /// The budget is released when the engine is done with the body.
@@ -56,6 +61,14 @@ impl Ingest {
             self.record_wire(&run, rank, step, &outcome, wire_len, &wire);
         }
         self.record_applied(&run, rank, step, &outcome, wire_len, started);
+        let every = run.config.snapshot_every;
+        if outcome.applied && every > 0 && step % every == 0 {
+            let shared = run.engines.shared();
+            if shared.opened_cut(step) && !shared.wait_cut_recorded(step, CUT_LISTED_WITHIN).await {
+                tracing::warn!(run = %run.config.name, step,
+                    "the periodic cut of this step was not recorded in time; answering the push");
+            }
+        }
         let reason = outcome.duplicate.then(|| "duplicate".to_string());
         Ok(PushResponse {
             outcome,

@@ -61,7 +61,11 @@ async fn periodic_opened(
         deadline_ms: Some(now_ms() + timeout.as_millis() as i64),
         ..SnapshotRow::pending(&snapshot, &run, step, SnapshotKind::Periodic, profiles)
     };
-    match state.store.insert_snapshot_once(&row).await {
+    let recorded = state.store.insert_snapshot_once(&row).await;
+    // The push that opened it is answered now (it waits a moment for this,
+    // so that a cut at an acknowledged step is listed).
+    handle.engines.shared().cut_recorded(step);
+    match recorded {
         Ok(true) => {}
         // Another node of the service recorded it first.
         Ok(false) => return,
@@ -110,12 +114,24 @@ fn periodic_skipped(state: &Snaps, run: &str, step: u64, held: u64, bytes: u64) 
 /// (a blocking thread builds each part; its bytes stream to the store),
 /// each part carrying `fence` (see [`fence_of`]).
 pub(super) fn write_capture(state: Snaps, capture: RankCapture, fence: Fence) {
+    write_capture_holding(state, capture, fence, ())
+}
+
+/// [`write_capture`], holding `hold` until the rank is written or failed
+/// (a state write's share of its backlog, see `persist::copy_and_write`).
+pub(super) fn write_capture_holding(
+    state: Snaps,
+    capture: RankCapture,
+    fence: Fence,
+    hold: impl Send + 'static,
+) {
     let id = capture.snapshot.clone();
     let rank = capture.rank;
     if !state.pending.start_writing(&id, rank) {
         return; // failed or deleted meanwhile
     }
     tokio::spawn(async move {
+        let _hold = hold;
         if let Err(e) = disk::check(&state, capture_bytes(&capture)) {
             fail(&state, &id, &format!("rank {rank} not written: {e}")).await;
             return;

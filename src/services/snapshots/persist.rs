@@ -67,50 +67,52 @@ type InFlight = (
     tokio::sync::OwnedSemaphorePermit,
 );
 
-/// The state snapshot itself, its run's turn and backlog share held.
+/// The state snapshot itself, its run's turn and backlog share held
+/// until it ends.
+///
+/// Its ranks are copied one after the other, each once its share of the
+/// backlog the write holds is free: a rank's copy is written (and freed)
+/// while the next ones are taken, so the copies never hold more than that
+/// share, or one rank when a rank is larger. Each rank sits at its own
+/// step, as in any state snapshot; the catalog records the steps its parts
+/// were written at.
 async fn persist_held(
     state: &Snaps,
     run: &RunHandle,
     force: bool,
-    _held: InFlight,
+    (_one, room): InFlight,
 ) -> Result<Option<String>, SnapshotError> {
     // Counted as an attempt even when refused, so a full disk is reported
     // once per interval, not on every tick.
     let started = Instant::now();
-    state.pending.set_state_attempt(&run.config.name, started);
+    let name = run.config.name.as_str();
+    state.pending.set_state_attempt(name, started);
     check_lease(state, run)?;
     disk::check(state, run.resident_bytes())?;
     let epochs = held_epochs(state, run);
-    let id = snapshot_id(SnapshotKind::State, 0);
-    let meter = WriteCpu::start(state, &id);
-    // The copy runs on the engines' threads (and torch's beside them),
-    // which nothing else can tell apart: the whole process's CPU time while
-    // it is taken counts (with the pushes applied meanwhile, if any: the
-    // pacing errs long, never short).
-    let before = process_cpu();
-    let captures = run
-        .engines
-        .capture_state(&run.config.name, &id, force)
-        .await?;
-    let capture_cpu = process_cpu().saturating_sub(before);
-    let Some((captures, covered)) = captures else {
+    let Some(plan) = run.engines.state_plan(name, force).await? else {
         return Ok(None);
     };
-    if captures.is_empty() {
+    if plan.ranks.is_empty() {
         return Ok(None);
     }
-    let fences = fences_of(state, run, &captures, &epochs)?;
+    if let Some(rank) = plan.ranks.iter().find(|r| !epochs.contains_key(r)) {
+        return Err(changed_hands(name, *rank));
+    }
+    let id = snapshot_id(SnapshotKind::State, 0);
+    let meter = WriteCpu::start(state, &id);
+    let steps = run.engines.rank_steps(name).await?;
     state
         .store
-        .insert_snapshot(&state_row(run, &id, &captures))
+        .insert_snapshot(&state_row(run, &id, &plan.ranks, &steps))
         .await?;
     state.pending.register(
         &id,
-        &run.config.name,
+        name,
         SnapshotKind::State,
         (
-            captures.iter().map(|c| c.rank).collect(),
-            captures.len() as u32,
+            plan.ranks.iter().copied().collect(),
+            plan.ranks.len() as u32,
         ),
         None,
         None,
@@ -121,39 +123,149 @@ async fn persist_held(
             "state snapshot abandoned".into(),
         ));
     };
-    for (c, fence) in captures.into_iter().zip(fences) {
-        write_capture(state.clone(), c, fence);
-    }
-    match rx.await {
+    let (capture_cpu, held) =
+        match copy_and_write(state, run, &id, &plan.ranks, &epochs, &room).await {
+            Ok(copied) => copied,
+            Err(e) => {
+                // Its waiters, the catalog and the event stream hear why; the
+                // ranks already written are removed.
+                fail(state, &id, &e.to_string()).await;
+                return Err(e);
+            }
+        };
+    let outcome = rx.await;
+    match outcome {
         Ok(Finished::Complete) => {
             // Only now is the newest EMA durable: until here the run stays
             // dirty, so a failed write is taken again.
-            run.engines
-                .mark_persisted(&run.config.name, covered)
-                .await?;
+            run.engines.mark_persisted(name, plan.covered).await?;
             let took = started.elapsed();
             let cost = WriteCost {
                 wall: state
                     .pending
-                    .state_write_cost(&run.config.name, run.resident_bytes(), took),
+                    .state_write_cost(name, run.resident_bytes(), took),
                 took,
                 cpu: capture_cpu + meter.total(),
             };
             state.pending.set_state_attempt(
-                &run.config.name,
+                name,
                 next_clock(Instant::now(), &cost, run.config.persist_every_secs),
             );
             state
                 .metrics
                 .state_write_seconds
-                .with_label_values(&[run.config.name.as_str()])
+                .with_label_values(&[name])
                 .set(took.as_secs_f64());
+            state
+                .metrics
+                .state_write_held_bytes
+                .with_label_values(&[name])
+                .set(held as i64);
             Ok(Some(id))
         }
         Ok(Finished::Failed(reason)) => Err(SnapshotError::WriteFailed(reason)),
         Err(_) => Err(SnapshotError::WriteFailed(
             "state snapshot abandoned".into(),
         )),
+    }
+}
+
+/// Copies the ranks of state snapshot `id` one after the other and hands
+/// each to the writer, within the backlog share `room` (one rank always
+/// allowed): a rank is copied once the copies still being written leave
+/// room for it. Returns the CPU time the copies took and the most bytes
+/// of copies held at once; an error when a rank cannot be copied or
+/// changed hands (the caller fails the snapshot with it).
+async fn copy_and_write(
+    state: &Snaps,
+    run: &RunHandle,
+    id: &str,
+    ranks: &[u32],
+    epochs: &BTreeMap<u32, u64>,
+    room: &tokio::sync::OwnedSemaphorePermit,
+) -> Result<(Duration, u64), SnapshotError> {
+    let name = run.config.name.as_str();
+    let whole = room.num_permits() as u32;
+    let window = Arc::new(tokio::sync::Semaphore::new(whole as usize));
+    let held = Arc::new(HeldBytes::default());
+    let mut cpu = Duration::ZERO;
+    for &rank in ranks {
+        let bytes = run.rank_resident_bytes(rank);
+        let share = (backlog_permits(bytes) as u32).min(whole);
+        let permit = window
+            .clone()
+            .acquire_many_owned(share)
+            .await
+            .map_err(|e| SnapshotError::Internal(e.to_string()))?;
+        if !state.pending.is_pending(id) {
+            // Failed meanwhile (a write error, the run deleted): its
+            // waiters already know why.
+            return Ok((cpu, held.peak()));
+        }
+        let before = process_cpu();
+        let captured = run.engines.capture_rank_state(name, id, rank).await;
+        cpu += process_cpu().saturating_sub(before);
+        let Some(capture) = captured? else {
+            return Err(SnapshotError::WriteFailed(format!(
+                "rank {rank} holds no data on this node any more"
+            )));
+        };
+        // The fence is read with no await since the copy: a rank that
+        // changed hands meanwhile is written under neither epoch.
+        let fence = fence_of(state, &capture);
+        if epochs.get(&rank) != Some(&fence.epoch) {
+            return Err(changed_hands(name, rank));
+        }
+        let copy = capture_bytes(&capture);
+        held.add(copy);
+        let release = HeldCopy {
+            held: held.clone(),
+            bytes: copy,
+            _permit: permit,
+        };
+        write_capture_holding(state.clone(), capture, fence, release);
+    }
+    Ok((cpu, held.peak()))
+}
+
+fn changed_hands(run: &str, rank: u32) -> SnapshotError {
+    SnapshotError::LeaseLost(format!(
+        "rank {rank} of run `{run}` changed hands while its state was captured"
+    ))
+}
+
+/// Bytes of copies a state write holds now, and the most it held.
+#[derive(Default)]
+struct HeldBytes {
+    now: std::sync::atomic::AtomicU64,
+    peak: std::sync::atomic::AtomicU64,
+}
+
+impl HeldBytes {
+    fn add(&self, bytes: u64) {
+        use std::sync::atomic::Ordering::AcqRel;
+        let now = self.now.fetch_add(bytes, AcqRel) + bytes;
+        self.peak.fetch_max(now, AcqRel);
+    }
+
+    fn peak(&self) -> u64 {
+        self.peak.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// One rank's copy in flight: its bytes and its share of the write's
+/// backlog, given back once the writer is done with it (written or not).
+struct HeldCopy {
+    held: Arc<HeldBytes>,
+    bytes: u64,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for HeldCopy {
+    fn drop(&mut self) {
+        self.held
+            .now
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
     }
 }
 
@@ -174,34 +286,12 @@ fn check_lease(state: &Snaps, run: &RunHandle) -> Result<(), SnapshotError> {
     }
 }
 
-/// Each part's fencing token, read with no await since the capture: a
-/// rank that changed hands meanwhile (a sync let it go, or took it again
-/// in a later epoch) is written under neither epoch.
-fn fences_of(
-    state: &Snaps,
-    run: &RunHandle,
-    captures: &[RankCapture],
-    epochs: &BTreeMap<u32, u64>,
-) -> Result<Vec<Fence>, SnapshotError> {
-    let fences: Vec<Fence> = captures.iter().map(|c| fence_of(state, c)).collect();
-    if let Some(c) = captures
-        .iter()
-        .zip(&fences)
-        .find(|(c, f)| epochs.get(&c.rank) != Some(&f.epoch))
-        .map(|(c, _)| c)
-    {
-        return Err(SnapshotError::LeaseLost(format!(
-            "rank {} of run `{}` changed hands while its state was captured",
-            c.rank, run.config.name
-        )));
-    }
-    Ok(fences)
-}
-
 /// The catalog row of a state snapshot: at its newest rank's step, with
-/// every rank's step in its detail.
-fn state_row(run: &RunHandle, id: &str, captures: &[RankCapture]) -> SnapshotRow {
-    let step = captures.iter().map(|c| c.step).max().unwrap_or(0);
+/// every rank's step in its detail (as they were when it was recorded; the
+/// catalog sets the steps its parts were written at when it completes).
+fn state_row(run: &RunHandle, id: &str, ranks: &[u32], steps: &[Option<u64>]) -> SnapshotRow {
+    let step_of = |r: u32| steps.get(r as usize).copied().flatten().unwrap_or(0);
+    let step = ranks.iter().map(|&r| step_of(r)).max().unwrap_or(0);
     let profiles = run
         .config
         .profiles
@@ -210,7 +300,7 @@ fn state_row(run: &RunHandle, id: &str, captures: &[RankCapture]) -> SnapshotRow
         .collect();
     SnapshotRow {
         detail: serde_json::json!({
-            "rank_steps": captures.iter().map(|c| (c.rank.to_string(), c.step)).collect::<BTreeMap<_, _>>()
+            "rank_steps": ranks.iter().map(|&r| (r.to_string(), step_of(r))).collect::<BTreeMap<_, _>>()
         }),
         ..SnapshotRow::pending(id, &run.config.name, step, SnapshotKind::State, profiles)
     }
