@@ -215,32 +215,8 @@ pub async fn list_alerts(
     caller.require_read(&run)?;
     let mut alerts = state.alerts().alerts.list(&name);
     let peers = peers_to_ask(&state, &headers).await?;
-    let path = format!("/v1/runs/{name}/alerts");
-    let asks = peers.iter().map(|(node, url)| {
-        let req = to_peer(reqwest::Method::GET, &format!("{url}{path}"), &headers);
-        async move {
-            let listed = match req.send().await {
-                // A node that does not know the run yet has no alerts of it.
-                Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => Ok(Vec::new()),
-                Ok(r) => match r.error_for_status() {
-                    Ok(r) => r.json::<PeerAlerts>().await.map(|l| l.alerts),
-                    Err(e) => Err(e),
-                },
-                Err(e) => Err(e),
-            };
-            (node, listed)
-        }
-    });
-    let mut unreachable = Vec::new();
-    for (node, listed) in futures::future::join_all(asks).await {
-        match listed {
-            Ok(theirs) => alerts.extend(theirs),
-            Err(e) => {
-                tracing::warn!(peer = %node, error = %e, "a node's alerts could not be read");
-                unreachable.push(node.clone());
-            }
-        }
-    }
+    let (theirs, unreachable) = peer_alerts(&name, &peers, &headers).await;
+    alerts.extend(theirs);
     alerts.sort_by_key(|a| std::cmp::Reverse((a.fired_at_ms, a.id)));
     let rules = run.meta.lock().expect("meta lock").alerts.clone();
     Ok(Json(AlertList {
@@ -254,6 +230,72 @@ pub async fn list_alerts(
         unreachable,
     }))
 }
+
+/// The alerts of run `name` on each of `peers`, and the nodes that could
+/// not be read.
+async fn peer_alerts(
+    name: &str,
+    peers: &[(String, String)],
+    headers: &HeaderMap,
+) -> (Vec<Alert>, Vec<String>) {
+    let path = format!("/v1/runs/{name}/alerts");
+    let asks = peers.iter().map(|(node, url)| {
+        let req = to_peer(reqwest::Method::GET, &format!("{url}{path}"), headers);
+        async move {
+            let listed = match req.send().await {
+                // A node that does not know the run yet has no alerts of it.
+                Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => Ok(Vec::new()),
+                Ok(r) => match r.error_for_status() {
+                    Ok(r) => r.json::<PeerAlerts>().await.map(|l| l.alerts),
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            (node, listed)
+        }
+    });
+    let mut alerts = Vec::new();
+    let mut unreachable = Vec::new();
+    for (node, listed) in futures::future::join_all(asks).await {
+        match listed {
+            Ok(theirs) => alerts.extend(theirs),
+            Err(e) => {
+                tracing::warn!(peer = %node, error = %e, "a node's alerts could not be read");
+                unreachable.push(node.clone());
+            }
+        }
+    }
+    (alerts, unreachable)
+}
+
+/// Whether another node of the service holds a `steps_lost` alert of run
+/// `name` that is firing and not acknowledged (the node that took a rank
+/// over fires it; any node's view of the run is `degraded` until someone
+/// acknowledged it). Asked within [`LOSSES_ELSEWHERE_WITHIN`] (a catalog
+/// or a node that does not answer by then counts as none: the run's view
+/// is never held up by them).
+pub(super) async fn losses_elsewhere(state: &AppState, name: &str, headers: &HeaderMap) -> bool {
+    let ask = async {
+        let Ok(peers) = peers_to_ask(state, headers).await else {
+            return false;
+        };
+        if peers.is_empty() {
+            return false;
+        }
+        let (alerts, _) = peer_alerts(name, &peers, headers).await;
+        alerts.iter().any(|a| {
+            a.kind == crate::contract::AlertKind::StepsLost
+                && a.state == crate::contract::AlertState::Firing
+                && !a.acknowledged
+        })
+    };
+    tokio::time::timeout(LOSSES_ELSEWHERE_WITHIN, ask)
+        .await
+        .unwrap_or(false)
+}
+
+/// How long a run's view waits for the other nodes' `steps_lost` alerts.
+const LOSSES_ELSEWHERE_WITHIN: Duration = Duration::from_secs(1);
 
 /// What this server reads of another node's alert list.
 #[derive(Deserialize)]

@@ -260,10 +260,20 @@ pub async fn get_run(
     State(state): State<AppState>,
     caller: Caller,
     Path(name): Path<String>,
+    headers: axum::http::HeaderMap,
 ) -> Result<Json<RunView>, ApiError> {
     let run = run_named(&state, &name)?;
     caller.require_read(&run)?;
-    Ok(Json(run_view(&run, true)))
+    let mut view = run_view(&run, true);
+    // A loss another node reported (it took a rank over) shows here too.
+    if matches!(
+        view.health,
+        RunHealth::Healthy | RunHealth::Waiting | RunHealth::Idle
+    ) && super::insight::losses_elsewhere(&state, &name, &headers).await
+    {
+        view.health = RunHealth::Degraded;
+    }
+    Ok(Json(view))
 }
 
 /// Delete a run: its EMA is freed, its catalog rows and its files on disk

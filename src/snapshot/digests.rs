@@ -36,6 +36,9 @@ struct Known {
 #[derive(Debug, Default)]
 pub struct DigestCache {
     inner: Mutex<Files>,
+    /// Per ETag being computed: its turn, so the digests of one file are
+    /// produced by one computation at a time (see [`Self::turn`]).
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 #[derive(Debug, Default)]
@@ -78,6 +81,24 @@ impl DigestCache {
         if known.len == len && i < known.crc.len() {
             known.crc[i] = Some(crc);
         }
+    }
+
+    /// The turn to compute the missing digests of `etag`: held until the
+    /// computation ends (even when the request that started it is gone:
+    /// the caller moves it to the blocking thread), so requests for the
+    /// same file one after the other, or a client's retry, wait for it and
+    /// then find what it recorded instead of reading the file again beside
+    /// it.
+    pub async fn turn(&self, etag: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut turns = self.turns.lock().expect("digest turns lock");
+            if turns.len() >= KEPT_FILES {
+                // Those nobody holds or waits for (the map owns them alone).
+                turns.retain(|_, t| Arc::strong_count(t) > 1);
+            }
+            turns.entry(etag.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
     }
 
     /// What is known of `etag` (a `len`-byte file): each block's CRC-32,
@@ -200,6 +221,21 @@ mod tests {
         assert!(missing_ranges(&want, len).is_empty());
         // Another length under the same tag is another file: nothing known.
         assert_eq!(cache.known("e", len + 1), vec![None; 3]);
+    }
+
+    /// One computation per file at a time: a second turn at the same ETag
+    /// waits for the first to end, one at another file does not.
+    #[tokio::test]
+    async fn a_files_digests_are_computed_by_one_at_a_time() {
+        let cache = DigestCache::default();
+        let first = cache.turn("a").await;
+        let other = tokio::time::timeout(std::time::Duration::from_secs(1), cache.turn("b")).await;
+        assert!(other.is_ok(), "another file's turn does not wait");
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), cache.turn("a"));
+        assert!(waiting.await.is_err(), "the same file's turn waits");
+        drop(first);
+        let again = tokio::time::timeout(std::time::Duration::from_secs(1), cache.turn("a")).await;
+        assert!(again.is_ok(), "and gets it once the first ended");
     }
 
     #[test]

@@ -149,7 +149,9 @@ class TcpProxy:
     flips one bit at that byte of the answers of the next
     :attr:`garble_left` connections (counted from each connection's first
     byte from the target: bytes damaged on the way); :attr:`garbled`
-    counts them."""
+    counts them. Setting :attr:`cut_partial_bodies` ends every connection
+    whose first answer is a ``206`` right after its headers (a body cut
+    before its first byte); :attr:`bodies_cut` counts them."""
 
     def __init__(self, target: tuple[str, int], listen: str = "127.0.0.1") -> None:
         self.target = target
@@ -165,6 +167,8 @@ class TcpProxy:
         self.garble_at: int | None = None
         self.garble_left = 0
         self.garbled = 0
+        self.cut_partial_bodies = False
+        self.bodies_cut = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -196,6 +200,13 @@ class TcpProxy:
                     self.lose_next.clear()
                     self.lost += 1
                     break
+                if answers and seen == 0 and self.cut_partial_bodies:
+                    head = data.find(b"\r\n\r\n")
+                    if data.startswith(b"HTTP/1.1 206") and head >= 0:
+                        dst.sendall(data[: head + 4])
+                        with self._lock:
+                            self.bodies_cut += 1
+                        break
                 if answers and seen == 0:
                     with self._lock:
                         if self.garble_at is not None and self.garble_left > 0:

@@ -300,6 +300,7 @@ class Ranged:
                 break
             empty = empty + 1 if got == 0 else 0
             if empty >= PIECE_ATTEMPTS:
+                self.why_cut()
                 raise PolyakError(
                     f"{self.what}: bytes {at}-{end - 1} could not be fetched "
                     f"({PIECE_ATTEMPTS} attempts brought nothing)",
@@ -364,6 +365,20 @@ class Ranged:
             raise
         if failures:
             raise failures[0]
+
+    def why_cut(self) -> None:
+        """Raises ``snapshot_corrupt`` when answers keep breaking before
+        their first byte because a stored block fails its check: the
+        server checks an answer's first blocks before it answers, and can
+        only break one whose later block fails (an answer may break before
+        any byte left it). Its digests read every block no answer carried
+        through the same checks and refuse, naming the part; anything else
+        they answer leaves the caller's own error."""
+        try:
+            self.digests()
+        except PolyakError as e:
+            if e.code == "snapshot_corrupt":
+                raise
 
     def digests(self) -> dict[str, Any]:
         """What the server states of the file it serves (``crc32`` per

@@ -188,6 +188,8 @@ def test_a_killed_nodes_ranks_are_taken_over(
             ).json()
             mine = [e for e in events if e["rank"] == lost_rank]
             assert [e["detail"]["lost_steps"] for e in mine] == [None, failover["lost_steps"]]
+            if failover["lost_steps"]:
+                _loss_said_on_every_node(run_name, (a, c), taken["url"])
             text = httpx.get(f"{taken['url']}/metrics", timeout=10).text
             got = re.search(
                 rf'^polyak_failover_steps_lost_total{{run="{run_name}"}} (\d+)', text, re.M
@@ -251,3 +253,27 @@ def test_a_killed_nodes_ranks_are_taken_over(
     finally:
         for node in (a, b, c):
             node.stop()
+
+
+def _loss_said_on_every_node(run_name: str, nodes, taker_url: str) -> None:
+    """The node that took the rank over fires `steps_lost`; every live
+    node's view of the run says `degraded` until someone acknowledges it,
+    on any node, and then none does."""
+
+    def health(node) -> str:
+        return httpx.get(f"{node.url}/v1/runs/{run_name}", timeout=10).json()["health"]
+
+    def losses() -> list[dict]:
+        listed = httpx.get(f"{nodes[0].url}/v1/runs/{run_name}/alerts", timeout=10).json()
+        return [x for x in listed["alerts"] if x["kind"] == "steps_lost"]
+
+    alerts = wait_for(losses, 30, "the steps_lost alert")
+    assert len(alerts) == 1 and alerts[0]["state"] == "firing", alerts
+    for node in nodes:
+        assert health(node) == "degraded", (node.url, health(node))
+    # Acknowledged on a node that did not fire it.
+    other = next((n for n in nodes if n.url.rstrip("/") != taker_url.rstrip("/")), nodes[0])
+    r = httpx.post(f"{other.url}/v1/runs/{run_name}/alerts/{alerts[0]['id']}/ack", timeout=10)
+    assert r.status_code == 200, r.text
+    for node in nodes:
+        wait_for(lambda node=node: health(node) != "degraded", 10, f"{node.url} to say it")

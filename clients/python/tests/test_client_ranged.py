@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import tarfile
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -204,3 +207,80 @@ def test_a_corrupt_stored_part_raises_and_leaves_no_complete_file(
     with pytest.raises(PolyakError) as err:
         run.download(snap, "c", progress=False)
     assert err.value.code == "snapshot_corrupt"
+
+
+def test_answers_cut_before_their_first_byte_name_the_corrupt_part(
+    server, client, run_name, tmp_path, backends, backend
+):
+    """A stored block past the first ones an answer checks fails: the
+    server can only break the answer, and one may break before any byte
+    left it (here a proxy ends every 206 right after its headers). The
+    client then asks the digests, which read the block through the same
+    checks: ``snapshot_corrupt`` naming the part, not a bare
+    ``incomplete_download``; with every part intact, the latter."""
+    intact_run, intact = _snapshot(client, f"{run_name}-intact")
+    run, snap = _snapshot(client, run_name)
+    host, port = server.url.removeprefix("http://").split(":")
+    proxy = TcpProxy((host, int(port)))
+    try:
+        proxy.cut_partial_bodies = True
+        via = polyak.Run(polyak.Client(f"http://127.0.0.1:{proxy.port}"), intact_run.info)
+        with pytest.raises(PolyakError) as err:
+            via.download_to(intact, tmp_path / "intact", "c", progress=False, connections=1)
+        assert err.value.code == "incomplete_download", err.value
+        via = polyak.Run(polyak.Client(f"http://127.0.0.1:{proxy.port}"), run.info)
+        (f,) = [f for f in run.get_snapshot(snap).files if f.part == "c"]
+        view = StoreView(server, backends.s3() if backend.endswith("-s3") else None)
+        bad = bytearray(view.read(f.path))
+        bad[len(bad) * 2 // 3] ^= 0x04
+        view.write(f.path, bytes(bad))
+        cut = proxy.bodies_cut
+        with pytest.raises(PolyakError) as err:
+            via.download_to(snap, tmp_path / "corrupt", "c", progress=False, connections=1)
+        assert proxy.bodies_cut > cut
+        assert err.value.code == "snapshot_corrupt", err.value
+        assert Path(f.path).name in str(err.value) or f.path in str(err.value), err.value
+    finally:
+        proxy.close()
+
+
+def _store_read_bytes(server) -> int:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return int(re.search(r"^polyak_store_read_bytes_total (\d+)", text, re.M).group(1))
+
+
+def test_digests_asked_at_once_read_the_file_once(server, client, run_name):
+    """Digests no response carried are produced from the store, one
+    computation per file at a time: requests that arrive together (or a
+    client's retry while the first still runs) wait for it and find what it
+    recorded, instead of each reading the whole file again."""
+    run, snap = _snapshot(client, run_name, mib=96)
+    url = f"{server.url}/v1/runs/{run.name}/snapshots/{snap['id']}/download/digests"
+    # What the server reads of its own accord after a write settles first.
+    before = _store_read_bytes(server)
+    while True:
+        time.sleep(0.5)
+        now, before = before, _store_read_bytes(server)
+        if now == before:
+            break
+    start = threading.Barrier(4)
+    answers: list[httpx.Response] = []
+
+    def ask() -> None:
+        start.wait()
+        answers.append(httpx.get(url, params={"profile": "c"}, timeout=120))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    stated = {tuple(a.json()["crc32"]) for a in answers}
+    assert len(stated) == 1, "every request states the same digests"
+    size = answers[0].json()["bytes"]
+    read = _store_read_bytes(server) - before
+    assert read < 1.5 * size, f"{read} bytes read from the store for a {size}-byte file"
+    plain = _plain(server, run, snap).content
+    want = [zlib.crc32(plain[i : i + BLOCK]) for i in range(0, len(plain), BLOCK)]
+    assert list(stated.pop()) == want

@@ -391,16 +391,23 @@ pub async fn open(
 /// The digests a download states for the file `dl` serves: the CRC-32 of
 /// each [`DIGEST_BLOCK`](crate::snapshot::digests::DIGEST_BLOCK), in order. Blocks no response of this node carried
 /// whole yet are produced again through the verified reader (only those:
-/// a download fetched on block boundaries costs nothing more); a stored
-/// block that does not match is reported and answered `snapshot_corrupt`.
+/// a download fetched on block boundaries costs nothing more), by one
+/// computation per file at a time; a stored block that does not match is
+/// reported and answered `snapshot_corrupt`.
 pub async fn digests(snaps: &Snaps, dl: &Prepared) -> Result<Vec<u32>, ServiceError> {
     let len = dl.file.len();
-    let known = snaps.digests.known(&dl.etag, len);
-    let missing = missing_ranges(&known, len);
-    if !missing.is_empty() {
+    let missing = || missing_ranges(&snaps.digests.known(&dl.etag, len), len);
+    if !missing().is_empty() {
+        // One computation per file at a time: a request that waited for
+        // another's finds what it recorded.
+        let turn = snaps.digests.turn(&dl.etag).await;
+        let missing = missing();
         let (file, cache, etag) = (dl.file.clone(), snaps.digests.clone(), dl.etag.clone());
         let (events, metrics) = (snaps.events.clone(), snaps.metrics.clone());
         tokio::task::spawn_blocking(move || {
+            // Held until the blocks are recorded, whether or not the
+            // request is still there to read them.
+            let _turn = turn;
             let etag: Arc<str> = Arc::from(etag);
             for range in missing {
                 file.check_sizes(range.clone())?;
