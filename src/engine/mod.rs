@@ -164,8 +164,8 @@ pub struct StatePlan {
     pub mark: u64,
     /// Some of those are not persisted yet.
     pub dirty: bool,
-    /// The ranks holding data, in order.
-    pub ranks: Vec<u32>,
+    /// The ranks holding data, in order, each with its last step then.
+    pub ranks: Vec<(u32, u64)>,
 }
 
 /// How scheduling a cut went.
@@ -500,7 +500,8 @@ impl Engine {
 
     /// What a crash-recovery `state` snapshot of `run` covers, before
     /// anything is copied: the mark of the pushes applied so far, whether
-    /// any of them is not persisted yet, and the ranks holding data. The
+    /// any of them is not persisted yet, and the ranks holding data with
+    /// their steps (what the snapshot's row says until it completes). The
     /// writer then copies one rank at a time ([`Self::capture_rank_state`]),
     /// so its copies never hold more than the ranks it is writing. Pushes
     /// applied after the mark stay dirty, whichever rank they reached: the
@@ -518,8 +519,7 @@ impl Engine {
                 .ranks
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.is_some())
-                .map(|(rank, _)| rank as u32)
+                .filter_map(|(rank, s)| s.as_ref().map(|s| (rank as u32, s.last_step.unwrap_or(0))))
                 .collect(),
         })
     }

@@ -273,7 +273,6 @@ impl RunShared {
         }
     }
 
-    /// Periodic cuts opened after a restore start past `step`.
     /// Whether a periodic cut was opened (not skipped) at `step`, among
     /// the ones remembered.
     pub fn opened_cut(&self, step: u64) -> bool {
@@ -298,6 +297,7 @@ impl RunShared {
         listed
     }
 
+    /// Periodic cuts opened after a restore start past `step`.
     pub fn reset_periodic(&self, step: Option<u64>) {
         let mut inner = self.lock();
         inner.decided = step;

@@ -20,8 +20,8 @@ use super::{CutScheduled, EmaExport, EngineError, EngineHandle};
 pub struct RunStatePlan {
     /// Per engine: the mark of the pushes it had applied.
     pub covered: Vec<u64>,
-    /// The ranks holding data, in order.
-    pub ranks: Vec<u32>,
+    /// The ranks holding data, in order, each with its last step then.
+    pub ranks: Vec<(u32, u64)>,
 }
 
 /// The engines of one run on this node, and which holds each rank (ranks

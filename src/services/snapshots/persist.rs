@@ -96,22 +96,21 @@ async fn persist_held(
     if plan.ranks.is_empty() {
         return Ok(None);
     }
-    if let Some(rank) = plan.ranks.iter().find(|r| !epochs.contains_key(r)) {
+    if let Some((rank, _)) = plan.ranks.iter().find(|(r, _)| !epochs.contains_key(r)) {
         return Err(changed_hands(name, *rank));
     }
     let id = snapshot_id(SnapshotKind::State, 0);
     let meter = WriteCpu::start(state, &id);
-    let steps = run.engines.rank_steps(name).await?;
     state
         .store
-        .insert_snapshot(&state_row(run, &id, &plan.ranks, &steps))
+        .insert_snapshot(&state_row(run, &id, &plan.ranks))
         .await?;
     state.pending.register(
         &id,
         name,
         SnapshotKind::State,
         (
-            plan.ranks.iter().copied().collect(),
+            plan.ranks.iter().map(|&(rank, _)| rank).collect(),
             plan.ranks.len() as u32,
         ),
         None,
@@ -180,7 +179,7 @@ async fn copy_and_write(
     state: &Snaps,
     run: &RunHandle,
     id: &str,
-    ranks: &[u32],
+    ranks: &[(u32, u64)],
     epochs: &BTreeMap<u32, u64>,
     room: &tokio::sync::OwnedSemaphorePermit,
 ) -> Result<(Duration, u64), SnapshotError> {
@@ -189,7 +188,7 @@ async fn copy_and_write(
     let window = Arc::new(tokio::sync::Semaphore::new(whole as usize));
     let held = Arc::new(HeldBytes::default());
     let mut cpu = Duration::ZERO;
-    for &rank in ranks {
+    for &(rank, _) in ranks {
         let bytes = run.rank_resident_bytes(rank);
         let share = (backlog_permits(bytes) as u32).min(whole);
         let permit = window
@@ -287,11 +286,10 @@ fn check_lease(state: &Snaps, run: &RunHandle) -> Result<(), SnapshotError> {
 }
 
 /// The catalog row of a state snapshot: at its newest rank's step, with
-/// every rank's step in its detail (as they were when it was recorded; the
-/// catalog sets the steps its parts were written at when it completes).
-fn state_row(run: &RunHandle, id: &str, ranks: &[u32], steps: &[Option<u64>]) -> SnapshotRow {
-    let step_of = |r: u32| steps.get(r as usize).copied().flatten().unwrap_or(0);
-    let step = ranks.iter().map(|&r| step_of(r)).max().unwrap_or(0);
+/// every rank's step in its detail (as the plan found them; the catalog
+/// sets the steps its parts were written at when it completes).
+fn state_row(run: &RunHandle, id: &str, ranks: &[(u32, u64)]) -> SnapshotRow {
+    let step = ranks.iter().map(|&(_, step)| step).max().unwrap_or(0);
     let profiles = run
         .config
         .profiles
@@ -300,7 +298,7 @@ fn state_row(run: &RunHandle, id: &str, ranks: &[u32], steps: &[Option<u64>]) ->
         .collect();
     SnapshotRow {
         detail: serde_json::json!({
-            "rank_steps": ranks.iter().map(|&r| (r.to_string(), step_of(r))).collect::<BTreeMap<_, _>>()
+            "rank_steps": ranks.iter().map(|&(r, step)| (r.to_string(), step)).collect::<BTreeMap<_, _>>()
         }),
         ..SnapshotRow::pending(id, &run.config.name, step, SnapshotKind::State, profiles)
     }
